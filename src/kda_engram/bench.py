@@ -1,0 +1,111 @@
+"""``kda-engram bench``: the benchmarks under ``benchmarks/`` behind one command.
+
+Each benchmark module there exposes ``run(cases=None, peers=True[, quick=False])``
+returning rows ``{case, ours_ms, peer_ms, ratio, hbm_floor_ms, floor_fraction,
+...}`` measured side by side in this process. This module prints them as one
+table, writes JSON and a plot of the ratios. The modules live in the source
+checkout (``benchmarks/``), beside ``src/``: the README's editable install finds them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import math
+from pathlib import Path
+
+BENCHMARKS = {
+    "kda-prefill": "bench_kda_prefill",
+    "kda-decode": "bench_kda_decode",
+    "engram": "bench_engram_gate",
+}
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    path = BENCH_DIR / f"{BENCHMARKS[name]}.py"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"benchmark {name!r}: {path} not found; the benchmarks run from a source checkout "
+            "(pip install -e . in the repository)"
+        )
+    spec = importlib.util.spec_from_file_location(f"kda_engram_benchmarks.{BENCHMARKS[name]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fmt(x, spec=".3f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'benchmark':<12} {'case':<26} {'ours ms':>9} {'peer ms':>9} {'peer':<16} {'ratio':>6} {'floor ms':>9} {'of floor':>8}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.get('benchmark', ''):<12} {r['case']:<26} {_fmt(r.get('ours_ms')):>9} {_fmt(r.get('peer_ms')):>9} "
+            f"{str(r.get('peer') or '-'):<16} {_fmt(r.get('ratio'), '.2f'):>6} {_fmt(r.get('hbm_floor_ms')):>9} "
+            f"{_fmt(r.get('floor_fraction'), '.0%'):>8}"
+        )
+
+
+def plot_ratios(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("ratio") is not None]
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows) + 2), 4))
+    labels = [f"{r.get('benchmark', '')}\n{r['case']}" for r in rows]
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color="#3b7dd8")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("speed-up over peer (peer ms / ours ms)")
+    ax.set_title("kda-engram vs peers (higher is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = None, plot_path: str | None = None, quick: bool = False) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kda-engram bench needs a GPU: the timings are only meaningful on one")
+        return 2
+    names = list(BENCHMARKS) if what == "all" else [what]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra is optional; run without a bar
+        tqdm = None
+    rows: list[dict] = []
+    failed = False
+    progress = tqdm(names, desc="benchmarks", unit="bench") if tqdm else names
+    for name in progress:
+        try:
+            module = load_benchmark(name)
+            kwargs = {"peers": vs != "none"}
+            if "quick" in inspect.signature(module.run).parameters:
+                kwargs["quick"] = quick
+            got = module.run(**kwargs)
+        except Exception as exc:  # report and go on with the other benchmarks
+            print(f"benchmark {name} failed: {type(exc).__name__}: {exc}")
+            failed = True
+            continue
+        for row in got:
+            row.setdefault("benchmark", name)
+        rows.extend(got)
+    print_table(rows)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2, default=str))
+        print(f"wrote {json_path}")
+    if plot_path and rows:
+        plot_ratios(rows, plot_path)
+        print(f"wrote {plot_path}")
+    return 1 if failed else 0

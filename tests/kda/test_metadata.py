@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+from kda_engram.kda.metadata import max_chunks, prepare_chunk_indices, prepare_chunk_offsets
+
+
+def host_chunk_indices(lengths, C=64):
+    rows = [(n, c) for n, l in enumerate(lengths) for c in range(-(-l // C))]
+    bound = sum(lengths) // C + len(lengths)
+    return rows + [(-1, -1)] * (bound - len(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    "lengths",
+    [[], [0], [0, 0], [1], [64], [65], [0, 5, 0, 0, 130, 0], [63, 64, 65, 0, 1, 1000], [128] * 5],
+)
+def test_indices_and_offsets(lengths, dtype):
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(dtype)
+    T = int(cu[-1])
+    idx = prepare_chunk_indices(cu, total_tokens=T)
+    assert idx.dtype == torch.int32 and idx.shape == (max_chunks(T, len(lengths)), 2)
+    assert idx.tolist() == [list(r) for r in host_chunk_indices(lengths)]
+    assert prepare_chunk_indices(cu).tolist() == idx.tolist()  # T read from cu_seqlens
+    off = prepare_chunk_offsets(cu)
+    assert off.dtype == torch.int32
+    counts = [-(-l // 64) for l in lengths]
+    assert off.tolist() == [sum(counts[:i]) for i in range(len(lengths) + 1)]
+
+
+def test_zero_length_sequences_keep_later_ids():
+    cu = torch.tensor([0, 0, 0, 70])
+    idx = prepare_chunk_indices(cu, total_tokens=70)
+    assert idx[:2].tolist() == [[2, 0], [2, 1]]
+
+
+def test_other_chunk_size():
+    cu = torch.tensor([0, 17, 17, 50])
+    assert prepare_chunk_indices(cu, 16)[:5].tolist() == [[0, 0], [0, 1], [2, 0], [2, 1], [2, 2]]
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([[0, 1]]), torch.tensor([0.0, 1.0]), [0, 1], torch.zeros(0, dtype=torch.int32)])
+def test_bad_cu_seqlens(bad):
+    with pytest.raises((TypeError, ValueError), match="cu_seqlens"):
+        prepare_chunk_offsets(bad)
