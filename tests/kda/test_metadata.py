@@ -43,3 +43,29 @@ def test_other_chunk_size():
 def test_bad_cu_seqlens(bad):
     with pytest.raises((TypeError, ValueError), match="cu_seqlens"):
         prepare_chunk_offsets(bad)
+
+
+@pytest.mark.gpu
+def test_no_host_sync_and_graph_capture(gpu):
+    lengths, new_lengths = [0, 100, 1, 155], [64, 0, 127, 65]
+    cu = torch.tensor([0] + lengths, device=gpu).cumsum(0).to(torch.int32)
+    T = sum(lengths)
+    torch.cuda.set_sync_debug_mode("error")  # any device->host sync raises
+    try:
+        prepare_chunk_indices(cu, total_tokens=T)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prepare_chunk_indices(cu, total_tokens=T)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = prepare_chunk_indices(cu, total_tokens=T)
+        off = prepare_chunk_offsets(cu)
+    cu.copy_(torch.tensor([0] + new_lengths, device=gpu).cumsum(0).to(torch.int32))
+    graph.replay()
+    assert idx.cpu().tolist() == [list(r) for r in host_chunk_indices(new_lengths)]
+    counts = [-(-l // 64) for l in new_lengths]
+    assert off.cpu().tolist() == [sum(counts[:i]) for i in range(len(new_lengths) + 1)]
