@@ -1,0 +1,414 @@
+"""KDA decode: one fused Triton launch per step on the paged recurrent-state cache.
+
+Two entry points share one kernel:
+
+* :func:`kda_decode` -- one token per sequence, ``q: [B, H, K]``. The state of
+  sequence ``b`` is read from and written back to row ``state_indices[b]`` of
+  ``state_cache`` in place.
+* :func:`kda_decode_multi` -- ``S`` tokens per sequence (speculative decoding),
+  ``q: [B, S, H, K]``. The walk starts from row ``initial_state_indices[b]`` and
+  the state after token ``s`` is written to row ``state_indices[b, s]``, so an
+  engine can roll back to the state after the last accepted draft token.
+
+Per head, with ``S`` the fp32 V-first state ``[V, K]`` (DESIGN.md)::
+
+    q̂ = q / sqrt(Σq² + 1e-6),  k̂ likewise,  β = sigmoid(raw_beta)
+    a  = -exp(A_log)·softplus(raw_g + dt_bias)           (lower_bound None)
+       = L·sigmoid(exp(A_log)·(raw_g + dt_bias))          (lower_bound L)
+    S' = S·diag(exp a);  δ = β (v − S' k̂);  S = S' + δ k̂ᵀ;  o = scale · S q̂
+
+Machine fit. Decode moves the fp32 state (64 KiB per head at K = V = 128) in and
+out of HBM once per step and does ~6 flops per state element, so it is purely
+memory-bound: the goal is the HBM floor. Each program owns ``BLOCK_V`` rows of the
+state of one (sequence, head) and all ``K`` columns, i.e. one contiguous
+``BLOCK_V·K·4``-byte block of the V-first row (16 KiB at ``BLOCK_V = 32``). It
+loads that block once, runs the step(s) in registers and stores it once (per
+token for the multi-token variant). The cheap 128-wide work (L2 norms, gate, β)
+is recomputed by each of the ``V / BLOCK_V`` programs of a head instead of being
+staged through memory; those reads hit L2. The output uses
+``S q̂ = S' q̂ + δ (k̂·q̂)``, so both reductions over the tile (``S' k̂`` and
+``S' q̂``) come from the same decayed tile and the updated tile is never reduced
+again. Programs are numbered tile-fastest, then head, then sequence, so
+neighbouring programs stream neighbouring blocks of a state row.
+
+Portability: plain ``tl.load``/``tl.store``/``tl.sum`` and ``exp``/``log``/
+``sigmoid`` only (no inline PTX, no libdevice), no ``tl.dot``; the same code runs
+on NVIDIA Hopper, AMD CDNA3/4 and the Triton interpreter.
+
+Memory ownership. Inputs may be arbitrary strided views (e.g. column slices of one
+fused projection); the kernel takes every stride and never copies them. The
+state is read and written in place; rows that no index names are never touched,
+and a negative index names no row: it is neither read nor written. Nothing is
+allocated except ``out`` when the caller passes none (``torch.empty``: every
+element is written). With ``check_inputs=False`` the entry points make no host
+synchronisation and no host-side checks, so a call can be captured in a CUDA
+graph; the caller then guarantees what the checks would have verified (indices in
+range and free of duplicates -- an out-of-range index would write out of bounds,
+a duplicate would race).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..platform import num_compute_units
+from .reference import L2NORM_EPS
+
+__all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
+
+# Largest head dim whose fp32 [BLOCK_V, K] tile we keep in registers.
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _softplus(x):
+    # max(x, 0) + log(1 + exp(-|x|)): exact for large |x| of either sign and never
+    # overflows (no log1p: it is not in Triton's portable math).
+    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _kda_decode_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr,
+    state_ptr, init_idx_ptr, idx_ptr, o_ptr,
+    scale, lower_bound,
+    sq_b, sq_s, sq_h, sq_k,
+    sk_b, sk_s, sk_h, sk_k,
+    sv_b, sv_s, sv_h, sv_v,
+    sg_b, sg_s, sg_h, sg_k,
+    sb_b, sb_s, sb_h,
+    sa_h,
+    sd_h, sd_k,
+    ss_n, ss_h, ss_v, ss_k,
+    si_b,
+    sw_b, sw_s,
+    so_b, so_s, so_h, so_v,
+    S: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_LOWER_BOUND: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    """Grid: ``(B · H · V / BLOCK_V,)``, tile index fastest, then head, then sequence.
+
+    The program of (b, h, tile) reads its [BLOCK_V, K] block of row
+    ``init_idx[b]`` (nothing when negative: a padding sequence, whose outputs are
+    zero and whose state rows are never touched), runs tokens 0..S-1 and after
+    token s stores the block to row ``idx[b, s]`` when that is non-negative.
+    """
+    NUM_TILES: tl.constexpr = V // BLOCK_V
+    pid = tl.program_id(0)
+    tile = pid % NUM_TILES
+    h = (pid // NUM_TILES) % H
+    b = (pid // (NUM_TILES * H)).to(tl.int64)
+
+    offs_k = tl.arange(0, K)
+    offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    tile_in = (offs_v[:, None] < V) & (offs_k[None, :] < K)  # all true; gives the mask its shape
+    tile_offs = offs_v[:, None] * ss_v + offs_k[None, :] * ss_k
+
+    # Row numbers go to int64 before they meet the slot stride: slots * H * V * K
+    # passes 2^31 at a few thousand slots.
+    init_row = tl.load(init_idx_ptr + b * si_b).to(tl.int64)
+    live = init_row >= 0
+    state_h = state_ptr + h * ss_h
+    state = tl.load(
+        state_h + tl.where(live, init_row, 0) * ss_n + tile_offs,
+        mask=tile_in & live,
+        other=0.0,
+        eviction_policy="evict_first",
+    )
+
+    a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
+    bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
+
+    for s in range(S):
+        q = tl.load(q_ptr + b * sq_b + s * sq_s + h * sq_h + offs_k * sq_k).to(tl.float32)
+        k = tl.load(k_ptr + b * sk_b + s * sk_s + h * sk_h + offs_k * sk_k).to(tl.float32)
+        x = tl.load(g_ptr + b * sg_b + s * sg_s + h * sg_h + offs_k * sg_k).to(tl.float32) + bias
+        vv = tl.load(v_ptr + b * sv_b + s * sv_s + h * sv_h + offs_v * sv_v).to(tl.float32)
+        beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
+
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
+        if HAS_LOWER_BOUND:
+            a = lower_bound * tl.sigmoid(a_scale * x)
+        else:
+            a = -a_scale * _softplus(x)
+
+        state = state * tl.exp(a)[None, :]
+        pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]
+        sq = tl.sum(state * q[None, :], axis=1)  # S' q̂   [BLOCK_V]
+        delta = beta * (vv - pred)
+        state = state + delta[:, None] * k[None, :]
+        o = scale * (sq + delta * tl.sum(k * q, axis=0))
+        o = tl.where(live, o, 0.0)
+        tl.store(o_ptr + b * so_b + s * so_s + h * so_h + offs_v * so_v, o.to(o_ptr.dtype.element_ty))
+
+        out_row = tl.load(idx_ptr + b * sw_b + s * sw_s).to(tl.int64)
+        write = live & (out_row >= 0)
+        tl.store(
+            state_h + tl.where(write, out_row, 0) * ss_n + tile_offs,
+            state,
+            mask=tile_in & write,
+            eviction_policy="evict_first",
+        )
+
+
+def decode_tiling(batch: int, heads: int, v_dim: int, device: torch.device | str | None = None) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for a decode launch of ``batch · heads`` heads.
+
+    A 32-row tile of a 128-wide fp32 state is 16 KiB: with 4 warps each thread
+    keeps 32 state values (8 independent 16-byte loads in flight) at an occupancy
+    that leaves plenty of bytes in flight per SM/CU to cover HBM latency. When the
+    batch is so small that 32-row tiles would leave the GPU with fewer than about
+    four programs per compute unit, the tile shrinks to 16 rows (2 warps) to spread
+    the state over more programs. Any power-of-two ``BLOCK_V`` dividing ``V`` is
+    correct; this only picks speed.
+    """
+    block_v = min(32, v_dim)
+    target = 4 * num_compute_units(device)
+    while block_v > 16 and batch * heads * (v_dim // block_v) < target:
+        block_v //= 2
+    num_warps = 4 if block_v >= 32 else 2
+    return block_v, num_warps
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int, int]:
+    # [H, K] or flat [H*K]; a strided 1-D view is read through its stride, not reshaped.
+    if dt_bias.dim() == 2:
+        return dt_bias.stride(0), dt_bias.stride(1)
+    return k_dim * dt_bias.stride(0), dt_bias.stride(0)
+
+
+def _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead):
+    """Shape/dtype/device checks shared by both entry points; ``lead`` is ``[B]`` or ``[B, S]``."""
+    check_tensor("state_cache", state_cache, dtypes=(torch.float32,))
+    if state_cache.dim() != 4:
+        raise ValueError(f"state_cache: expected shape [slots, H, V, K], got {list(state_cache.shape)}")
+    dev = state_cache.device
+    _, H, V, K = state_cache.shape
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, device=dev)
+    if q.dim() != len(lead) + 2:
+        want = "[B, S, H, K]" if len(lead) == 2 else "[B, H, K]"
+        raise ValueError(f"q: expected shape {want}, got {list(q.shape)}")
+    lead = [q.shape[i] for i in range(len(lead))]
+    check_tensor("q", q, shape=[*lead, H, K])
+    check_tensor("k", k, shape=[*lead, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v", v, shape=[*lead, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(["q", "k", "v"], [q, k, v])
+    check_tensor("raw_g", raw_g, shape=[*lead, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[*lead, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if list(dt_bias.shape) not in ([H, K], [H * K]):
+        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    if not (_is_pow2(K) and _is_pow2(V) and 16 <= K <= MAX_HEAD_DIM and 16 <= V <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"state_cache: head dims K and V must be powers of two in [16, {MAX_HEAD_DIM}], got K={K}, V={V}"
+        )
+    if out is not None:
+        check_tensor("out", out, shape=[*lead, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound: expected a float or None, got {type(lower_bound).__name__}")
+        if not lower_bound <= 0.0:
+            raise ValueError(f"lower_bound: expected a non-positive log decay bound (e.g. -5.0), got {lower_bound}")
+
+
+def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
+            scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None):
+    """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
+    point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
+    B = q.shape[0]
+    _, H, V, K = state_cache.shape
+    if B == 0:
+        return out
+    if block_v is None or num_warps is None:
+        bv, nw = decode_tiling(B, H, V, state_cache.device)
+        block_v = bv if block_v is None else block_v
+        num_warps = nw if num_warps is None else num_warps
+    if not (_is_pow2(block_v) and V % block_v == 0):
+        raise ValueError(f"block_v: expected a power of two dividing V={V}, got {block_v}")
+    if scale is None:
+        scale = K ** -0.5
+
+    def s4(t):  # [B, S, H, X] strides of a [B, H, X] or [B, S, H, X] tensor
+        return t.stride() if t.dim() == 4 else (t.stride(0), 0, t.stride(1), t.stride(2))
+
+    def s3(t):  # raw_beta: [B, S, H] strides
+        return t.stride() if t.dim() == 3 else (t.stride(0), 0, t.stride(1))
+
+    sd_h, sd_k = _dt_bias_strides(dt_bias, H, K)
+    grid = (B * H * (V // block_v),)
+    _kda_decode_kernel[grid](
+        q, k, v, raw_g, raw_beta, A_log, dt_bias,
+        state_cache, init_idx, idx, out,
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0,
+        *s4(q), *s4(k), *s4(v), *s4(raw_g), *s3(raw_beta),
+        A_log.stride(0), sd_h, sd_k,
+        *state_cache.stride(),
+        init_stride, *idx_strides,
+        *s4(out),
+        S=steps, H=H, K=K, V=V, BLOCK_V=block_v,
+        HAS_LOWER_BOUND=lower_bound is not None,
+        EPS=L2NORM_EPS,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """One KDA decode step for a batch of sequences, state updated in place.
+
+    Args:
+        q, k: ``[B, H, K]`` raw (pre-L2-norm) query and key; bf16, fp16 or fp32.
+            Any strides (e.g. views into one fused projection); never copied.
+        v: ``[B, H, V]``, same dtype as ``q``.
+        raw_g: ``[B, H, K]`` raw gate (before ``dt_bias`` and the activation).
+        raw_beta: ``[B, H]`` raw beta (before the sigmoid).
+        A_log: ``[H]``; dt_bias: ``[H, K]`` or ``[H*K]``.
+        state_cache: fp32 ``[slots, H, V, K]`` (V-first), read and written in place.
+        state_indices: int32/int64 ``[B]``: the state of sequence ``b`` is row
+            ``state_indices[b]``. Negative = padding: that row is neither read nor
+            written and ``out[b]`` is zero. Rows no index names are never touched.
+        scale: output scale, default ``K ** -0.5``.
+        lower_bound: ``None`` for the softplus gate, ``L < 0`` for the bounded gate
+            ``a = L·sigmoid(exp(A_log)·(raw_g + dt_bias))``.
+        out: optional ``[B, H, V]`` output buffer (any float dtype, any strides);
+            default ``torch.empty`` in ``v``'s dtype.
+        check_inputs: validate shapes, dtypes, devices, index range and duplicate
+            indices (the last two synchronise with the host). ``False`` skips every
+            host-side check, so the call is CUDA-graph capturable.
+
+    Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
+    the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
+    """
+    if check_inputs:
+        _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead=[None])
+        check_tensor("state_indices", state_indices, shape=[q.shape[0]], dtypes=INDEX_DTYPES, device=state_cache.device)
+        check_index_range("state_indices", state_indices, state_cache.shape[0])
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return _launch(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
+        scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
+        idx_strides=(state_indices.stride(0), 0),
+    )
+
+
+def _check_multi_indices(state_indices, initial_state_indices, slots):
+    """Written rows distinct; initial rows distinct; no sequence starts from a row
+    that another sequence writes (it could be overwritten before it is read)."""
+    check_index_range("state_indices", state_indices.reshape(-1), slots)
+    check_index_range("initial_state_indices", initial_state_indices, slots)
+    B, S = state_indices.shape
+    owner = torch.arange(B, device=state_indices.device)
+    written = state_indices.reshape(-1).to(torch.int64)
+    writer = owner.repeat_interleave(S)
+    keep = written >= 0
+    written, writer = written[keep], writer[keep]
+    init = initial_state_indices.to(torch.int64)
+    # [B, W]: does sequence b start from a row written by another sequence?
+    clash = (init[:, None] == written[None, :]) & (init[:, None] >= 0) & (owner[:, None] != writer[None, :])
+    if bool(clash.any()):
+        b = int(clash.any(1).nonzero()[0, 0])
+        raise ValueError(
+            f"initial_state_indices: sequence {b} starts from row {int(init[b])}, which another sequence's "
+            "state_indices writes (the write would race with the read)"
+        )
+
+
+def kda_decode_multi(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_cache: torch.Tensor,
+    state_indices: torch.Tensor,
+    initial_state_indices: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """``S`` KDA decode steps per sequence in one launch (speculative decoding).
+
+    The sibling of :func:`kda_decode` for ``S`` draft tokens per sequence. Every
+    program keeps its state tile in registers across the ``S`` tokens: the state
+    is read once and written after each token to that token's own row, so the
+    engine can roll back rejected draft tokens by picking the row of the last
+    accepted one.
+
+    Args:
+        q, k, raw_g: ``[B, S, H, K]``; v: ``[B, S, H, V]``; raw_beta: ``[B, S, H]``.
+            Same meaning, dtypes and stride freedom as in :func:`kda_decode`.
+        A_log, dt_bias, state_cache, scale, lower_bound, check_inputs: as in
+            :func:`kda_decode`.
+        state_indices: int32/int64 ``[B, S]``: the state after token ``s`` of
+            sequence ``b`` is written to row ``state_indices[b, s]``; negative =
+            not written (the token's output is still computed).
+        initial_state_indices: int32/int64 ``[B]``: the row sequence ``b`` starts
+            from; default ``state_indices[:, 0]`` (a view). Negative = padding
+            sequence: nothing is read, no state row is written (whatever
+            ``state_indices[b]`` says) and its outputs are zero. A sequence may
+            start from a row it writes itself (it is read before the first write),
+            not from a row another sequence writes.
+        out: optional ``[B, S, H, V]`` output buffer.
+
+    With S = 1 and ``initial_state_indices = state_indices[:, 0]`` this is
+    exactly :func:`kda_decode`.
+
+    Returns ``out``: ``[B, S, H, V]``.
+    """
+    if check_inputs:
+        _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead=[None, None])
+        B, S = q.shape[0], q.shape[1]
+        dev = state_cache.device
+        check_tensor("state_indices", state_indices, shape=[B, S], dtypes=INDEX_DTYPES, device=dev)
+        if initial_state_indices is not None:
+            check_tensor("initial_state_indices", initial_state_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+        init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
+        if S > 0:
+            _check_multi_indices(state_indices, init, state_cache.shape[0])
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if q.shape[1] == 0:
+        return out
+    if initial_state_indices is None:
+        initial_state_indices = state_indices[:, 0]
+    return _launch(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
+        scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
+        idx_strides=state_indices.stride(),
+    )

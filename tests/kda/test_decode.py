@@ -1,0 +1,464 @@
+"""KDA decode (one token and multi-token) against ``naive_recurrent_kda``.
+
+CPU: the Triton interpreter on small heads (fp32, fp16). GPU (``-m gpu``): bf16 at
+serving shapes; the ``small`` cases are the ones to run under compute-sanitizer
+(``pytest -m gpu -k small``).
+"""
+
+import math
+
+import pytest
+import torch
+
+from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
+from kda_engram.kda.reference import naive_recurrent_kda
+
+# The interpreter evaluates tl.sigmoid(z) as 1 / (1 + exp(-z)) in numpy: at the
+# extreme gates exp overflows to inf and the sigmoid correctly becomes 0, with a
+# RuntimeWarning that is noise here.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_step(B, H, K, V, *, S=None, dtype=torch.float32, gate="random", device="cpu", seed=0):
+    """Raw decode inputs; ``S=None`` gives the one-token shapes ``[B, H, *]``."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (B,) if S is None else (B, S)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, raw_g = rnd(*lead, H, K), rnd(*lead, H, K), rnd(*lead, H, K)
+    v, raw_beta = rnd(*lead, H, V), rnd(*lead, H)
+    if gate == "extreme":
+        # Gates far into both tails of softplus/sigmoid, saturated betas, and
+        # zero q/k heads (the L2 norm's eps decides; k = 0 means no update).
+        sign = torch.where(rnd(*lead, H, K) > 0, 1.0, -1.0)
+        raw_g = sign * (30.0 + 20.0 * rnd(*lead, H, K).abs())
+        raw_beta = 40.0 * torch.sign(rnd(*lead, H))
+        q.reshape(-1, H, K)[0, 0] = 0.0
+        k.reshape(-1, H, K)[-1, H - 1] = 0.0
+    return dict(
+        q=q.to(dtype).to(device),
+        k=k.to(dtype).to(device),
+        v=v.to(dtype).to(device),
+        raw_g=raw_g.to(dtype).to(device),
+        raw_beta=raw_beta.to(dtype).to(device),
+        A_log=(rnd(H) * 0.5).to(device),
+        dt_bias=rnd(H * K).to(device),
+    )
+
+
+def make_cache(slots, H, V, K, named, *, device="cpu", seed=1):
+    """fp32 cache: random rows where ``named``, NaN sentinels everywhere else."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.full((slots, H, V, K), math.nan, device=device)
+    rows = sorted({int(r) for r in named if int(r) >= 0})
+    cache[rows] = 0.5 * torch.randn(len(rows), H, V, K, generator=gen, device=device)
+    return cache
+
+
+def reference_step(inputs, cache, rows, lower_bound, scale=None):
+    """``naive_recurrent_kda`` on one token per sequence from cache rows ``rows``."""
+    one = {n: (t[:, None] if n not in ("A_log", "dt_bias") else t) for n, t in inputs.items()}
+    h0 = cache[rows.clamp(min=0).long()].clone()
+    o, final, _ = naive_recurrent_kda(
+        **one, scale=scale, lower_bound=lower_bound, initial_state=h0, output_final_state=True
+    )
+    return o[:, 0], final
+
+
+def assert_untouched(cache, before, named):
+    rows = [r for r in range(cache.shape[0]) if r not in {int(x) for x in named}]
+    # NaN sentinels stay NaN, everything else bit-identical.
+    assert torch.equal(cache[rows].isnan(), before[rows].isnan())
+    torch.testing.assert_close(cache[rows], before[rows], equal_nan=True, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ one token, CPU
+
+# Out-of-order, sparse rows with padding entries next to NaN sentinel rows.
+INDICES = [7, -1, 2, 11, -3, 0]
+SLOTS = 13
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("gate", ["random", "extreme"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_decode_matches_reference(lower_bound, gate, index_dtype):
+    B, H, K, V = len(INDICES), 2, 32, 32
+    inputs = make_step(B, H, K, V, gate=gate)
+    idx = torch.tensor(INDICES, dtype=index_dtype)
+    pad = idx < 0
+    inputs["q"][pad] = math.nan  # garbage in padding rows must not leak into out
+    cache = make_cache(SLOTS, H, V, K, INDICES)
+    before = cache.clone()
+    ref_o, ref_state = reference_step(inputs, before, idx, lower_bound)
+
+    out = torch.full((B, H, V), math.nan)
+    got = kda_decode(**inputs, state_cache=cache, state_indices=idx, lower_bound=lower_bound, out=out)
+
+    assert got is out
+    live = ~pad
+    torch.testing.assert_close(out[live], ref_o[live], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[pad], torch.zeros_like(out[pad]))
+    torch.testing.assert_close(cache[idx[live].long()], ref_state[live], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(cache[idx[live].long()]).all()
+    assert_untouched(cache, before, INDICES)
+
+
+def test_decode_head_dim_128_fp16():
+    B, H, K, V = 3, 2, 128, 128
+    inputs = make_step(B, H, K, V, dtype=torch.float16, seed=3)
+    idx = torch.tensor([4, 0, -1])
+    cache = make_cache(6, H, V, K, idx.tolist())
+    before = cache.clone()
+    ref_o, ref_state = reference_step(inputs, before, idx, -5.0)
+    out = kda_decode(**inputs, state_cache=cache, state_indices=idx, lower_bound=-5.0)
+    assert out.dtype == torch.float16 and out.shape == (B, H, V)
+    torch.testing.assert_close(out[:2].float(), ref_o[:2], atol=2e-3, rtol=2e-3)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(cache[[4, 0]], ref_state[:2], atol=1e-5, rtol=1e-5)
+    assert_untouched(cache, before, [4, 0])
+
+
+@pytest.mark.parametrize("block_v, num_warps", [(16, 1), (32, 4), (64, 4)])
+def test_every_tile_size(block_v, num_warps):
+    B, H, K, V = 2, 2, 64, 64
+    inputs = make_step(B, H, K, V, seed=4)
+    idx = torch.tensor([1, 3])
+    cache = make_cache(4, H, V, K, idx.tolist())
+    before = cache.clone()
+    ref_o, ref_state = reference_step(inputs, before, idx, None, scale=0.3)
+    out = torch.empty(B, H, V)
+    _launch(
+        *inputs.values(), cache, idx, idx, out, 0.3, None, steps=1, init_stride=1, idx_strides=(1, 0),
+        block_v=block_v, num_warps=num_warps,
+    )
+    torch.testing.assert_close(out, ref_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[idx], ref_state, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_inputs_state_and_out():
+    """Inputs as column slices of one fused projection, a transposed head axis, a
+    non-unit last stride, a cache that is one layer of a larger buffer, strided
+    indices and a strided output."""
+    B, H, K, V = 3, 2, 32, 32
+    dense = make_step(B, H, K, V, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    # [q | k | v | g | beta] side by side in one projection row, with a gap.
+    widths = [H * K, H * K, H * V, H * K, H]
+    proj = torch.randn(B, sum(widths) + 7, generator=gen)
+    cols = torch.tensor([0] + widths).cumsum(0).tolist()
+    for i, name in enumerate(["q", "k", "v", "raw_g", "raw_beta"]):
+        proj[:, cols[i] : cols[i + 1]] = dense[name].reshape(B, -1)
+    q = proj[:, cols[0] : cols[1]].view(B, H, K)
+    v = proj[:, cols[2] : cols[3]].view(B, H, V)
+    raw_beta = proj[:, cols[4] : cols[5]]
+    # k transposed in memory ([H, B, K] storage), raw_g with last-dim stride 2.
+    k = dense["k"].transpose(0, 1).contiguous().transpose(0, 1)
+    g_wide = torch.zeros(B, H, 2 * K)
+    g_wide[..., ::2] = dense["raw_g"]
+    raw_g = g_wide[..., ::2]
+    dt_wide = torch.zeros(2 * H * K)
+    dt_wide[::2] = dense["dt_bias"]
+    dt_bias = dt_wide[::2]  # flat [H*K] with stride 2
+    assert q.stride() == (proj.stride(0), K, 1) and raw_g.stride(-1) == 2
+    strided = dict(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, A_log=dense["A_log"], dt_bias=dt_bias)
+
+    layers = torch.full((5, 2, H, V, K), math.nan)  # [slots, layer, H, V, K]
+    idx_wide = torch.tensor([[3, 99], [-1, 99], [0, 99]])
+    idx = idx_wide[:, 0]  # stride 2
+    layers[[3, 0], 1] = 0.5 * torch.randn(2, H, V, K, generator=gen)
+    cache = layers[:, 1]
+    before = layers.clone()
+    ref_o, ref_state = reference_step(dense, cache.clone(), idx, -5.0)
+
+    out_wide = torch.full((B, 2 * H, V), 7.0)
+    out = out_wide[:, ::2]
+    kda_decode(**strided, state_cache=cache, state_indices=idx, lower_bound=-5.0, out=out)
+    torch.testing.assert_close(out[[0, 2]], ref_o[[0, 2]], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out_wide[:, 1::2], torch.full_like(out_wide[:, 1::2], 7.0))
+    torch.testing.assert_close(cache[[3, 0]], ref_state[[0, 2]], atol=1e-5, rtol=1e-5)
+    # The other layer and the unnamed rows of this layer are untouched.
+    torch.testing.assert_close(layers[:, 0], before[:, 0], equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(layers[[1, 2, 4], 1], before[[1, 2, 4], 1], equal_nan=True, rtol=0, atol=0)
+
+
+def test_check_inputs_off_and_empty_batch():
+    B, H, K, V = 2, 2, 32, 32
+    inputs = make_step(B, H, K, V, seed=7)
+    idx = torch.tensor([1, 0], dtype=torch.int32)
+    c1 = make_cache(2, H, V, K, [0, 1])
+    c2 = c1.clone()
+    o1 = kda_decode(**inputs, state_cache=c1, state_indices=idx)
+    o2 = kda_decode(**inputs, state_cache=c2, state_indices=idx, check_inputs=False)
+    assert torch.equal(o1, o2) and torch.equal(c1, c2)
+    empty = make_step(0, H, K, V)
+    out = kda_decode(**empty, state_cache=c1, state_indices=torch.zeros(0, dtype=torch.int64))
+    assert out.shape == (0, H, V)
+    assert torch.equal(c1, c2)
+
+
+def test_decode_tiling_fits():
+    for B, H in [(1, 1), (4, 2), (64, 32), (1024, 8)]:
+        bv, nw = decode_tiling(B, H, 128, "cpu")
+        assert 128 % bv == 0 and bv & (bv - 1) == 0 and nw in (1, 2, 4, 8)
+    assert decode_tiling(1, 1, 16, "cpu")[0] == 16
+
+
+# ------------------------------------------------------------------ bad input, CPU
+
+
+def _valid_call(B=2, H=2, K=32, V=32, slots=4):
+    args = make_step(B, H, K, V, seed=8)
+    args["state_cache"] = torch.zeros(slots, H, V, K)
+    args["state_indices"] = torch.tensor([0, 2])
+    return args
+
+
+BAD = [
+    ("q", lambda a: a.update(q=a["q"].numpy()), TypeError, "q: expected a torch.Tensor"),
+    ("q", lambda a: a.update(q=a["q"][:, :1]), ValueError, "q: expected shape"),
+    ("q", lambda a: a.update(q=a["q"][None]), ValueError, "q: expected shape [B, H, K]"),
+    ("q", lambda a: a.update(q=a["q"].to(torch.int32)), TypeError, "q: expected dtype"),
+    ("q", lambda a: a.update(q=a["q"].to("meta")), ValueError, "q: expected a tensor on cpu"),
+    ("k", lambda a: a.update(k=a["k"][..., :16]), ValueError, "k: expected shape [2, 2, 32]"),
+    ("v", lambda a: a.update(v=a["v"][:, :, :16]), ValueError, "v: expected shape"),
+    ("v", lambda a: a.update(v=a["v"].double()), TypeError, "v: expected dtype"),
+    ("dtype mix", lambda a: a.update(k=a["k"].half()), TypeError, "q, k, v: expected one dtype"),
+    ("raw_g", lambda a: a.update(raw_g=a["raw_g"][1:]), ValueError, "raw_g: expected shape"),
+    ("raw_beta", lambda a: a.update(raw_beta=a["raw_beta"][..., None]), ValueError, "raw_beta: expected shape"),
+    ("A_log", lambda a: a.update(A_log=a["A_log"][:1]), ValueError, "A_log: expected shape [2]"),
+    ("dt_bias", lambda a: a.update(dt_bias=a["dt_bias"][:5]), ValueError, "dt_bias: expected shape"),
+    ("state dtype", lambda a: a.update(state_cache=a["state_cache"].half()), TypeError, "state_cache: expected dtype float32"),
+    ("state dims", lambda a: a.update(state_cache=a["state_cache"][0]), ValueError, "state_cache: expected shape"),
+    ("head dim", lambda a: a.update(
+        state_cache=torch.zeros(4, 2, 24, 32), v=a["v"][..., :24]), ValueError, "powers of two"),
+    ("index dtype", lambda a: a.update(state_indices=a["state_indices"].float()), TypeError, "state_indices: expected dtype"),
+    ("index shape", lambda a: a.update(state_indices=a["state_indices"][:1]), ValueError, "state_indices: expected shape"),
+    ("index range", lambda a: a.update(state_indices=torch.tensor([0, 4])), ValueError, "state_indices: entries must be < 4"),
+    ("duplicates", lambda a: a.update(state_indices=torch.tensor([3, 3])), ValueError, "distinct"),
+    ("out shape", lambda a: a.update(out=torch.empty(2, 2, 16)), ValueError, "out: expected shape"),
+    ("out dtype", lambda a: a.update(out=torch.empty(2, 2, 32, dtype=torch.int64)), TypeError, "out: expected dtype"),
+    ("lower_bound", lambda a: a.update(lower_bound=2.0), ValueError, "lower_bound"),
+    ("lower_bound type", lambda a: a.update(lower_bound="x"), TypeError, "lower_bound"),
+    ("scale type", lambda a: a.update(scale=torch.tensor(1.0)), TypeError, "scale"),
+]
+
+
+@pytest.mark.parametrize("what, mutate, exc, message", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected(what, mutate, exc, message):
+    args = _valid_call()
+    mutate(args)
+    before = args["state_cache"].clone()
+    with pytest.raises(exc) as info:
+        kda_decode(**args)
+    assert message in str(info.value)
+    assert torch.equal(args["state_cache"], before)
+
+
+# ------------------------------------------------------------- multi-token, CPU
+
+
+def reference_multi(inputs, cache, init_rows, lower_bound):
+    """Outputs of one S-token reference call, and the state after every token
+    (chained one-token calls), all from cache rows ``init_rows``."""
+    h0 = cache[init_rows.clamp(min=0).long()].clone()
+    o, final, _ = naive_recurrent_kda(**inputs, lower_bound=lower_bound, initial_state=h0, output_final_state=True)
+    S = inputs["q"].shape[1]
+    states, state = [], h0
+    for s in range(S):
+        tok = {n: (t[:, s : s + 1] if n not in ("A_log", "dt_bias") else t) for n, t in inputs.items()}
+        _, state, _ = naive_recurrent_kda(**tok, lower_bound=lower_bound, initial_state=state, output_final_state=True)
+        states.append(state)
+    tol = 1e-10 if final.dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(states[-1], final, atol=tol, rtol=tol)  # chaining = one call
+    return o, torch.stack(states, 1)  # [B, S, H, V, K]
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("explicit_initial", [False, True])
+def test_multi_matches_reference(lower_bound, explicit_initial):
+    B, S, H, K, V = 3, 3, 2, 32, 32
+    inputs = make_step(B, S=S, H=H, K=K, V=V, seed=9, gate="random" if lower_bound is None else "extreme")
+    inputs = {n: (t.double() if t.dim() > 1 else t) for n, t in inputs.items()}
+    # seq 0 writes every token; seq 1 skips token 1; seq 2 is padding (default
+    # initial) or starts from its own last row (explicit initial).
+    state_indices = torch.tensor([[5, 1, 8], [2, -1, 10], [-1, 4, 0]])
+    initial = torch.tensor([5, 12, 0]) if explicit_initial else None
+    init_rows = state_indices[:, 0] if initial is None else initial
+    named = state_indices.flatten().tolist() + init_rows.tolist()
+    cache = make_cache(14, H, V, K, named)
+    before = cache.clone()
+    inputs32 = {n: t.float() for n, t in inputs.items()}
+    ref_o, ref_states = reference_multi(inputs, before.double(), init_rows, lower_bound)
+
+    out = kda_decode_multi(
+        **inputs32, state_cache=cache, state_indices=state_indices, initial_state_indices=initial,
+        lower_bound=lower_bound,
+    )
+    assert out.shape == (B, S, H, V)
+    live = init_rows >= 0
+    torch.testing.assert_close(out[live].double(), ref_o[live], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+    written = []
+    for b in range(B):
+        for s in range(S):
+            r = int(state_indices[b, s])
+            if live[b] and r >= 0:
+                torch.testing.assert_close(cache[r].double(), ref_states[b, s], atol=1e-5, rtol=1e-5)
+                written.append(r)
+    assert_untouched(cache, before, written)
+
+
+def test_multi_one_token_equals_decode():
+    B, H, K, V = 3, 2, 32, 32
+    inputs = make_step(B, H, K, V, seed=10)
+    idx = torch.tensor([2, -1, 0])
+    c1 = make_cache(3, H, V, K, idx.tolist())
+    c2 = c1.clone()
+    o1 = kda_decode(**inputs, state_cache=c1, state_indices=idx)
+    multi = {n: (t[:, None] if n not in ("A_log", "dt_bias") else t) for n, t in inputs.items()}
+    o2 = kda_decode_multi(**multi, state_cache=c2, state_indices=idx[:, None])
+    assert torch.equal(o1, o2[:, 0])
+    assert torch.equal(c1.nan_to_num(), c2.nan_to_num()) and torch.equal(c1.isnan(), c2.isnan())
+
+
+def _valid_multi(B=2, S=2, H=2, K=32, V=32, slots=6):
+    args = make_step(B, S=S, H=H, K=K, V=V, seed=11)
+    args["state_cache"] = torch.zeros(slots, H, V, K)
+    args["state_indices"] = torch.tensor([[0, 1], [2, 3]])
+    return args
+
+
+BAD_MULTI = [
+    ("q rank", lambda a: a.update(q=a["q"][:, 0]), ValueError, "q: expected shape [B, S, H, K]"),
+    ("v tokens", lambda a: a.update(v=a["v"][:, :1]), ValueError, "v: expected shape [2, 2, 2, 32]"),
+    ("beta", lambda a: a.update(raw_beta=a["raw_beta"][:, 0]), ValueError, "raw_beta: expected shape"),
+    ("indices shape", lambda a: a.update(state_indices=a["state_indices"][:, 0]), ValueError, "state_indices: expected shape [2, 2]"),
+    ("indices dup", lambda a: a.update(state_indices=torch.tensor([[0, 1], [1, 3]])), ValueError, "distinct"),
+    ("indices range", lambda a: a.update(state_indices=torch.tensor([[0, 1], [2, 6]])), ValueError, "entries must be < 6"),
+    ("initial dtype", lambda a: a.update(initial_state_indices=torch.tensor([0.0, 2.0])), TypeError, "initial_state_indices: expected dtype"),
+    ("initial shape", lambda a: a.update(initial_state_indices=torch.tensor([0])), ValueError, "initial_state_indices: expected shape"),
+    ("initial dup", lambda a: a.update(initial_state_indices=torch.tensor([4, 4])), ValueError, "initial_state_indices: non-negative entries must be distinct"),
+    ("initial clash", lambda a: a.update(initial_state_indices=torch.tensor([3, 2])), ValueError, "another sequence"),
+]
+
+
+@pytest.mark.parametrize("what, mutate, exc, message", BAD_MULTI, ids=[b[0] for b in BAD_MULTI])
+def test_multi_bad_input_is_rejected(what, mutate, exc, message):
+    args = _valid_multi()
+    mutate(args)
+    before = args["state_cache"].clone()
+    with pytest.raises(exc) as info:
+        kda_decode_multi(**args)
+    assert message in str(info.value)
+    assert torch.equal(args["state_cache"], before)
+
+
+# ------------------------------------------------------------------------ GPU, bf16
+
+
+def _gpu_case(B, H, gate, lower_bound, seed, S=None):
+    K = V = 128
+    inputs = make_step(B, H, K, V, S=S, dtype=torch.bfloat16, gate=gate, device="cuda", seed=seed)
+    # Sparse, shuffled rows with every 7th sequence padding; slots leave NaN gaps.
+    slots = B * ((S or 1) + 1) + 3
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(slots, generator=gen)
+    return inputs, perm, slots
+
+
+GPU_SHAPES = [pytest.param(8, 4, id="small"), pytest.param(1024, 32, id="large"), pytest.param(256, 8, id="mid")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H", GPU_SHAPES)
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+@pytest.mark.parametrize("gate", ["random", "extreme"])
+def test_gpu_decode_bf16(B, H, lower_bound, gate):
+    inputs, perm, slots = _gpu_case(B, H, gate, lower_bound, seed=B + H)
+    idx = perm[:B].clone()
+    idx[::7] = -1
+    idx = idx.cuda()
+    cache = make_cache(slots, H, 128, 128, idx.tolist(), device="cuda")
+    before = cache.clone()
+    ref_o, ref_state = reference_step({n: t.float() for n, t in inputs.items()}, before, idx, lower_bound)
+    out = kda_decode(**inputs, state_cache=cache, state_indices=idx, lower_bound=lower_bound)
+    torch.cuda.synchronize()
+    live = idx >= 0
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[live].float(), ref_o[live], atol=2e-3, rtol=1.6e-2)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+    torch.testing.assert_close(cache[idx[live]], ref_state[live], atol=1e-4, rtol=1e-4)
+    assert_untouched(cache, before, idx.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, S, H", [pytest.param(4, 3, 4, id="small"), pytest.param(256, 4, 32, id="large")])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_gpu_multi_bf16(B, S, H, lower_bound):
+    inputs, perm, slots = _gpu_case(B, H, "random", lower_bound, seed=S + H, S=S)
+    state_indices = perm[: B * S].view(B, S).clone()
+    state_indices[1::5, 1] = -1  # some tokens not written
+    initial = perm[B * S : B * S + B].clone()
+    initial[::6] = -1  # padding sequences
+    state_indices, initial = state_indices.cuda(), initial.cuda()
+    named = state_indices.flatten().tolist() + initial.tolist()
+    cache = make_cache(slots, H, 128, 128, named, device="cuda")
+    before = cache.clone()
+    ref_o, ref_states = reference_multi({n: t.float() for n, t in inputs.items()}, before, initial, lower_bound)
+    out = kda_decode_multi(
+        **inputs, state_cache=cache, state_indices=state_indices, initial_state_indices=initial, lower_bound=lower_bound
+    )
+    torch.cuda.synchronize()
+    live = initial >= 0
+    torch.testing.assert_close(out[live].float(), ref_o[live], atol=2e-3, rtol=1.6e-2)
+    assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+    write = live[:, None] & (state_indices >= 0)
+    torch.testing.assert_close(cache[state_indices[write]], ref_states[write], atol=1e-4, rtol=1e-4)
+    written = state_indices[write].tolist()
+    assert_untouched(cache, before, written)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B, H", [pytest.param(8, 4, id="small"), pytest.param(256, 32, id="large")])
+def test_gpu_strided_projection_and_cuda_graph(B, H):
+    """Inputs sliced from one bf16 projection; the unchecked call captured in a CUDA
+    graph and replayed gives the same result as two eager steps."""
+    K = V = 128
+    gen = torch.Generator().manual_seed(12)
+    widths = [H * K, H * K, H * V, H * K, H]
+    proj = torch.randn(B, sum(widths), generator=gen).to(torch.bfloat16).cuda()
+    cols = torch.tensor([0] + widths).cumsum(0).tolist()
+    q, k, v, raw_g = (proj[:, cols[i] : cols[i + 1]].view(B, H, -1) for i in range(4))
+    raw_beta = proj[:, cols[4] : cols[5]]
+    A_log = (0.5 * torch.randn(H, generator=gen)).cuda()
+    dt_bias = torch.randn(H, K, generator=gen).cuda()
+    idx = torch.randperm(2 * B, generator=gen)[:B].cuda()
+    cache = make_cache(2 * B, H, V, K, idx.tolist(), device="cuda")
+    start = cache.clone()
+    args = (q, k, v, raw_g, raw_beta, A_log, dt_bias)
+    dense = dict(zip(["q", "k", "v", "raw_g", "raw_beta"], (t.float() for t in args[:5])), A_log=A_log, dt_bias=dt_bias)
+
+    eager = cache.clone()
+    for _ in range(2):
+        o_eager = kda_decode(*args, eager, idx, lower_bound=-5.0)
+    out = torch.empty(B, H, V, dtype=torch.bfloat16, device="cuda")
+    kda_decode(*args, cache, idx, lower_bound=-5.0, out=out, check_inputs=False)  # warm-up / compile
+    cache.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_decode(*args, cache, idx, lower_bound=-5.0, out=out, check_inputs=False)
+    cache.copy_(start)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, o_eager, atol=0, rtol=0)
+    torch.testing.assert_close(cache, eager, atol=0, rtol=0, equal_nan=True)
+    # And the first step against the reference.
+    cache.copy_(start)
+    o1 = kda_decode(*args, cache, idx, lower_bound=-5.0)
+    ref_o, ref_state = reference_step(dense, start, idx, -5.0)
+    torch.testing.assert_close(o1.float(), ref_o, atol=2e-3, rtol=1.6e-2)
+    torch.testing.assert_close(cache[idx], ref_state, atol=1e-4, rtol=1e-4)
