@@ -1,0 +1,468 @@
+"""N-gram hashing for Engram: token ids -> table rows, and the tokenizer compression.
+
+:func:`ngram_hash` maps every token of a varlen batch to, per Engram layer, the
+``n_hash_cols`` table rows its n-grams (orders ``2..max_ngram``, ``n_heads``
+hashes each) select (DESIGN.md, "N-gram hash")::
+
+    mix[n]   = XOR_{i < n} tok[t - i] * mult[l][i]          (int64, never overflows)
+    row[c]   = mix[n] mod prime[l][n - 2][j] + offset[l][c]  c = (n - 2) * n_heads + j
+
+``tok`` are *compressed* ids (:func:`build_compressed_token_map`); pass the raw
+ids with ``token_map`` and the kernel maps them on the fly. A token's window
+never reaches across its sequence's start: older positions read the sequence's
+``history`` (the ids that came before, which is how chunked prefill and decode
+continue a sequence exactly) or the pad id. A *dead* token (an image
+placeholder, padding; ``dead_mask``) and a ``-1`` in ``history`` read as pad and
+hide everything older, as if the sequence started right after them.
+
+The kernel is one launch, computes everything it needs (which sequence a token
+belongs to, by binary search of ``cu_seqlens``) on the device, and so is free of
+host syncs and CUDA-graph capturable when ``check_inputs=False``. The work is a
+few int64 multiplies and modulos per token, far below any memory bound; the
+point of the kernel is not to round-trip the token ids through the host (the
+Engram paper's reference hashes with NumPy on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_engram._validation import INDEX_DTYPES, check_tensor
+from kda_engram.engram.layout import EngramLayout
+
+BLOCK_T = 128
+
+
+@triton.jit
+def _ngram_hash_kernel(
+    tok_ptr,
+    tok_stride,
+    cu_ptr,
+    cu_stride,
+    map_ptr,
+    map_stride,
+    hist_ptr,
+    hist_stride_n,
+    hist_stride_j,
+    dead_ptr,
+    dead_stride,
+    primes_ptr,
+    offsets_ptr,
+    mult_ptr,
+    out_ptr,
+    out_stride_t,
+    out_stride_l,
+    out_stride_c,
+    num_tokens,
+    num_seqs,
+    pad_id,
+    MAX_NGRAM: tl.constexpr,
+    N_HEADS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    HAS_MAP: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+    HAS_DEAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: BLOCK tokens x all hash columns of one layer (grid axis 1)."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    N_COLS: tl.constexpr = (MAX_NGRAM - 1) * N_HEADS
+    t = pid * BLOCK + tl.arange(0, BLOCK)
+    tmask = t < num_tokens
+    t64 = t.to(tl.int64)
+
+    # Sequence of each token: the last n in [0, N) with cu[n] <= t. Empty
+    # sequences share their successor's start, and "last" steps past them.
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + (num_seqs - 1)
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        v = tl.load(cu_ptr + mid * cu_stride, mask=tmask, other=0).to(tl.int64)
+        go = v <= t64
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    seq = lo
+    start = tl.load(cu_ptr + seq * cu_stride, mask=tmask, other=0).to(tl.int64)
+    end = tl.load(cu_ptr + (seq + 1) * cu_stride, mask=tmask, other=0).to(tl.int64)
+    live = tmask & (t64 >= start) & (t64 < end)
+
+    alive = live
+    mix = tl.zeros([BLOCK], dtype=tl.int64)
+    for i in tl.static_range(MAX_NGRAM):
+        pos = t64 - i
+        inside = pos >= start
+        tok = tl.load(tok_ptr + pos * tok_stride, mask=alive & inside, other=0).to(tl.int64)
+        if HAS_DEAD:
+            dead = tl.load(dead_ptr + pos * dead_stride, mask=alive & inside, other=0)
+            ok_inside = dead == 0
+        else:
+            ok_inside = tl.full([BLOCK], 1, tl.int1)
+        if i > 0:
+            if HAS_HISTORY:
+                # history[n, MAX_NGRAM - 1 - (start - pos)]: oldest first, the last
+                # column is the token right before the sequence's first one.
+                hj = (MAX_NGRAM - 1) - (start - pos)
+                hmask = alive & (~inside) & (hj >= 0)
+                h = tl.load(
+                    hist_ptr + seq.to(tl.int64) * hist_stride_n + hj * hist_stride_j, mask=hmask, other=-1
+                ).to(tl.int64)
+                ok_outside = h >= 0
+                tok = tl.where(inside, tok, h)
+            else:
+                ok_outside = tl.zeros([BLOCK], dtype=tl.int1)
+            alive = alive & tl.where(inside, ok_inside, ok_outside)
+        else:
+            alive = alive & ok_inside
+        if HAS_MAP:
+            tok = tl.load(map_ptr + tok * map_stride, mask=alive, other=0).to(tl.int64)
+        tok = tl.where(alive, tok, pad_id)
+        mult = tl.load(mult_ptr + layer * MAX_NGRAM + i)
+        mix = mix ^ (tok * mult)
+        if i > 0:
+            for j in tl.static_range(N_HEADS):
+                c = (i - 1) * N_HEADS + j
+                prime = tl.load(primes_ptr + layer * N_COLS + c)
+                off = tl.load(offsets_ptr + layer * N_COLS + c)
+                r = mix % prime
+                # C-style remainder: make it floor-mod (the NumPy reference's) in
+                # case ids outside the compressed vocabulary made mix negative.
+                r = tl.where(r < 0, r + prime, r)
+                row = tl.where(live, r + off, -1)
+                tl.store(
+                    out_ptr + t64 * out_stride_t + layer * out_stride_l + c * out_stride_c,
+                    row.to(tl.int32),
+                    mask=tmask,
+                )
+
+
+@triton.jit
+def _next_history_kernel(
+    tok_ptr,
+    tok_stride,
+    cu_ptr,
+    cu_stride,
+    hist_ptr,
+    hist_stride_n,
+    hist_stride_j,
+    dead_ptr,
+    dead_stride,
+    out_ptr,
+    out_stride_n,
+    out_stride_j,
+    HIST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+    HAS_DEAD: tl.constexpr,
+):
+    n = tl.program_id(0)
+    start = tl.load(cu_ptr + n * cu_stride).to(tl.int64)
+    end = tl.load(cu_ptr + (n + 1) * cu_stride).to(tl.int64)
+    j = tl.arange(0, BLOCK_H)
+    jmask = j < HIST
+    pos = end - HIST + j
+    inside = pos >= start
+    tok = tl.load(tok_ptr + pos * tok_stride, mask=jmask & inside, other=-1).to(tl.int64)
+    if HAS_DEAD:
+        dead = tl.load(dead_ptr + pos * dead_stride, mask=jmask & inside, other=0)
+        tok = tl.where(dead != 0, -1, tok)
+    # Older entries shift left by the sequence's length.
+    jold = j + (end - start)
+    if HAS_HISTORY:
+        old = tl.load(
+            hist_ptr + n.to(tl.int64) * hist_stride_n + jold * hist_stride_j,
+            mask=jmask & (~inside) & (jold < HIST),
+            other=-1,
+        ).to(tl.int64)
+    else:
+        old = tl.full([BLOCK_H], -1, tl.int64)
+    new = tl.where(inside, tok, old)
+    tl.store(out_ptr + n.to(tl.int64) * out_stride_n + j * out_stride_j, new, mask=jmask)
+
+
+def _check_history(history, num_seqs, hist_len, device):
+    check_tensor("history", history, shape=[num_seqs, hist_len], dtypes=INDEX_DTYPES, device=device)
+
+
+def _check_dead(dead_mask, num_tokens, device):
+    check_tensor("dead_mask", dead_mask, shape=[num_tokens], dtypes=(torch.bool, torch.uint8, torch.int8), device=device)
+
+
+def _dead_view(dead_mask):
+    return dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask
+
+
+def _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask, check_ids=True):
+    if not isinstance(layout, EngramLayout):
+        raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
+    check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
+    if token_ids.dim() != 1:
+        raise ValueError(f"token_ids: expected shape [T] (a flattened varlen batch), got {list(token_ids.shape)}")
+    device = token_ids.device
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
+    num_seqs, num_tokens = cu_seqlens.numel() - 1, token_ids.shape[0]
+    cu = cu_seqlens.to("cpu", torch.int64)
+    if int(cu[0]) < 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > num_tokens:
+        raise ValueError(
+            f"cu_seqlens: expected non-decreasing offsets in [0, {num_tokens}] (T = token_ids.shape[0]), "
+            f"got {cu.tolist() if cu.numel() <= 16 else '[...]'}"
+        )
+    vocab = layout.compressed_vocab_size
+    if token_map is not None:
+        check_tensor("token_map", token_map, dtypes=INDEX_DTYPES, device=device)
+        if token_map.dim() != 1:
+            raise ValueError(f"token_map: expected shape [vocab], got {list(token_map.shape)}")
+        if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= vocab):
+            raise ValueError(f"token_map: expected compressed ids in [0, {vocab}), got [{int(token_map.min())}, {int(token_map.max())}]")
+        vocab = token_map.numel()
+    if history is not None:
+        _check_history(history, num_seqs, layout.max_ngram - 1, device)
+    if dead_mask is not None:
+        _check_dead(dead_mask, num_tokens, device)
+    if not check_ids:
+        return
+    # Ids of live tokens must index the map (or the compressed vocabulary, whose
+    # bound is what keeps tok * mult inside int64).
+    live = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+    if num_seqs:
+        live[int(cu[0]) : int(cu[-1])] = True
+    ids = token_ids[live]
+    if history is not None:
+        ids = torch.cat([ids, history[history >= 0].to(ids.dtype)])
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        what = "token_map's size" if token_map is not None else "layout.compressed_vocab_size"
+        raise ValueError(
+            f"token_ids: expected ids in [0, {vocab}) ({what}; history may also hold -1), got "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
+def ngram_hash(
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    layout: EngramLayout,
+    *,
+    history: torch.Tensor | None = None,
+    dead_mask: torch.Tensor | None = None,
+    token_map: torch.Tensor | None = None,
+    global_rows: bool = False,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """Table rows of every token's n-grams, for all Engram layers at once.
+
+    Args:
+        token_ids: int32/int64 ``[T]``, a flattened varlen batch (any stride).
+            Compressed ids, or raw tokenizer ids when ``token_map`` is given.
+        cu_seqlens: int32/int64 ``[N+1]``; tokens outside ``[cu[0], cu[N])`` get
+            row ``-1`` (the lookup writes zeros for them).
+        layout: the model's :class:`EngramLayout`.
+        history: int32/int64 ``[N, max_ngram - 1]``, the ids (same space as
+            ``token_ids``) that came before each sequence, oldest first;
+            ``-1`` = none (reads as pad and hides everything older). ``None``:
+            every sequence starts fresh. :func:`next_history` computes the
+            history the next call of a continuing sequence needs.
+        dead_mask: bool/uint8 ``[T]``; a dead token hashes as pad and hides all
+            tokens before it from the n-grams of the tokens after it.
+        token_map: int32/int64 ``[vocab]``, raw -> compressed id map, applied in
+            the kernel (one gather per token and lag, L2-resident).
+        global_rows: rows index all layers' tables concatenated (in
+            ``layout.layer_ids`` order) instead of each layer's own table.
+        out: optional int32 ``[T, n_layers, n_hash_cols]`` to write into (any strides).
+        check_inputs: validate shapes, dtypes, devices and id ranges (reads
+            device memory back, so it syncs); turn off under CUDA-graph capture.
+
+    Returns:
+        int32 ``[T, n_layers, n_hash_cols]``: ``out[t, l]`` are the rows of
+        layer ``layout.layer_ids[l]``'s table, column ``c = (n - 2) * n_heads + j``
+        for order ``n``, head ``j``; ``out[:, l, :]`` is what
+        :meth:`kda_engram.engram.table.EngramTable.lookup` takes.
+    """
+    if check_inputs:
+        _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
+        if layout.total_rows(global_rows=global_rows) >= 2**31:
+            raise ValueError(f"layout: {layout.total_rows(global_rows=global_rows)} rows do not fit the int32 output")
+    num_tokens = token_ids.shape[0]
+    num_seqs = cu_seqlens.numel() - 1
+    L, C = layout.n_layers, layout.n_hash_cols
+    device = token_ids.device
+    if out is None:
+        out = torch.empty((num_tokens, L, C), dtype=torch.int32, device=device)
+    elif check_inputs:
+        check_tensor("out", out, shape=[num_tokens, L, C], dtypes=(torch.int32,), device=device)
+    if num_tokens == 0:
+        return out
+    if num_seqs == 0:
+        return out.fill_(-1)
+    primes, offsets, mults = layout.device_arrays(device, global_rows=global_rows)
+    dead = _dead_view(dead_mask) if dead_mask is not None else None
+    steps = max(0, (num_seqs - 1).bit_length())
+    grid = (triton.cdiv(num_tokens, BLOCK_T), L)
+    _ngram_hash_kernel[grid](
+        token_ids,
+        token_ids.stride(0),
+        cu_seqlens,
+        cu_seqlens.stride(0),
+        token_map if token_map is not None else token_ids,
+        token_map.stride(0) if token_map is not None else 0,
+        history if history is not None else token_ids,
+        history.stride(0) if history is not None else 0,
+        history.stride(1) if history is not None else 0,
+        dead if dead is not None else token_ids,
+        dead.stride(0) if dead is not None else 0,
+        primes,
+        offsets,
+        mults,
+        out,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        num_tokens,
+        num_seqs,
+        layout.hash_pad_id,
+        MAX_NGRAM=layout.max_ngram,
+        N_HEADS=layout.n_heads,
+        SEARCH_STEPS=steps,
+        HAS_MAP=token_map is not None,
+        HAS_HISTORY=history is not None,
+        HAS_DEAD=dead is not None,
+        BLOCK=BLOCK_T,
+        num_warps=4,
+    )
+    return out
+
+
+def next_history(
+    token_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    layout: EngramLayout,
+    *,
+    history: torch.Tensor | None = None,
+    dead_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """The ``history`` each sequence's next :func:`ngram_hash` call needs.
+
+    Returns ``[N, max_ngram - 1]`` in ``token_ids``' dtype: the last
+    ``max_ngram - 1`` ids of each sequence so far (this call's tokens after the
+    older ``history``), oldest first, ``-1`` where there are none or the token
+    was dead. ``out`` may be ``history`` itself (each program reads its row
+    before writing it), so an engine can keep one persistent buffer per slot.
+    """
+    if check_inputs:
+        # Ids are only copied here, in whatever id space the caller hashes them.
+        _check_common(token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
+    num_seqs = cu_seqlens.numel() - 1
+    hist_len = layout.max_ngram - 1
+    if out is None:
+        out = torch.empty((num_seqs, hist_len), dtype=token_ids.dtype, device=token_ids.device)
+    elif check_inputs:
+        _check_history(out, num_seqs, hist_len, token_ids.device)
+    if num_seqs == 0:
+        return out
+    dead = _dead_view(dead_mask) if dead_mask is not None else None
+    _next_history_kernel[(num_seqs,)](
+        token_ids,
+        token_ids.stride(0),
+        cu_seqlens,
+        cu_seqlens.stride(0),
+        history if history is not None else token_ids,
+        history.stride(0) if history is not None else 0,
+        history.stride(1) if history is not None else 0,
+        dead if dead is not None else token_ids,
+        dead.stride(0) if dead is not None else 0,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HIST=hist_len,
+        BLOCK_H=triton.next_power_of_2(hist_len),
+        HAS_HISTORY=history is not None,
+        HAS_DEAD=dead is not None,
+        num_warps=1,
+    )
+    return out
+
+
+# -- tokenizer compression --------------------------------------------------------------
+
+_SENTINEL = "\ue000"
+
+
+class CompressedTokenMap(NamedTuple):
+    """``token_map``: int64 ``[vocab]`` raw -> compressed id; ``num_compressed``: the
+    compressed vocabulary's size (a config's ``engram_compressed_vocab_size``)."""
+
+    token_map: torch.Tensor
+    num_compressed: int
+
+
+def compression_normalizer():
+    """The Engram paper's normalizer as a ``tokenizers`` pipeline: NFKC, NFD, strip
+    accents, lowercase, runs of ASCII whitespace -> one space, strip, except that a
+    text that is exactly one space after the collapse stays one space."""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            # Keep a whitespace-only token as " " through the Strip (else it
+            # would normalise to nothing and keep its own id).
+            normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_SENTINEL, " "),
+        ]
+    )
+
+
+def _vocab_size(tokenizer) -> int:
+    if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
+        return int(tokenizer.get_vocab_size(with_added_tokens=True))
+    return len(tokenizer)  # transformers tokenizers
+
+
+def _id_to_token(tokenizer, tid: int) -> str:
+    if hasattr(tokenizer, "id_to_token"):
+        tok = tokenizer.id_to_token(tid)
+    else:
+        tok = tokenizer.convert_ids_to_tokens(tid)
+    return "" if tok is None else tok
+
+
+def build_compressed_token_map(tokenizer) -> CompressedTokenMap:
+    """Engram's tokenizer compression (the paper's section on tokenizer compression).
+
+    Every id's decoded text is normalised by :func:`compression_normalizer`;
+    ids whose texts normalise alike share one compressed id, numbered in the
+    order they are first seen walking ids from 0. A text that decodes to an
+    invalid UTF-8 fragment (containing U+FFFD: a partial byte-level token) keys
+    on its token string instead, so byte pieces stay apart; a text that
+    normalises to nothing keys on itself.
+
+    ``tokenizer``: a Hugging Face ``tokenizers.Tokenizer`` (or a ``transformers``
+    tokenizer, which has ``decode``, ``convert_ids_to_tokens`` and ``len``).
+    Needs the ``tokenizers`` package.
+    """
+    norm = compression_normalizer()
+    vocab = _vocab_size(tokenizer)
+    key_to_new: dict[str, int] = {}
+    token_map = torch.empty(vocab, dtype=torch.int64)
+    for tid in range(vocab):
+        text = tokenizer.decode([tid], skip_special_tokens=False)
+        if "\ufffd" in text:
+            key = _id_to_token(tokenizer, tid)
+        else:
+            key = norm.normalize_str(text) or text
+        new = key_to_new.setdefault(key, len(key_to_new))
+        token_map[tid] = new
+    return CompressedTokenMap(token_map, len(key_to_new))
