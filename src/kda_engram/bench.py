@@ -19,6 +19,7 @@ BENCHMARKS = {
     "kda-prefill": "bench_kda_prefill",
     "kda-decode": "bench_kda_decode",
     "engram": "bench_engram_gate",
+    "engram-table": "bench_engram_table",
 }
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
