@@ -210,7 +210,7 @@ def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
             x, idx, cache = make_case(B, H, S, device)
             out = torch.empty(x["v"].shape, dtype=x["v"].dtype, device=device)
             row = dict(case=case_name(B, H, S), peer=None, peer_note=note, copy_gbps=bw / 1e9,
-                       tiling=decode_tiling(B, H, V, device))
+                       tiling=decode_tiling(B, H, V, device, S))
             row["ours_ms"] = bench(ours_fn(x, idx, cache, S, out))
             timings = {}
             if api is not None:
