@@ -1,0 +1,269 @@
+"""KDA prefill on one GPU: ``chunk_kda_prefill`` vs fla-core's ``chunk_kda``.
+
+Both run in this process on the same inputs at every ANCHORS.md shape (bf16,
+K = V = 128, ``lower_bound = -5`` gate with ``A_log``/``dt_bias``, in-kernel L2
+norm and beta sigmoid, fp32 initial state given, final state returned,
+``cu_seqlens`` given), timed with ``triton.testing.do_bench`` (median). Per case:
+both times, the ratio (fla ms / ours ms, > 1 is faster), our fraction of the HBM
+floor, and the max abs difference of the outputs (and of the final states). The
+floor is the bytes that must move -- q, k, v, raw gate and the output in bf16,
+beta, the initial and the final state in fp32 -- over the copy bandwidth
+measured here (a 1 GiB device-to-device copy, counting read + write). Our time is
+also split into the two launches (prologue, chunk walk).
+
+``python benchmarks/bench_kda_prefill.py [--cases 16x2k_H32,...] [--quick]
+[--no-peers] [--sweep] [--json PATH]``. ``--sweep`` also times the chunk kernel
+alone over its launch configurations (BV x num_warps x num_stages), to tune
+:func:`kda_engram.kda.chunk.chunk_config`. ``run(cases=None, peers=True,
+quick=False)`` returns the rows for ``kda-engram bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+try:  # a source checkout without an install
+    import kda_engram  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
+from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from kda_engram.kda.prefill import chunk_kda_prefill
+from kda_engram.kda.prologue import fused_kda_prologue
+
+HEAD_DIM = 128
+LOWER_BOUND = -5.0
+DTYPE = torch.bfloat16
+# name: (sequences, length, heads), and the peers' ANCHORS.md times (ms, H200).
+CASES = {
+    "1x8k_H32": (1, 8192, 32),
+    "1x32k_H32": (1, 32768, 32),
+    "1x32k_H4": (1, 32768, 4),
+    "1x128k_H4": (1, 131072, 4),
+    "16x2k_H32": (16, 2048, 32),
+    "64x512_H32": (64, 512, 32),
+    "1x8k_H96": (1, 8192, 96),
+}
+ANCHOR_FLA_MS = {"1x8k_H32": 1.530, "1x32k_H32": 3.713, "1x32k_H4": 1.831, "1x128k_H4": 4.245,
+                 "16x2k_H32": 3.773, "64x512_H32": 3.928, "1x8k_H96": 2.660}
+ANCHOR_FLASHKDA_MS = {"1x8k_H32": 1.047, "1x32k_H32": 4.077, "1x32k_H4": 3.256, "1x128k_H4": 13.176,
+                      "16x2k_H32": 1.545, "64x512_H32": 1.635, "1x8k_H96": 1.470}
+# Issue 5's targets (speed-up over fla-core); long few-head sequences: not slower.
+TARGET_RATIO = {"16x2k_H32": 2.6, "64x512_H32": 2.6, "1x8k_H32": 2.0, "1x8k_H96": 2.0}
+SWEEP = {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+
+
+def _bench(fn, quick: bool = False) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                         return_mode="median"))
+
+
+def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting the read and the write."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def floor_bytes(num_seqs: int, length: int, heads: int) -> int:
+    """Bytes a prefill must move: q, k, v, raw gate, out (bf16), beta (bf16), initial + final state (fp32)."""
+    T = num_seqs * length
+    return T * heads * (5 * HEAD_DIM * 2 + 2) + 2 * num_seqs * heads * HEAD_DIM * HEAD_DIM * 4
+
+
+def make_inputs(num_seqs: int, length: int, heads: int, device, seed: int = 0) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    T = num_seqs * length
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    return dict(
+        q=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
+        k=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
+        v=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
+        raw_g=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
+        raw_beta=rnd(1, T, heads).to(DTYPE),
+        A_log=(rnd(heads) * 0.5).float(),
+        dt_bias=rnd(heads * HEAD_DIM).float(),
+        h0=(rnd(num_seqs, heads, HEAD_DIM, HEAD_DIM) * 0.1).float(),  # V-first [N, H, V, K]
+        cu=torch.arange(0, T + 1, length, dtype=torch.int64, device=device),
+    )
+
+
+def _load_fla():
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception as exc:  # ImportError, or fla failing at import time: report, do not crash
+        return None, f"fla-core not importable: {type(exc).__name__}: {exc}"
+    try:
+        import fla
+
+        version = getattr(fla, "__version__", "?")
+    except Exception:  # pragma: no cover
+        version = "?"
+    return chunk_kda, f"fla-core {version} chunk_kda"
+
+
+def _fla_call(chunk_kda, x, h0_kv):
+    """fla's call of ANCHORS.md; fla keeps the state K-first [N, H, K, V]."""
+    return chunk_kda(
+        x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], initial_state=h0_kv, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        safe_gate=True, lower_bound=LOWER_BOUND, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu"],
+    )
+
+
+def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
+    return {
+        "case": case,
+        "ours_ms": ours_ms,
+        "peer_ms": peer_ms,
+        "peer": peer,
+        "ratio": (peer_ms / ours_ms) if (peer_ms and ours_ms) else None,
+        "hbm_floor_ms": floor_ms,
+        "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
+        **extra,
+    }
+
+
+def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False) -> list[dict]:
+    """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
+    max_abs_diff, max_abs_diff_state, prologue_ms, chunk_ms, target_ratio, ...}``.
+    ``cases``: names of :data:`CASES` (default all). ``sweep`` adds one row per
+    chunk-kernel launch configuration (its ``peer`` is the default configuration)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_kda_prefill needs a GPU")
+    device = torch.device("cuda")
+    bw = copy_bandwidth_gbs(device)
+    chunk_kda, peer_name = _load_fla() if peers else (None, "peers off")
+    if peers and chunk_kda is None:
+        print(f"bench_kda_prefill: {peer_name}; timing ours only")
+    rows: list[dict] = []
+    for name in cases or list(CASES):
+        N, L, H = CASES[name]
+        x = make_inputs(N, L, H, device)
+        T = N * L
+        floor_ms = floor_bytes(N, L, H) / (bw * 1e9) * 1e3
+        out = torch.empty(1, T, H, HEAD_DIM, dtype=DTYPE, device=device)
+        ours = lambda: chunk_kda_prefill(  # noqa: E731
+            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
+            out=out, check_inputs=False,
+        )
+        with torch.inference_mode():
+            # One checked call first: validates the inputs and compiles the kernels.
+            o_ours, f_ours = chunk_kda_prefill(
+                x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+                lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
+            )
+            ours_ms = _bench(ours, quick)
+
+            # The two launches on their own.
+            scale = HEAD_DIM**-0.5
+            offs = prepare_chunk_offsets(x["cu"], CHUNK_SIZE)
+            idx = prepare_chunk_indices(x["cu"], CHUNK_SIZE, total_tokens=T, chunk_offsets=offs)
+            pro = lambda: fused_kda_prologue(  # noqa: E731
+                x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], scale, LOWER_BOUND,
+                x["cu"], chunk_indices=idx, check_inputs=False,
+            )
+            ops = pro()
+            prologue_ms = _bench(pro, quick)
+
+            def walk(config=None):
+                return fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
+                                       scale, x["cu"], x["h0"], True, chunk_offsets=offs, check_inputs=False,
+                                       config=config)
+
+            chunk_ms = _bench(walk, quick)
+
+            peer_ms = diff = diff_state = None
+            peer = peer_name
+            if chunk_kda is not None:
+                try:
+                    h0_kv = x["h0"].transpose(-1, -2).contiguous()
+                    o_fla, f_fla = _fla_call(chunk_kda, x, h0_kv)
+                    peer_ms = _bench(lambda: _fla_call(chunk_kda, x, h0_kv), quick)
+                    diff = (o_ours.float() - o_fla.float()).abs().max().item()
+                    diff_state = (f_ours - f_fla.transpose(-1, -2).float()).abs().max().item()
+                except Exception as exc:  # report, do not crash
+                    peer = f"fla chunk_kda failed: {type(exc).__name__}: {exc}"
+            cfg = chunk_config(N, H, HEAD_DIM, device)
+            row = _row(
+                name, ours_ms, peer_ms, peer, floor_ms, max_abs_diff=diff, max_abs_diff_state=diff_state,
+                prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw,
+                target_ratio=TARGET_RATIO.get(name, 1.0), anchor_fla_ms=ANCHOR_FLA_MS[name],
+                anchor_flashkda_ms=ANCHOR_FLASHKDA_MS[name],
+            )
+            if row["ratio"] is not None:
+                row["meets_target"] = row["ratio"] >= row["target_ratio"]
+            rows.append(row)
+
+            if sweep:
+                for bv, nw, ns in itertools.product(*SWEEP.values()):
+                    conf = {"BV": bv, "num_warps": nw, "num_stages": ns}
+                    try:
+                        ms = _bench(lambda: walk(conf), quick)
+                    except Exception as exc:  # e.g. out of shared memory for a config
+                        print(f"  sweep {name} {conf}: {type(exc).__name__}: {exc}")
+                        continue
+                    rows.append(_row(f"{name} chunk[BV={bv},w={nw},s={ns}]", ms, chunk_ms,
+                                     f"chunk default {cfg}", None, sweep=True))
+        del x, out, ops, o_ours, f_ours
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    if rows and rows[0].get("copy_gbs"):
+        print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth (read + write): {rows[0]['copy_gbs']:.0f} GB/s")
+    print(f"{'case':<34} {'ours ms':>8} {'fla ms':>8} {'ratio':>6} {'target':>6} {'floor ms':>8} {'of floor':>8} "
+          f"{'prol ms':>8} {'chunk ms':>8} {'max|do|':>9} {'max|dS|':>9}")
+    for r in rows:
+        if r.get("sweep"):
+            print(f"{r['case']:<34} {f(r['ours_ms']):>8} {'':>8} {f(r['ratio'], '.2f'):>6}   (vs the default chunk)")
+            continue
+        print(
+            f"{r['case']:<34} {f(r['ours_ms']):>8} {f(r['peer_ms']):>8} {f(r['ratio'], '.2f'):>6} "
+            f"{f(r.get('target_ratio'), '.1f'):>6} {f(r['hbm_floor_ms']):>8} {f(r['floor_fraction'], '.0%'):>8} "
+            f"{f(r.get('prologue_ms')):>8} {f(r.get('chunk_ms')):>8} {f(r.get('max_abs_diff'), '.2e'):>9} "
+            f"{f(r.get('max_abs_diff_state'), '.2e'):>9}"
+        )
+        print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; ANCHORS fla {r.get('anchor_fla_ms')} "
+              f"/ FlashKDA {r.get('anchor_flashkda_ms')} ms")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default=None, help=f"comma-separated subset of {','.join(CASES)}")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument("--no-peers", action="store_true", help="time ours only")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the chunk kernel's launch configurations")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args(argv)
+    cases = args.cases.split(",") if args.cases else None
+    for c in cases or []:
+        if c not in CASES:
+            parser.error(f"unknown case {c!r}; expected one of {', '.join(CASES)}")
+    rows = run(cases, peers=not args.no_peers, quick=args.quick, sweep=args.sweep)
+    print_rows(rows)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

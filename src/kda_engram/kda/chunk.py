@@ -1,0 +1,508 @@
+"""The KDA chunk kernel: inter-chunk recurrence and output in one launch.
+
+Consumes the operands of the fused prologue (documented, and computed in plain
+PyTorch, by :func:`kda_engram.kda.reference.chunk_operands`) and walks every
+sequence's 64-token chunks with the recurrent state on chip. Per chunk, with
+``S`` the V-first state ``[V, K]`` at the chunk start (see DESIGN.md)::
+
+    v_new = u - w S^T
+    o     = scale (qg S^T + tril(aqk) v_new)
+    S     = S diag(decay) + v_new^T kg
+
+Why one launch: fla-core writes every chunk's state to HBM (``h``, 32 KiB per
+chunk and head in bf16) and reads it back in a second kernel for the output.
+Here one program owns one (sequence, head, V-tile) and keeps its ``[K, BV]``
+slice of the state in registers for the whole walk, so the only HBM traffic is
+the operands read once and the output written once, plus the start and final
+state. Programs never share a state row, so the in-place paged state cache
+(read row ``state_indices[n]``, write the same row back) needs no
+synchronisation.
+
+The walk over chunks is serial per sequence; parallel chunk groups joined by
+the exact transfer-operator scan (``reference.chunk_walk(groups=...)``) are the
+next step and will plug in behind :func:`fused_kda_chunk` without changing its
+signature (the seed chooses the group count internally from the machine fit).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..platform import arch, interpreting, num_compute_units
+from .metadata import CHUNK_SIZE, prepare_chunk_offsets
+from .reference import KDA_CHECKPOINT_ALIGNMENT
+
+__all__ = [
+    "KDA_CHECKPOINT_ALIGNMENT",
+    "chunk_config",
+    "check_state_arguments",
+    "fused_kda_chunk",
+]
+
+# Head dims the kernel compiles for: the model's 128, and smaller powers of two
+# (the CPU tests use them to keep the interpreter fast). The state tile is
+# [K, BV] fp32 in registers, so K above 128 would spill.
+_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@triton.jit
+def _mm(a, b, acc, IEEE: tl.constexpr):
+    # fp32 operands: "ieee" keeps fp32 accuracy (the default would be tf32 on
+    # NVIDIA, and AMD does not offer tf32 on every CDNA). bf16/fp16 operands
+    # take the tensor cores with fp32 accumulation either way.
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _walk_chunk(
+    c, st, bos, length, row0, i_h, o_k, o_v, o_c,
+    qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr, scale,
+    st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
+    st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
+    st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
+    p_ck, ck_on, ck_off,
+    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Chunk ``c`` of one (sequence, head, V-tile): writes its output rows and
+    returns the state after it (``st[k, v] = S[v, k]``, fp32)."""
+    # 64-bit scalar bases, 32-bit tile offsets (C * token stride stays far below
+    # 2^31): per-element address math in 64 bits would cost registers the dots need.
+    t0 = bos + c * C
+    row = row0 + c
+    live = (c * C + o_c) < length  # tokens of a partial last chunk past the end
+    qg = tl.load(qg_ptr + t0 * st_qg_t + i_h * st_qg_h + (o_c[:, None] * st_qg_t + o_k[None, :] * st_qg_k),
+                 mask=live[:, None], other=0.0)
+    w = tl.load(w_ptr + t0 * st_w_t + i_h * st_w_h + (o_c[:, None] * st_w_t + o_k[None, :] * st_w_k),
+                mask=live[:, None], other=0.0)
+    u = tl.load(u_ptr + t0 * st_u_t + i_h * st_u_h + (o_c[:, None] * st_u_t + o_v[None, :] * st_u_v),
+                mask=live[:, None], other=0.0)
+    # Masks along the contiguous dim would break vectorised loads, so aqk is read
+    # by rows and kg_t whole (both rows lie inside their buffers) and the causal /
+    # end-of-chunk masks are applied in registers: whatever the workspace holds
+    # above the diagonal or past the chunk's end never reaches a product.
+    a = tl.load(aqk_ptr + t0 * st_a_t + i_h * st_a_h + (o_c[:, None] * st_a_t + o_c[None, :] * st_a_c),
+                mask=live[:, None], other=0.0)
+    a = tl.where(o_c[None, :] <= o_c[:, None], a, 0.0)
+    kg = tl.load(kg_t_ptr + row * st_kg_r + i_h * st_kg_h + (o_k[:, None] * st_kg_k + o_c[None, :] * st_kg_c))
+    kg = tl.where(live[None, :], kg, 0.0)
+    d = tl.load(decay_ptr + row * st_d_r + i_h * st_d_h + o_k * st_d_k).to(tl.float32)
+
+    # Dots in the operand dtype with fp32 accumulation (bf16 on the GPU, as fla
+    # and FlashKDA do); the state itself stays fp32 from chunk to chunk.
+    dt = qg_ptr.dtype.element_ty
+    # The state's chain (sb -> v_new -> st) is the serial part of the walk; the
+    # output products hang off it and are issued beside it.
+    sb = st.to(dt)
+    o = _mm(qg, sb, None, IEEE)
+    v_new = u.to(tl.float32) - _mm(w, sb, None, IEEE)  # [C, BV]
+    vb = v_new.to(dt)
+    st = _mm(kg, vb, st * d[:, None], IEEE)  # S diag(decay) + v_new^T kg, transposed
+    o = _mm(a, vb, o, IEEE)
+    tl.store(out_ptr + t0 * st_o_t + i_h * st_o_h + (o_c[:, None] * st_o_t + o_v[None, :] * st_o_v),
+             (o * scale).to(out_ptr.dtype.element_ty), mask=live[:, None])
+    if HAS_CKPT:
+        if ck_on & (ck_off == (c + 1) * C):
+            tl.store(p_ck, st)
+    return st
+
+
+@triton.jit
+def _kda_chunk_walk_kernel(
+    qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr,
+    cu_ptr, chunk_off_ptr,
+    s_in_ptr, s_out_ptr, s_idx_ptr, has_init_ptr,
+    ck_ptr, ck_off_ptr, ck_idx_ptr,
+    scale,
+    st_qg_t, st_qg_h, st_qg_k,
+    st_w_t, st_w_h, st_w_k,
+    st_u_t, st_u_h, st_u_v,
+    st_kg_r, st_kg_h, st_kg_k, st_kg_c,
+    st_a_t, st_a_h, st_a_c,
+    st_d_r, st_d_h, st_d_k,
+    st_o_t, st_o_h, st_o_v,
+    st_in_r, st_in_h, st_in_v, st_in_k,
+    st_out_r, st_out_h, st_out_v, st_out_k,
+    st_ck_r, st_ck_h, st_ck_v, st_ck_k,
+    st_cu, st_co, st_idx, st_has, st_cko, st_cki,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    LOAD_STATE: tl.constexpr,  # 0: zeros, 1: initial_state[n], 2: cache[idx[n]] if has_init[n]
+    STORE_STATE: tl.constexpr,  # 0: none, 1: final_state[n], 2: cache[idx[n]]
+    HAS_CKPT: tl.constexpr,
+    CKPT_INDEXED: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    # V-tiles of one (sequence, head) are neighbours in launch order, so the
+    # operands they all read (qg, w, kg_t, aqk) are served from L2 after the first.
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)  # head strides of a permuted cache can pass 2^31 / H
+    i_n = tl.program_id(2)
+
+    bos_raw = tl.load(cu_ptr + i_n * st_cu)
+    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
+    bos = bos_raw.to(tl.int64)
+    length = (eos_raw - bos_raw).to(tl.int32)  # one sequence stays below 2^31 tokens
+    n_chunks = (length + C - 1) // C
+    row0 = tl.load(chunk_off_ptr + i_n * st_co).to(tl.int64)
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, C)
+    full = (o_k[:, None] < K) & (o_v[None, :] < V)
+
+    # The state is held transposed, st[k, v] = S[v, k]: every product below is
+    # then a plain [M, K] @ [K, N] dot, with no transpose in memory or registers.
+    st = tl.zeros([K, BV], dtype=tl.float32)
+    if LOAD_STATE == 1:
+        p_in = s_in_ptr + i_n.to(tl.int64) * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        st = tl.load(p_in).to(tl.float32)
+    elif LOAD_STATE == 2:
+        slot = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
+        has = tl.load(has_init_ptr + i_n * st_has) != 0
+        p_in = s_in_ptr + slot * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        # A masked-off load reads nothing: rows of sequences that start from zero
+        # (or have no row) are never touched, so garbage/NaN there is harmless.
+        st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
+
+    # Placeholders when no checkpoints are taken (never dereferenced).
+    p_ck = ck_ptr
+    ck_on = i_n < 0
+    ck_off = i_n.to(tl.int64) * 0
+    if HAS_CKPT:
+        ck_off = tl.load(ck_off_ptr + i_n * st_cko).to(tl.int64)
+        if CKPT_INDEXED:
+            ck_row = tl.load(ck_idx_ptr + i_n * st_cki).to(tl.int64)
+        else:
+            ck_row = i_n.to(tl.int64)
+        # Only an exactly placeable snapshot is written: a positive multiple of
+        # C inside the sequence, with a real destination row.
+        ck_on = (ck_off > 0) & (ck_off % C == 0) & (ck_off <= length) & (ck_row >= 0)
+        p_ck = ck_ptr + ck_row * st_ck_r + i_h * st_ck_h + (o_v[None, :] * st_ck_v + o_k[:, None] * st_ck_k)
+
+    # The interpreter (CPU tests) cannot run a `for` over a loaded bound with
+    # NumPy >= 2 (it converts the 1-element scalar with int()); compiled code
+    # takes the `for`, which Triton software-pipelines when num_stages >= 2 (the
+    # next chunk's operand loads do not depend on the state).
+    if INTERPRET:
+        c = 0
+        while c < n_chunks:
+            st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_v, o_c,
+                             qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr, scale,
+                             st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
+                             st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
+                             st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
+                             p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+            c += 1
+    else:
+        for c in range(0, n_chunks):
+            st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_v, o_c,
+                             qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr, scale,
+                             st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
+                             st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
+                             st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
+                             p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+
+    if STORE_STATE == 1:
+        p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
+        tl.store(p_out, st)
+    elif STORE_STATE == 2:
+        slot_out = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
+        p_out = s_out_ptr + slot_out * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
+        tl.store(p_out, st, mask=full & (slot_out >= 0))
+
+
+def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.device | str | None = None) -> dict:
+    """Launch configuration of the walk: V-tile width ``BV``, ``num_warps``, ``num_stages``.
+
+    The grid is ``(V / BV) x H x N`` programs and each walks its sequence's
+    chunks serially, so a program's run time is set by the chunk count times the
+    latency of one chunk step, and the launch takes ``waves`` such runs, with
+    ``waves = ceil(programs / resident programs)``. One stage of operands
+    (qg, w, kg_t: 16 KiB each, aqk, u) is about 60 KiB of shared memory, so two
+    programs fit a Hopper SM single-staged; the width is the one with the fewest
+    waves, and among those the narrowest (a narrower tile is a shorter step).
+    Wide tiles (BV = 64) also halve the re-reads of ``w``/``qg``/``kg_t``/``aqk``
+    (one per V-tile, mostly from L2), which is what the many-wave batched cases
+    need; narrow ones fill the machine when ``N x H`` is small (1 x 8k x 32 heads
+    on 132 SMs). Software pipelining (``num_stages = 2``) doubles the staging, so
+    it is taken only where one program per unit is all the grid has anyway. AMD
+    CDNA has 64 KiB of LDS per CU: single-staged, one resident program.
+    """
+    cus = num_compute_units(device)
+    nh = max(num_seqs * num_heads, 1)
+    on_amd = arch(device).startswith("gfx")
+    resident = (1 if on_amd else 2) * cus
+    best = None
+    for bv in (64, 32, 16):
+        if bv > head_v or head_v % bv:
+            continue
+        waves = -(-nh * (head_v // bv) // resident)
+        if best is None or waves <= best[0]:
+            best = (waves, bv)
+    bv = best[1] if best else 16
+    programs = nh * (head_v // bv)
+    stages = 2 if (programs <= cus and not on_amd) else 1
+    return {"BV": bv, "num_warps": 4, "num_stages": stages}
+
+
+def _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices) -> None:
+    """Argument combinations (host-only, no device reads: always run)."""
+    if state_cache is not None:
+        if initial_state is not None or output_final_state:
+            raise ValueError(
+                "state_cache replaces initial_state/output_final_state: pass either state_cache "
+                "(with state_indices and has_initial_state) or initial_state/output_final_state"
+            )
+        if state_indices is None or has_initial_state is None:
+            raise ValueError("state_cache needs state_indices and has_initial_state")
+    elif state_indices is not None or has_initial_state is not None:
+        raise ValueError("state_indices/has_initial_state are only meaningful with state_cache")
+    if checkpoint_offsets is not None and checkpoint_state is None:
+        raise ValueError("checkpoint_offsets needs checkpoint_state (the destination of the snapshots)")
+    if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
+        raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, device: torch.device) -> list[int]:
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()  # syncs: only with check_inputs
+    if bounds[0] != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {bounds}")
+    if bounds[-1] > total_tokens:
+        raise ValueError(f"cu_seqlens: last entry {bounds[-1]} exceeds the {total_tokens} tokens of the inputs")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def check_state_arguments(
+    *,
+    num_seqs: int,
+    num_heads: int,
+    head_v: int,
+    head_k: int,
+    device: torch.device,
+    lengths: list[int],
+    initial_state=None,
+    state_cache=None,
+    state_indices=None,
+    has_initial_state=None,
+    checkpoint_state=None,
+    checkpoint_offsets=None,
+    checkpoint_state_indices=None,
+) -> None:
+    """Shape/dtype/range checks of the state and checkpoint arguments (syncs).
+
+    Shared by :func:`fused_kda_chunk` and ``chunk_kda_prefill``; run only with
+    ``check_inputs``. ``lengths`` are the per-sequence token counts.
+    """
+    N, H, V, K = num_seqs, num_heads, head_v, head_k
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=[torch.float32], device=device)
+    if state_cache is not None:
+        check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=device)
+        check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=[torch.bool], device=device)
+        check_index_range("state_indices", state_indices, state_cache.shape[0])
+    if checkpoint_offsets is not None:
+        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
+        check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+        offs = checkpoint_offsets.tolist()
+        for n, (p, length) in enumerate(zip(offs, lengths)):
+            if p < 0 or p % KDA_CHECKPOINT_ALIGNMENT or p > length:
+                raise ValueError(
+                    f"checkpoint_offsets[{n}]: expected 0 (none) or a multiple of KDA_CHECKPOINT_ALIGNMENT="
+                    f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {length}, got {p}"
+                )
+        rows = checkpoint_state.shape[0]
+        if checkpoint_state_indices is not None:
+            check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
+                         device=device)
+            # Only sequences that actually export claim their row.
+            active = checkpoint_state_indices[checkpoint_offsets > 0]
+            check_index_range("checkpoint_state_indices", active, rows)
+            ck_rows = {n: r for n, r in enumerate(checkpoint_state_indices.tolist()) if r >= 0 and offs[n] > 0}
+        else:
+            if rows < N:
+                raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
+            ck_rows = {n: n for n in range(N) if offs[n] > 0}
+        if state_cache is not None and checkpoint_state.data_ptr() == state_cache.data_ptr():
+            # Snapshots into the paged cache itself: one sequence's snapshot must not
+            # land on another sequence's state row (two programs would race on it).
+            owner = {r: n for n, r in enumerate(state_indices.tolist()) if r >= 0}
+            for n, r in ck_rows.items():
+                if owner.get(r, n) != n:
+                    raise ValueError(
+                        f"checkpoint_state_indices[{n}]={r} is the state_cache row of sequence {owner[r]}"
+                    )
+
+
+def fused_kda_chunk(
+    qg: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    kg_t: torch.Tensor,
+    aqk: torch.Tensor,
+    decay: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    chunk_offsets: torch.Tensor | None = None,
+    checkpoint_state: torch.Tensor | None = None,
+    checkpoint_offsets: torch.Tensor | None = None,
+    checkpoint_state_indices: torch.Tensor | None = None,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    *,
+    check_inputs: bool = True,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the chunk recurrence and the output projection in one launch.
+
+    Operands (what the prologue / ``reference.chunk_operands`` produce; one float
+    dtype for all but ``decay``):
+
+    * ``qg``, ``w``: ``[1, T, H, K]``; ``u``: ``[1, T, H, V]``; ``aqk``: ``[1, T, H, 64]``
+      (only its inclusive lower triangle is read).
+    * ``kg_t``: chunk-major transposed gated keys ``[R, H, K, 64]``, ``decay``:
+      ``[R, H, K]`` (any float dtype, read as fp32). Row ``chunk_offsets[n] + c``
+      is chunk ``c`` of sequence ``n``; ``R`` is at least the batch's chunk count
+      (the prologue allocates the static bound ``T // 64 + N``).
+    * ``out``: ``[1, T, H, V]``, written for the tokens ``cu_seqlens`` covers and
+      nowhere else. It may alias the ``v`` that ``u`` was computed from (the walk
+      reads ``u``, never ``v``).
+    * ``cu_seqlens``: ``[N+1]`` int32/int64; ``chunk_offsets``: ``[N+1]`` (computed
+      on the device when omitted; pass the prologue's to save a launch).
+    * ``scale``: output scale (the prologue does not fold it into ``qg``).
+
+    State (fp32, V-first ``[*, H, V, K]``, any strides):
+
+    * ``initial_state`` ``[N, H, V, K]`` or ``None`` (zeros); ``output_final_state``
+      returns a new ``[N, H, V, K]`` final state.
+    * or ``state_cache`` ``[slots, H, V, K]`` with ``state_indices`` ``[N]`` and
+      ``has_initial_state`` bool ``[N]``: sequence ``n`` starts from row
+      ``state_indices[n]`` when ``has_initial_state[n]`` (else from zeros, and the
+      row is not read) and its final state is written back to the same row; the
+      returned final state is then ``None``. A negative index means no row: the
+      walk starts from zeros, outputs are still written, and no row is read or
+      written.
+    * ``checkpoint_offsets`` int ``[N]``: snapshot of the state after that many
+      tokens of sequence ``n`` (0 = none; otherwise a multiple of
+      :data:`KDA_CHECKPOINT_ALIGNMENT` and at most the length), written to
+      ``checkpoint_state[checkpoint_state_indices[n]]`` (fp32 ``[rows, H, V, K]``,
+      may be the state cache itself; negative row = none) or to row ``n`` of a
+      staging ``checkpoint_state`` without indices. The kernel writes only
+      snapshots it can place exactly; with ``check_inputs`` any other offset is a
+      ``ValueError``, so nothing is dropped silently.
+
+    ``check_inputs=True`` validates everything, which reads ``cu_seqlens``, the
+    indices and offsets back to the host; with ``False`` the call launches one
+    kernel (plus the ``chunk_offsets`` computation when not given) with no host
+    synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
+    :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning).
+
+    Returns ``(out, final_state | None)``.
+    """
+    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    device = u.device
+    T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
+    num_seqs = cu_seqlens.numel() - 1
+    if check_inputs:
+        check_tensor("qg", qg, shape=[1, None, None, None], dtypes=FLOAT_DTYPES, device=device)
+        if K not in _HEAD_DIMS or V not in _HEAD_DIMS:
+            raise ValueError(f"qg/u: head dims K, V must be one of {_HEAD_DIMS}, got K={K}, V={V}")
+        check_tensor("w", w, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=device)
+        check_tensor("u", u, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
+        check_tensor("aqk", aqk, shape=[1, T, H, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
+        check_tensor("kg_t", kg_t, shape=[None, H, K, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
+        check_same_dtype(["qg", "w", "u", "aqk", "kg_t"], [qg, w, u, aqk, kg_t])
+        check_tensor("decay", decay, shape=[kg_t.shape[0], H, K], dtypes=FLOAT_DTYPES, device=device)
+        check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
+        lengths = _check_cu_seqlens(cu_seqlens, T, device)
+        expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+        if chunk_offsets is not None:
+            check_tensor("chunk_offsets", chunk_offsets, shape=[num_seqs + 1], dtypes=INDEX_DTYPES, device=device)
+            if not torch.equal(chunk_offsets.to(torch.int64), expected.to(torch.int64)):
+                raise ValueError("chunk_offsets: does not match prepare_chunk_offsets(cu_seqlens)")
+        if int(expected[-1]) > kg_t.shape[0]:
+            raise ValueError(f"kg_t/decay: the batch has {int(expected[-1])} chunks, got {kg_t.shape[0]} rows")
+        check_state_arguments(
+            num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, lengths=lengths,
+            initial_state=initial_state, state_cache=state_cache, state_indices=state_indices,
+            has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
+        )
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+
+    final_state = None
+    if output_final_state:
+        final_state = torch.empty(num_seqs, H, V, K, dtype=torch.float32, device=device)
+    if num_seqs == 0 or H == 0:
+        return out, final_state
+    if num_seqs > 65535 or H > 65535:
+        raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
+
+    cfg = chunk_config(num_seqs, H, V, device)
+    if config:
+        cfg.update(config)
+    bv = cfg["BV"]
+    if V % bv or bv < 16:
+        raise ValueError(f"config: BV must divide V={V} and be at least 16, got {bv}")
+
+    if state_cache is not None:
+        load_mode, store_mode, s_in, s_out = 2, 2, state_cache, state_cache
+    else:
+        load_mode = 1 if initial_state is not None else 0
+        store_mode = 1 if final_state is not None else 0
+        s_in, s_out = initial_state, final_state
+    dummy = u  # stands in for absent pointers; never dereferenced (constexpr-disabled paths)
+    s_in_t = s_in if s_in is not None else dummy
+    s_out_t = s_out if s_out is not None else dummy
+    st4 = lambda x: tuple(x.stride()) if x is not None and x.dim() == 4 else (0, 0, 0, 0)  # noqa: E731
+    st1 = lambda x: x.stride(0) if x is not None else 0  # noqa: E731
+    # has_initial_state is bool; Triton reads it as bytes through a uint8 view (no copy).
+    has_t = has_initial_state.view(torch.uint8) if has_initial_state is not None else cu_seqlens
+    has_ckpt = checkpoint_offsets is not None
+    ck_indexed = checkpoint_state_indices is not None
+
+    grid = (V // bv, H, num_seqs)
+    _kda_chunk_walk_kernel[grid](
+        qg, w, u, kg_t, aqk, decay, out,
+        cu_seqlens, chunk_offsets,
+        s_in_t, s_out_t,
+        state_indices if state_indices is not None else cu_seqlens, has_t,
+        checkpoint_state if has_ckpt else dummy,
+        checkpoint_offsets if has_ckpt else cu_seqlens,
+        checkpoint_state_indices if ck_indexed else cu_seqlens,
+        float(scale),
+        *qg.stride()[1:], *w.stride()[1:], *u.stride()[1:],
+        *kg_t.stride(), *aqk.stride()[1:], *decay.stride(), *out.stride()[1:],
+        *st4(s_in), *st4(s_out), *st4(checkpoint_state if has_ckpt else None),
+        cu_seqlens.stride(0), chunk_offsets.stride(0), st1(state_indices), st1(has_initial_state),
+        st1(checkpoint_offsets), st1(checkpoint_state_indices),
+        K=K, V=V, BV=bv, C=CHUNK_SIZE,
+        LOAD_STATE=load_mode, STORE_STATE=store_mode,
+        HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
+        IEEE=qg.dtype == torch.float32,
+        INTERPRET=interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, final_state

@@ -1,0 +1,140 @@
+"""``chunk_kda_prefill``: the public KDA prefill, two fused launches.
+
+1. :func:`kda_engram.kda.prologue.fused_kda_prologue` turns the raw projections
+   into the per-chunk operands (L2 norms, gate, gate cumsum, the intra-chunk
+   matrices and the WY/UT ``w``/``u``), and
+2. :func:`kda_engram.kda.chunk.fused_kda_chunk` walks the chunks with the state
+   on chip and writes the output (and the final state, the state-cache rows and
+   the checkpoints).
+
+Everything between and around the two launches (chunk metadata, workspaces) is
+computed on the device from static shapes, so with ``check_inputs=False`` a
+whole prefill runs with no host synchronisation and can be captured in a CUDA
+graph and replayed with new ``cu_seqlens`` contents of the same size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import FLOAT_DTYPES, check_tensor
+from .chunk import _check_cu_seqlens, _structure_checks, check_state_arguments, fused_kda_chunk
+from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from .prologue import fused_kda_prologue
+
+__all__ = ["chunk_kda_prefill"]
+
+
+def _check_prefill_inputs(q, v, scale, out) -> None:
+    """What the chunk launch needs beyond the prologue's own checks (the prologue
+    validates q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens itself)."""
+    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
+    T, H = q.shape[1], q.shape[2]
+    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=q.device)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
+    if out is not None:
+        check_tensor("out", out, shape=[1, T, H, v.shape[3]], dtypes=FLOAT_DTYPES, device=q.device)
+
+
+def chunk_kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    checkpoint_state: torch.Tensor | None = None,
+    checkpoint_offsets: torch.Tensor | None = None,
+    checkpoint_state_indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA prefill of a varlen batch: raw projections in, output and state out.
+
+    Shapes (``T`` tokens flattened over ``N = len(cu_seqlens) - 1`` sequences):
+
+    * ``q``, ``k``, ``raw_g``: ``[1, T, H, K]``; ``v``: ``[1, T, H, V]`` (K = V = 128
+      in the model); ``raw_beta``: ``[1, T, H]``. Any strides: ``raw_g`` and
+      ``raw_beta`` typically are column slices of one fused projection and are
+      read in place, never copied.
+    * ``A_log``: ``[H]``; ``dt_bias``: ``[H * K]`` or ``[H, K]``.
+    * ``cu_seqlens``: int32/int64 ``[N+1]``, from 0 to ``T``, non-decreasing;
+      zero-length sequences are allowed.
+
+    Gate: ``lower_bound=None`` gives ``a = -exp(A_log) softplus(raw_g + dt_bias)``;
+    ``lower_bound=L <= 0`` gives ``a = L sigmoid(exp(A_log) (raw_g + dt_bias))``.
+    ``scale`` defaults to ``K ** -0.5``. q and k are L2-normalised and
+    ``beta = sigmoid(raw_beta)`` inside the prologue.
+
+    State (fp32, V-first ``[*, H, V, K]``) and checkpoints follow
+    :func:`kda_engram.kda.chunk.fused_kda_chunk`: either ``initial_state`` /
+    ``output_final_state``, or the paged ``state_cache`` with ``state_indices``
+    and ``has_initial_state`` (updated in place; the returned final state is then
+    ``None``; a negative index reads and writes nothing and the sequence starts
+    from zeros); ``checkpoint_offsets`` (multiples of 64, 0 = none) snapshot the
+    state after that many tokens into ``checkpoint_state``.
+
+    ``out`` (``[1, T, H, V]``) defaults to a new tensor of ``v``'s dtype; it may be
+    ``v`` itself (the prologue has consumed ``v`` into ``u`` before the chunk
+    kernel writes). The operand workspaces are ``torch.empty`` of the caching
+    allocator, released when the call returns.
+
+    ``check_inputs=True`` validates every argument, reading ``cu_seqlens`` and the
+    index tensors back to the host. With ``False`` nothing synchronises (the
+    chunk metadata is built on the device with the static bound ``T // 64 + N``
+    rows), so the call can be captured in a CUDA graph.
+
+    Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
+    """
+    # Argument combinations are checked even with check_inputs off: they cost no
+    # device read, and a wrong combination would otherwise drop state silently.
+    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    if check_inputs:
+        _check_prefill_inputs(q, v, scale, out)
+        lengths = _check_cu_seqlens(cu_seqlens, q.shape[1], q.device)
+        check_state_arguments(
+            num_seqs=cu_seqlens.numel() - 1, num_heads=q.shape[2], head_v=v.shape[3], head_k=q.shape[3],
+            device=q.device, lengths=lengths, initial_state=initial_state, state_cache=state_cache,
+            state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
+        )
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    if scale is None:
+        scale = K**-0.5
+
+    # Chunk metadata on the device, sized from static shapes: no host sync.
+    chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+    chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, total_tokens=T, chunk_offsets=chunk_offsets)
+
+    ops = fused_kda_prologue(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+        chunk_indices=chunk_indices, check_inputs=check_inputs,
+    )
+    if out is None:
+        out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
+    return fused_kda_chunk(
+        ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
+        initial_state, output_final_state,
+        chunk_offsets=chunk_offsets,
+        checkpoint_state=checkpoint_state,
+        checkpoint_offsets=checkpoint_offsets,
+        checkpoint_state_indices=checkpoint_state_indices,
+        state_cache=state_cache,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
+        check_inputs=False,  # validated above; the operands come from the prologue
+    )
