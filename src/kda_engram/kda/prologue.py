@@ -1,0 +1,727 @@
+"""KDA fused prologue: one launch from raw ``q, k, v, raw_g, raw_beta`` to the
+operands of the chunk kernel.
+
+One program per (chunk row, head) does, for its 64-token chunk:
+
+1. optionally the depthwise causal conv of width 4 and its SiLU on the raw q/k/v
+   bands (``conv_weight``), starting from the sequence's conv-state row;
+2. the L2 norms of ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``);
+3. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
+   otherwise, see DESIGN.md), its chunk-local cumulative sum in log2 units, and
+   ``beta = sigmoid(raw_beta)``;
+4. ``A_qk`` and ``A_kk`` from 16-row sub-chunk blocks and ``w = T (beta k̂ 2^g)``,
+   ``u = T (beta v)`` with ``T = (I + A_kk)^-1`` (A_kk strictly lower, rows scaled
+   by beta), plus ``qg``, ``kg_t``, ``decay``.
+
+The sub-chunks are processed in order, so only a few 16-row tiles stay live:
+sub-chunk ``I`` forms its row blocks ``A_IJ`` (``J <= I``), inverts its 16x16
+diagonal block ``T_II = (I + A_II)^-1`` in fp32 (recursive doubling, see
+:func:`_tri_inv`) and solves its rows of ``(I + A_kk) w = beta k̂ 2^g`` by block
+forward substitution, ``w_I = T_II (beta k̂_I 2^g_I - sum_{J<I} A_IJ w_J)`` (same
+for ``u``); ``T``'s off-diagonal blocks are never formed.
+
+Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
+which the tests compare against). With ``g`` the chunk-local inclusive cumsum
+of ``a * log2(e)`` (``g <= 0``, non-increasing within a chunk):
+
+====== ============================ ====================================================
+key    shape, dtype                 contents
+====== ============================ ====================================================
+qg     ``[1, T, H, K]``, input      ``q̂_i 2^g_i``; ``scale`` is *not* folded in
+w      ``[1, T, H, K]``, input      ``T (beta k̂ 2^g)``
+u      ``[1, T, H, V]``, input      ``T (beta v)`` (``v`` after conv + SiLU when on)
+kg_t   ``[chunks, H, K, 64]``, in.  ``k̂_i 2^(g_last - g_i)`` transposed: K rows, one
+                                    column per token of the chunk; zero in the
+                                    columns past the chunk's last token
+aqk    ``[1, T, H, 64]``, input     row ``i``: ``sum_c q̂_ic k̂_jc 2^(g_ic - g_jc)``
+                                    for ``j <= i`` (inclusive), zero elsewhere; no
+                                    ``scale``, no ``beta``
+decay  ``[chunks, H, K]``, fp32     ``2^g_last`` (the decay over the whole chunk)
+====== ============================ ====================================================
+
+``T = (I + A_kk)^-1`` with ``A_kk[i, j] = beta_i sum_c k̂_ic k̂_jc 2^(g_ic - g_jc)``
+for ``j < i``; beta is folded into ``w`` and ``u`` (through ``T`` and the right
+operands), not into ``aqk``. ``chunks = chunk_indices.shape[0]``
+(``T // 64 + N`` for :func:`~kda_engram.kda.metadata.prepare_chunk_indices`);
+row ``r`` belongs to chunk ``chunk_indices[r]``, i.e. sequence ``n``'s chunk ``c``
+is row ``chunk_offsets[n] + c``. Rows whose sequence id is -1 (padding) are
+never written: their contents are undefined (``torch.empty``) and the chunk
+kernel never reads them. Token rows of ``qg/w/u/aqk`` outside every sequence
+(none, when ``cu_seqlens[-1] == T``) are not written either.
+
+Numerics. The decays are per channel, so ``2^(g_i - g_j)`` does not factor into
+a row and a column term without an anchor. With ``lower_bound = -5`` the
+cumulative gate of a 64-token chunk reaches ``-64 * 5 * log2(e) = -462``, far
+past fp32's exponent range, so the kernel never forms ``2^(+-g)`` of a whole
+chunk. Each 16-row sub-chunk ``I`` uses the boundary anchor ``b_I`` (the
+cumulative gate just before its first row), which is never in the future of
+any of its rows:
+
+* off-diagonal block ``(I, J < I)``:
+  ``2^(g_i - g_j) = 2^(g_i - b_I) * 2^(b_I - b_(J+1)) * 2^(b_(J+1) - g_j)``;
+  all three factors are ``<= 1`` (only terms that are truly negligible, below
+  2^-126, can underflow);
+* diagonal block, bounded gate: ``(2^(g_i - b_I) * 2^s) * (2^(b_I - g_j) * 2^-s)``
+  with ``s = 8 |L| log2(e)`` (half the largest decay over 16 rows, 57.7 for
+  ``L = -5``): both factors lie in ``[2^-s, 2^s]``, inside bf16/fp32 range. For
+  ``|L| > 8`` the shifted factors would leave that margin and the kernel takes
+  the exact path below;
+* diagonal block, softplus gate (no bound): the exact, unfactored
+  ``2^(g_i - g_j)`` per channel, formed element by element for ``j <= i`` only.
+
+The local cumsums are kept per sub-chunk (small numbers), so differences inside
+a sub-chunk are exact in fp32; only the block totals are carried.
+
+Precision: with bf16 inputs the tensor-core products take bf16 operands and
+accumulate in fp32 (the rounding matches that of the bf16 inputs and outputs;
+the column keys of earlier sub-chunks are kept in bf16, so ``kg_t`` of sub-chunks
+0-2 is rounded twice). With fp16 or fp32 inputs every product runs on fp32
+operands at IEEE precision (fp16 cannot hold the ``2^+-57.7`` factors; TF32 would
+lose digits). The 16x16 triangular inverses always run in fp32 IEEE.
+
+Conv path (``conv_weight`` given): ``q, k, v`` are the raw bands of the QKV
+projection. ``conv_weight [C, 4]`` with ``C = 2 H K + H V`` channels ordered
+q band, k band, v band and, within a band, ``h * K + c`` -- torch's depthwise
+``conv1d`` weight ``[C, 1, 4]`` squeezed (tap 3 multiplies the current token).
+``out_t = silu(sum_w W[ch, w] x_(t - 3 + w))``; inputs before a sequence's first
+token come from ``conv_state[conv_state_indices[n], ch, :]`` (``[slots, C, 3]``,
+the last three raw inputs, oldest first) when ``conv_has_initial_state[n]`` and
+the index is non-negative, else zeros. After the launch the row holds the
+sequence's last three raw inputs (shifted in after the old window for sequences
+shorter than three tokens; zeros when there was no initial state). A negative
+index means no row: never read, never written. Zero-length sequences have no
+chunk, so their row is left untouched.
+
+Why the conv state needs no staging copy: the only program that reads sequence
+``n``'s row (its first chunk's program, for its head's channels) is also the
+one that writes it, after a barrier; every other program reads the raw inputs
+of earlier tokens from ``q/k/v`` themselves, which nobody writes.
+
+Memory ownership: all outputs are allocated here with ``torch.empty`` in
+PyTorch's caching allocator and returned to the caller; inputs (including the
+strided ``raw_g`` / ``raw_beta`` column slices of a fused projection) are read
+through their strides and never copied.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..platform import is_gpu
+from .metadata import CHUNK_SIZE, prepare_chunk_indices
+
+LOG2E = math.log2(math.e)
+SUB_CHUNK = 16
+CONV_WIDTH = 4
+# Largest diagonal-block shift (log2 units) the factored path accepts: the two
+# factors stay within 2^+-96 and their masked-out products within fp32.
+MAX_DIAG_SHIFT = 96.0
+_SUPPORTED_DIMS = (16, 32, 64, 128)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _band_block(
+    x_ptr, sx_t, sx_h, sx_c, h, t, valid, bos,
+    cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, ch0,
+    BS: tl.constexpr, D: tl.constexpr, USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """Rows ``t`` (int64 ``[BS]``) of one band for head ``h``, ``[BS, D]``, zero on
+    invalid rows: the raw values (input dtype), or with ``USE_CONV`` the causal
+    depthwise conv + SiLU (fp32)."""
+    cols = tl.arange(0, D)
+    base = x_ptr + h * sx_h + cols[None, :] * sx_c
+    if USE_CONV:
+        acc = tl.zeros([BS, D], dtype=tl.float32)
+        for s in tl.static_range(4):
+            pos = t - 3 + s
+            xv = tl.load(base + pos[:, None] * sx_t, mask=(valid & (pos >= bos))[:, None], other=0.0).to(tl.float32)
+            if HAS_STATE:
+                # Taps before the sequence start read the conv-state window:
+                # slot pos - bos + 3 in [0, 3) (first chunk, first rows only).
+                from_state = valid & (pos < bos) & state_ok
+                sv = tl.load(
+                    cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + (pos - bos + 3)[:, None] * scs_w,
+                    mask=from_state[:, None],
+                    other=0.0,
+                )
+                xv += sv.to(tl.float32)
+            acc += xv * tl.load(cw_ptr + (ch0 + cols) * scw_c + s * scw_w).to(tl.float32)[None, :]
+        out = acc * tl.sigmoid(acc)
+        return tl.where(valid[:, None], out, 0.0)
+    else:
+        return tl.load(base + t[:, None] * sx_t, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _load_block(
+    q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
+    g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h,
+    h, H, t, valid, bos,
+    cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok,
+    BS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr,
+):
+    """The memory reads of one 16-row sub-chunk (issued one sub-chunk ahead of its
+    use, so they overlap the previous sub-chunk's arithmetic): ``q, k, v`` (after
+    the conv when on), the raw gate and the raw beta; zero on invalid rows."""
+    qr = _band_block(q_ptr, sq_t, sq_h, sq_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
+                     state_ok, h * K, BS, K, USE_CONV, HAS_STATE)
+    kr = _band_block(k_ptr, sk_t, sk_h, sk_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
+                     state_ok, (H + h) * K, BS, K, USE_CONV, HAS_STATE)
+    vr = _band_block(v_ptr, sv_t, sv_h, sv_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
+                     state_ok, 2 * H * K + h * V, BS, V, USE_CONV, HAS_STATE)
+    cols = tl.arange(0, K)
+    xr = tl.load(g_ptr + t[:, None] * sg_t + h * sg_h + cols[None, :] * sg_c, mask=valid[:, None], other=0.0)
+    rb = tl.load(b_ptr + t * sb_t + h * sb_h, mask=valid, other=0.0)
+    return qr, kr, vr, xr, rb
+
+
+@triton.jit
+def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.constexpr):
+    """One 16-row sub-chunk: ``(q̂, k̂, lc, tot, beta, beta*v)`` with ``lc`` the
+    sub-chunk-local inclusive cumsum of the gate (log2 units, 0 on invalid rows)
+    and ``tot`` its total per channel."""
+    qh = qr.to(tl.float32)
+    kh = kr.to(tl.float32)
+    qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + 1e-6)[:, None]
+    kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + 1e-6)[:, None]
+    x = xr.to(tl.float32) + dtb[None, :]
+    if BOUNDED:
+        a = lower_bound * tl.sigmoid(alog * x)
+    else:
+        # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for any x.
+        a = -alog * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    a = tl.where(valid[:, None], a * 1.4426950408889634, 0.0)
+    lc = tl.cumsum(a, 0)
+    tot = tl.sum(a, 0)
+    beta = tl.where(valid, tl.sigmoid(rb.to(tl.float32)), 0.0)
+    bv = beta[:, None] * vr.to(tl.float32)
+    return qh, kh, lc, tot, beta, bv
+
+
+@triton.jit
+def _diag_block(qh, kh, lc, qd, kd, kf, tot, beta, shift, two_shift,
+                BS: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
+    """Diagonal ``[BS, BS]`` blocks of ``A_qk`` (``j <= i``) and ``A_kk``
+    (``j < i``, rows times beta) of one sub-chunk."""
+    rows = tl.arange(0, BS)
+    if EXACT:
+        # The unfactored 2^(g_i - g_j) per channel, [BS, BS, K]; masked before
+        # the exp2 (for j > i the difference is positive and may overflow).
+        causal = (rows[None, :] <= rows[:, None])[:, :, None]
+        e = tl.exp2(tl.where(causal, lc[:, None, :] - lc[None, :, :], float("-inf")))
+        ke = kh[None, :, :] * e
+        aq = tl.sum(qh[:, None, :] * ke, 2)
+        ak = tl.sum(kh[:, None, :] * ke, 2)
+    else:
+        # kf = k̂ 2^(tot - lc); times 2^(-tot - s) gives k̂ 2^(-lc_j - s) in [2^-s, 2^s].
+        kc = (kf * tl.exp2(-tot - shift)[None, :]).to(DOT)
+        kct = tl.trans(kc)
+        aq = tl.dot((qd * two_shift).to(DOT), kct, input_precision="ieee")
+        ak = tl.dot((kd * two_shift).to(DOT), kct, input_precision="ieee")
+    aq = tl.where(rows[None, :] <= rows[:, None], aq, 0.0)
+    ak = tl.where(rows[None, :] < rows[:, None], ak, 0.0) * beta[:, None]
+    return aq, ak
+
+
+@triton.jit
+def _off_block(qdD, kdD, kf_j, m, beta):
+    """Off-diagonal block ``(I, J < I)``: ``qd_I (kf_J 2^m)^T`` with ``m = b_I - b_(J+1) <= 0``
+    (the block totals of the sub-chunks strictly between J and I)."""
+    kct = tl.trans((kf_j * tl.exp2(m)[None, :]).to(qdD.dtype))
+    aq = tl.dot(qdD, kct, input_precision="ieee")
+    ak = tl.dot(kdD, kct, input_precision="ieee") * beta[:, None]
+    return aq, ak
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _tri_inv(A, BS: tl.constexpr):
+    """``(I + A)^-1`` of a strictly lower ``[16, 16]`` block, fp32.
+
+    Recursive doubling: the inverse of the 2x2 diagonal blocks is ``I - A``
+    there; each doubling merges two inverted halves ``[[P, 0], [C, Q]]`` with
+    ``X <- X - (X E) X`` (E the coupling block C), i.e. ``-Q C P`` below the
+    diagonal. Six small products instead of a 15-step serial substitution, with
+    the same accuracy (no powers of A beyond what the block formula forms).
+    """
+    ri = tl.arange(0, BS)[:, None]
+    ci = tl.arange(0, BS)[None, :]
+    X = (ri == ci).to(tl.float32) - tl.where(ri // 2 == ci // 2, A, 0.0)
+    E = tl.where((ri // 4 == ci // 4) & (ri // 2 != ci // 2), A, 0.0)
+    X = X - _mm(_mm(X, E), X)
+    E = tl.where((ri // 8 == ci // 8) & (ri // 4 != ci // 4), A, 0.0)
+    X = X - _mm(_mm(X, E), X)
+    E = tl.where(ri // 8 != ci // 8, A, 0.0)
+    X = X - _mm(_mm(X, E), X)
+    return X
+
+
+@triton.jit
+def _store_rows(ptr, t, valid, row_stride, val, W: tl.constexpr, col0):
+    cols = col0 + tl.arange(0, W)
+    tl.store(ptr + t[:, None] * row_stride + cols[None, :], val.to(ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _store_kg(ptr, kg, j0, BS: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    """Block of ``BS`` token columns ``j0..`` of the ``[K, BT]`` slab at ``ptr``."""
+    tok = j0 + tl.arange(0, BS)
+    cols = tl.arange(0, K)
+    tl.store(ptr + cols[None, :] * BT + tok[:, None], kg.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _conv_writeback_load(x_ptr, sx_t, sx_h, sx_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w, ch0, old_ok, do_write,
+                         D: tl.constexpr):
+    """New conv window of one band (last three raw inputs), fp32 ``[4, D]`` (slot 3 unused)."""
+    p = tl.arange(0, 4)
+    cols = tl.arange(0, D)
+    pos = eos - 3 + p
+    live = (p < 3) & do_write
+    from_x = live & (pos >= bos)
+    xv = tl.load(x_ptr + pos[:, None] * sx_t + h * sx_h + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
+    # Sequences shorter than 3 tokens keep the tail of the old window: slot p + len.
+    from_old = live & (pos < bos) & old_ok
+    ov = tl.load(cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + (p + (eos - bos))[:, None] * scs_w,
+                 mask=from_old[:, None], other=0.0)
+    return tl.where(from_x[:, None], xv.to(tl.float32), ov.to(tl.float32))
+
+
+@triton.jit
+def _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, ch0, val, do_write, D: tl.constexpr):
+    p = tl.arange(0, 4)
+    cols = tl.arange(0, D)
+    tl.store(cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + p[:, None] * scs_w,
+             val.to(cs_ptr.dtype.element_ty), mask=((p < 3) & do_write)[:, None])
+
+
+@triton.jit
+def _kda_prologue_kernel(
+    q_ptr, sq_t, sq_h, sq_c,
+    k_ptr, sk_t, sk_h, sk_c,
+    v_ptr, sv_t, sv_h, sv_c,
+    g_ptr, sg_t, sg_h, sg_c,
+    b_ptr, sb_t, sb_h,
+    alog_ptr, salog,
+    dtb_ptr, sdtb_h, sdtb_c,
+    cu_ptr, ci_ptr, sci_r, sci_c,
+    cw_ptr, scw_c, scw_w,
+    cs_ptr, scs_s, scs_c, scs_w,
+    csi_ptr, scsi,
+    chi_ptr, schi,
+    qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr,
+    H, lower_bound, shift, two_shift,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
+    BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
+    USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % H
+    r = (pid // H).to(tl.int64)
+    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    if seq < 0:
+        return
+    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    start = bos + cidx * BT
+    rows = tl.arange(0, BS)
+
+    # Conv-state row of this sequence (read by the first chunk, written by it too).
+    cs_row = r * 0
+    state_ok = cidx < 0  # False: no initial conv window
+    do_write = cidx < 0
+    if HAS_STATE:
+        slot = tl.load(csi_ptr + seq * scsi).to(tl.int64)
+        cs_row = tl.maximum(slot, 0) * scs_s
+        do_write = (cidx == 0) & (slot >= 0)
+        if HAS_INIT_FLAGS:
+            state_ok = do_write & (tl.load(chi_ptr + seq * schi) != 0)
+
+    colk = tl.arange(0, K)
+    alog = tl.exp(tl.load(alog_ptr + h * salog).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h * sdtb_h + colk * sdtb_c).to(tl.float32)
+    o_qk = H * K  # token stride of qg / w
+    o_v = H * V
+    o_a = H * BT
+    qg_h = qg_ptr + h * K
+    w_h = w_ptr + h * K
+    u_h = u_ptr + h * V
+    aqk_h = aqk_ptr + h * BT
+    zero_blk = tl.zeros([BS, BS], dtype=tl.float32)
+
+    # Sub-chunks stream in order. For each: its A_qk / A_kk row blocks, then
+    # w and u by block forward substitution, w_I = T_II (kbg_I - sum_J A_IJ w_J)
+    # (same for u), which needs only the earlier sub-chunks' w, u and column keys
+    # kf: T's off-diagonal blocks are never formed, and few tiles stay live.
+    # ---------------------------------------------------------------- sub-chunk 0
+    t0_ = start + rows
+    m0 = t0_ < eos
+    qr0, kr0, vr0, xr0, rb0 = _load_block(
+        q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t0_, m0, bos,
+        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+    t1_ = t0_ + BS
+    m1 = t1_ < eos
+    qr1, kr1, vr1, xr1, rb1 = _load_block(
+        q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t1_, m1, bos,
+        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED)
+    d0 = tl.exp2(lc0)
+    kf0 = k0 * tl.exp2(s0[None, :] - lc0)
+    qd0 = q0 * d0
+    kd0 = k0 * d0
+    _store_rows(qg_h, t0_, m0, o_qk, qd0, K, 0)
+    aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, EXACT_DIAG, DOT)
+    _store_rows(aqk_h, t0_, m0, o_a, aq00, BS, 0)
+    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, BS)
+    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 2 * BS)
+    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 3 * BS)
+    x0 = _tri_inv(ak00, BS).to(DOT)
+    w0 = _mm(x0, (be0[:, None] * kd0).to(DOT))
+    u0 = _mm(x0, bv0.to(DOT))
+    _store_rows(w_h, t0_, m0, o_qk, w0, K, 0)
+    _store_rows(u_h, t0_, m0, o_v, u0, V, 0)
+    w0 = w0.to(DOT)
+    u0 = u0.to(DOT)
+    kf0 = kf0.to(DOT)
+
+    # ---------------------------------------------------------------- sub-chunk 1
+    t2_ = t1_ + BS
+    m2 = t2_ < eos
+    qr2, kr2, vr2, xr2, rb2 = _load_block(
+        q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t2_, m2, bos,
+        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED)
+    b1 = s0  # cumulative gate just before sub-chunk 1
+    d1 = tl.exp2(lc1)
+    kf1 = k1 * tl.exp2(s1[None, :] - lc1)
+    qd1 = q1 * d1
+    kd1 = k1 * d1
+    e1 = tl.exp2(b1)[None, :]
+    _store_rows(qg_h, t1_, m1, o_qk, qd1 * e1, K, 0)
+    kbg1 = be1[:, None] * kd1 * e1
+    qd1D = qd1.to(DOT)
+    kd1D = kd1.to(DOT)
+    zk = tl.zeros([K], dtype=tl.float32)
+    aq10, ak10 = _off_block(qd1D, kd1D, kf0, zk, be1)
+    aq11, ak11 = _diag_block(q1, k1, lc1, qd1, kd1, kf1, s1, be1, shift, two_shift, BS, EXACT_DIAG, DOT)
+    _store_rows(aqk_h, t1_, m1, o_a, aq10, BS, 0)
+    _store_rows(aqk_h, t1_, m1, o_a, aq11, BS, BS)
+    _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 2 * BS)
+    _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 3 * BS)
+    x1 = _tri_inv(ak11, BS).to(DOT)
+    a10 = ak10.to(DOT)
+    w1 = _mm(x1, (kbg1 - _mm(a10, w0)).to(DOT))
+    u1 = _mm(x1, (bv1 - _mm(a10, u0)).to(DOT))
+    _store_rows(w_h, t1_, m1, o_qk, w1, K, 0)
+    _store_rows(u_h, t1_, m1, o_v, u1, V, 0)
+    w1 = w1.to(DOT)
+    u1 = u1.to(DOT)
+    kf1 = kf1.to(DOT)
+
+    # ---------------------------------------------------------------- sub-chunk 2
+    t3_ = t2_ + BS
+    m3 = t3_ < eos
+    qr3, kr3, vr3, xr3, rb3 = _load_block(
+        q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t3_, m3, bos,
+        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED)
+    b2 = s0 + s1
+    d2 = tl.exp2(lc2)
+    kf2 = k2 * tl.exp2(s2[None, :] - lc2)
+    qd2 = q2 * d2
+    kd2 = k2 * d2
+    e2 = tl.exp2(b2)[None, :]
+    _store_rows(qg_h, t2_, m2, o_qk, qd2 * e2, K, 0)
+    kbg2 = be2[:, None] * kd2 * e2
+    qd2D = qd2.to(DOT)
+    kd2D = kd2.to(DOT)
+    aq20, ak20 = _off_block(qd2D, kd2D, kf0, s1, be2)
+    aq21, ak21 = _off_block(qd2D, kd2D, kf1, zk, be2)
+    aq22, ak22 = _diag_block(q2, k2, lc2, qd2, kd2, kf2, s2, be2, shift, two_shift, BS, EXACT_DIAG, DOT)
+    _store_rows(aqk_h, t2_, m2, o_a, aq20, BS, 0)
+    _store_rows(aqk_h, t2_, m2, o_a, aq21, BS, BS)
+    _store_rows(aqk_h, t2_, m2, o_a, aq22, BS, 2 * BS)
+    _store_rows(aqk_h, t2_, m2, o_a, zero_blk, BS, 3 * BS)
+    x2 = _tri_inv(ak22, BS).to(DOT)
+    a20 = ak20.to(DOT)
+    a21 = ak21.to(DOT)
+    w2 = _mm(x2, (kbg2 - _mm(a20, w0) - _mm(a21, w1)).to(DOT))
+    u2 = _mm(x2, (bv2 - _mm(a20, u0) - _mm(a21, u1)).to(DOT))
+    _store_rows(w_h, t2_, m2, o_qk, w2, K, 0)
+    _store_rows(u_h, t2_, m2, o_v, u2, V, 0)
+    w2 = w2.to(DOT)
+    u2 = u2.to(DOT)
+    kf2 = kf2.to(DOT)
+
+    # ---------------------------------------------------------------- sub-chunk 3
+    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, BOUNDED)
+    b3 = b2 + s2
+    d3 = tl.exp2(lc3)
+    kf3 = k3 * tl.exp2(s3[None, :] - lc3)
+    qd3 = q3 * d3
+    kd3 = k3 * d3
+    e3 = tl.exp2(b3)[None, :]
+    _store_rows(qg_h, t3_, m3, o_qk, qd3 * e3, K, 0)
+    kbg3 = be3[:, None] * kd3 * e3
+    qd3D = qd3.to(DOT)
+    kd3D = kd3.to(DOT)
+    aq30, ak30 = _off_block(qd3D, kd3D, kf0, s1 + s2, be3)
+    aq31, ak31 = _off_block(qd3D, kd3D, kf1, s2, be3)
+    aq32, ak32 = _off_block(qd3D, kd3D, kf2, zk, be3)
+    aq33, ak33 = _diag_block(q3, k3, lc3, qd3, kd3, kf3, s3, be3, shift, two_shift, BS, EXACT_DIAG, DOT)
+    _store_rows(aqk_h, t3_, m3, o_a, aq30, BS, 0)
+    _store_rows(aqk_h, t3_, m3, o_a, aq31, BS, BS)
+    _store_rows(aqk_h, t3_, m3, o_a, aq32, BS, 2 * BS)
+    _store_rows(aqk_h, t3_, m3, o_a, aq33, BS, 3 * BS)
+    x3 = _tri_inv(ak33, BS).to(DOT)
+    a30 = ak30.to(DOT)
+    a31 = ak31.to(DOT)
+    a32 = ak32.to(DOT)
+    w3 = _mm(x3, (kbg3 - _mm(a30, w0) - _mm(a31, w1) - _mm(a32, w2)).to(DOT))
+    u3 = _mm(x3, (bv3 - _mm(a30, u0) - _mm(a31, u1) - _mm(a32, u2)).to(DOT))
+    _store_rows(w_h, t3_, m3, o_qk, w3, K, 0)
+    _store_rows(u_h, t3_, m3, o_v, u3, V, 0)
+
+    # ---------------------------------------------- kg_t, decay (need g_last)
+    kg_slab = kgt_ptr + (r * H + h) * (K * BT)
+    _store_kg(kg_slab, kf3, 3 * BS, BS, K, BT)
+    _store_kg(kg_slab, kf2.to(tl.float32) * tl.exp2(s3)[None, :], 2 * BS, BS, K, BT)
+    _store_kg(kg_slab, kf1.to(tl.float32) * tl.exp2(s2 + s3)[None, :], BS, BS, K, BT)
+    _store_kg(kg_slab, kf0.to(tl.float32) * tl.exp2(s1 + s2 + s3)[None, :], 0, BS, K, BT)
+    tl.store(decay_ptr + (r * H + h) * K + colk, tl.exp2(b3 + s3))
+
+    # ------------------------------------------------ conv-state write-back
+    if HAS_STATE:
+        nq = _conv_writeback_load(q_ptr, sq_t, sq_h, sq_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
+                                  h * K, state_ok, do_write, K)
+        nk = _conv_writeback_load(k_ptr, sk_t, sk_h, sk_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
+                                  (H + h) * K, state_ok, do_write, K)
+        nv = _conv_writeback_load(v_ptr, sv_t, sv_h, sv_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
+                                  2 * H * K + h * V, state_ok, do_write, V)
+        # Every read of this row by this program (the conv taps of sub-chunk 0
+        # and the three loads above) completes before any thread overwrites it.
+        tl.debug_barrier()
+        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, h * K, nq, do_write, K)
+        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, (H + h) * K, nk, do_write, K)
+        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, 2 * H * K + h * V, nv, do_write, V)
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def _check_scalar(name: str, x, *, allow_none: bool = False) -> None:
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number{' or None' if allow_none else ''}, got {type(x).__name__}")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{name}: expected a finite number, got {x}")
+
+
+def _check_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, cu_seqlens, conv_weight, conv_state,
+                  conv_state_indices, conv_has_initial_state, chunk_indices):
+    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
+    _, T, H, K = q.shape
+    dev = q.device
+    check_tensor("k", k, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(("q", "k", "v"), (q, k, v))
+    V = v.shape[3]
+    for name, d in (("q.shape[3] (K)", K), ("v.shape[3] (V)", V)):
+        if d not in _SUPPORTED_DIMS:
+            raise ValueError(f"{name}: expected one of {_SUPPORTED_DIMS} (128 in production), got {d}")
+    check_tensor("raw_g", raw_g, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[1, T, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
+        raise ValueError(f"dt_bias: expected shape [{H * K}] or [{H}, {K}], got {list(dt_bias.shape)}")
+    _check_scalar("scale", scale)
+    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
+    if cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.tolist()  # syncs: only with check_inputs
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {cu if N < 9 else cu[:4] + ['...'] + cu[-4:]}")
+    if chunk_indices is not None:
+        check_tensor("chunk_indices", chunk_indices, shape=[None, 2], dtypes=INDEX_DTYPES, device=dev)
+        ci = chunk_indices.to(torch.int64)
+        seq, c = ci[:, 0], ci[:, 1]
+        live = seq >= 0
+        if bool((seq < -1).any()) or bool((seq >= N).any()):
+            raise ValueError(f"chunk_indices: sequence ids must lie in [-1, {N}), got min {int(seq.min())} max {int(seq.max())}")
+        if bool(live.any()):
+            lens = torch.tensor(cu[1:], device=dev) - torch.tensor(cu[:-1], device=dev)
+            c_live, len_live = c[live], lens[seq[live]]
+            if bool((c_live < 0).any()) or bool((c_live * CHUNK_SIZE >= len_live).any()):
+                raise ValueError("chunk_indices: a chunk index lies outside its sequence (need 0 <= c*64 < length)")
+    if conv_weight is None:
+        for name, x in (("conv_state", conv_state), ("conv_state_indices", conv_state_indices),
+                        ("conv_has_initial_state", conv_has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name}: given without conv_weight (the conv path needs conv_weight)")
+        return
+    C = 2 * H * K + H * V
+    check_tensor("conv_weight", conv_weight, shape=[C, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=dev)
+    if conv_state is None:
+        for name, x in (("conv_state_indices", conv_state_indices), ("conv_has_initial_state", conv_has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name}: given without conv_state")
+        return
+    check_tensor("conv_state", conv_state, shape=[None, C, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=dev)
+    if conv_state_indices is None:
+        raise ValueError("conv_state_indices: required with conv_state (int [N], negative = no row)")
+    check_tensor("conv_state_indices", conv_state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_index_range("conv_state_indices", conv_state_indices, conv_state.shape[0])
+    if conv_has_initial_state is not None:
+        check_tensor("conv_has_initial_state", conv_has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
+
+
+def fused_kda_prologue(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor,
+    conv_weight: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    conv_has_initial_state: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    *,
+    check_inputs: bool = True,
+    num_warps: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run the whole chunk-path prologue in one launch; returns the chunk kernel's operands.
+
+    Args:
+        q, k: ``[1, T, H, K]`` (K = 128 in production; 16/32/64 accepted for tests),
+            bf16 in production, fp16/fp32 accepted; any strides (e.g. band views of
+            a fused projection). Raw: the L2 norms (and the conv) happen here.
+        v: ``[1, T, H, V]``, same dtype.
+        raw_g: ``[1, T, H, K]`` raw gate, any float dtype, any strides (a column
+            slice of the fused projection is read in place).
+        raw_beta: ``[1, T, H]`` raw beta (before the sigmoid), any strides.
+        A_log: ``[H]``; dt_bias: ``[H * K]`` or ``[H, K]``.
+        scale: the output scale (``K ** -0.5`` usually). Validated, *not* folded
+            into ``qg`` / ``aqk``: the chunk kernel applies it to its output, so the
+            operands stay independent of it.
+        lower_bound: ``None`` for the softplus gate, ``L <= 0`` (e.g. -5) for the
+            bounded sigmoid gate ``a = L * sigmoid(exp(A_log) (raw_g + dt_bias))``.
+        cu_seqlens: ``[N+1]`` int32/int64 offsets of the varlen batch.
+        conv_weight: optional ``[2 H K + H V, 4]`` depthwise conv weight (see the
+            module docstring for the layout); turns the conv + SiLU on.
+        conv_state: optional ``[slots, 2 H K + H V, 3]`` conv windows, updated in place.
+        conv_state_indices: int ``[N]`` row of each sequence (negative: none).
+        conv_has_initial_state: bool ``[N]``; None means no sequence reads its row.
+        chunk_indices: ``[chunks, 2]`` (sequence id, chunk index) from
+            :func:`~kda_engram.kda.metadata.prepare_chunk_indices`; built here
+            (on the device, no sync) when omitted.
+        check_inputs: validate shapes, dtypes and index ranges. Some checks read
+            device memory (a host sync); turn off for CUDA-graph capture.
+        num_warps: launch override (default 8 for K=V=128 on a GPU, else 4).
+
+    Returns:
+        dict with ``qg, w, u`` ``[1, T, H, K|V]``, ``kg_t [chunks, H, K, 64]``,
+        ``aqk [1, T, H, 64]`` (input dtype) and ``decay [chunks, H, K]`` (fp32),
+        as documented in the module docstring.
+    """
+    if lower_bound is not None:
+        _check_scalar("lower_bound", lower_bound, allow_none=True)
+        if lower_bound > 0:
+            raise ValueError(f"lower_bound: expected None or a value <= 0, got {lower_bound}")
+    if check_inputs:
+        _check_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, cu_seqlens, conv_weight, conv_state,
+                      conv_state_indices, conv_has_initial_state, chunk_indices)
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    dev = q.device
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, total_tokens=T)
+    num_chunks = chunk_indices.shape[0]
+    out = dict(
+        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        u=torch.empty(1, T, H, V, dtype=q.dtype, device=dev),
+        kg_t=torch.empty(num_chunks, H, K, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        aqk=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
+    )
+    if num_chunks == 0 or H == 0:
+        return out
+
+    bounded = lower_bound is not None
+    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
+    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
+    if exact_diag:
+        shift = 0.0
+    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
+
+    if dt_bias.dim() == 1:
+        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
+    else:
+        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    use_conv = conv_weight is not None
+    has_state = use_conv and conv_state is not None
+    has_flags = has_state and conv_has_initial_state is not None
+    cw = conv_weight if use_conv else q
+    cw_strides = (conv_weight.stride(0), conv_weight.stride(1)) if use_conv else (0, 0)
+    cs = conv_state if has_state else q
+    cs_strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)) if has_state else (0, 0, 0)
+    csi = conv_state_indices if has_state else cu_seqlens
+    csi_stride = conv_state_indices.stride(0) if has_state else 0
+    # A bool tensor is read as bytes: the view costs nothing and keeps Triton's
+    # int1 pointer handling out of the kernel.
+    chi = conv_has_initial_state.view(torch.uint8) if has_flags else cu_seqlens
+    chi_stride = conv_has_initial_state.stride(0) if has_flags else 0
+    if num_warps is None:
+        num_warps = 8 if (is_gpu(dev) and max(K, V) >= 128) else 4
+
+    grid = (num_chunks * H,)
+    _kda_prologue_kernel[grid](
+        q, q.stride(1), q.stride(2), q.stride(3),
+        k, k.stride(1), k.stride(2), k.stride(3),
+        v, v.stride(1), v.stride(2), v.stride(3),
+        raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
+        raw_beta, raw_beta.stride(1), raw_beta.stride(2),
+        A_log, A_log.stride(0),
+        dt_bias, sdtb_h, sdtb_c,
+        cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+        cw, *cw_strides,
+        cs, *cs_strides,
+        csi, csi_stride,
+        chi, chi_stride,
+        out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"],
+        H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
+        K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
+        BOUNDED=bounded, EXACT_DIAG=exact_diag,
+        USE_CONV=use_conv, HAS_STATE=has_state, HAS_INIT_FLAGS=has_flags,
+        DOT=dot_dtype,
+        num_warps=num_warps, num_stages=1,
+    )
+    return out
