@@ -190,6 +190,7 @@ def test_padding_rows_untouched_and_empty_sequences():
     # token and chunk row is written, padding rows never are.
     lengths = [0, 5, 0, 64, 3]
     x, cu = make_inputs(lengths, H=2, K=16)
+    cu = cu.to(torch.int64)  # both index dtypes are read in place
     T = sum(lengths)
     real_empty = torch.empty
 
@@ -342,6 +343,13 @@ def test_bad_input(small, over, exc, match):
     x, cu = small
     with pytest.raises(exc, match=match):
         _bad(x, cu, **over)
+
+
+@pytest.mark.parametrize("lengths", [[], [0, 0]])
+def test_no_tokens(lengths):
+    x, cu = make_inputs(lengths, H=2, K=16)
+    out = run_prologue(x, cu, -5.0)
+    assert out["qg"].shape == (1, 0, 2, 16) and out["kg_t"].shape == (len(lengths), 2, 16, 64)
 
 
 def test_unsupported_head_dim():
