@@ -57,7 +57,7 @@ ANCHOR_FLASHKDA_MS = {"1x8k_H32": 1.047, "1x32k_H32": 4.077, "1x32k_H4": 3.256, 
                       "16x2k_H32": 1.545, "64x512_H32": 1.635, "1x8k_H96": 1.470}
 # Issue 5's targets (speed-up over fla-core); long few-head sequences: not slower.
 TARGET_RATIO = {"16x2k_H32": 2.6, "64x512_H32": 2.6, "1x8k_H32": 2.0, "1x8k_H96": 2.0}
-SWEEP = {"BV": (16, 32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
 
 
 def _bench(fn, quick: bool = False) -> float:

@@ -268,8 +268,9 @@ def test_chunk_config_fills_the_machine():
     # The interpreter pretends to have 8 compute units: 2 programs per unit = 16.
     assert chunk_config(64, 32, 128, "cpu")["BV"] == 64
     assert chunk_config(1, 4, 128, "cpu")["BV"] == 32  # 4 heads x 4 tiles = 16 programs
-    assert chunk_config(1, 1, 128, "cpu")["BV"] == 16
-    assert chunk_config(1, 1, 32, "cpu")["BV"] == 16
+    assert chunk_config(1, 1, 128, "cpu")["BV"] == 32  # never 16: miscompiled on the H200
+    assert chunk_config(1, 1, 32, "cpu")["BV"] == 32
+    assert chunk_config(1, 1, 16, "cpu")["BV"] == 16  # V = 16 (tests) has no other tile
     assert chunk_config(8, 8, 32, "cpu")["BV"] == 32
 
 
