@@ -1,0 +1,29 @@
+"""Kimi Delta Attention: decode, the two-launch chunked prefill, metadata and references.
+
+Importing this package compiles nothing: Triton kernels are built on first use.
+On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing, so the
+kernels run under the Triton interpreter.
+"""
+
+from .chunk import KDA_CHECKPOINT_ALIGNMENT, fused_kda_chunk
+from .decode import kda_decode, kda_decode_multi
+from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from .prefill import chunk_kda_prefill
+from .prologue import fused_kda_prologue
+from .reference import kda_gate, naive_chunk_kda, naive_group_chunk_kda, naive_recurrent_kda
+
+__all__ = [
+    "CHUNK_SIZE",
+    "KDA_CHECKPOINT_ALIGNMENT",
+    "chunk_kda_prefill",
+    "fused_kda_chunk",
+    "fused_kda_prologue",
+    "kda_decode",
+    "kda_decode_multi",
+    "kda_gate",
+    "naive_chunk_kda",
+    "naive_group_chunk_kda",
+    "naive_recurrent_kda",
+    "prepare_chunk_indices",
+    "prepare_chunk_offsets",
+]
