@@ -349,3 +349,39 @@ def test_gpu_matches_fla_chunk_kda(gpu, case):
     # Two bf16 implementations, each about 0.5% (rms) from the exact result.
     assert rel_rmse(o, o_fla) < 2e-2
     assert rel_rmse(final, f_fla.transpose(-1, -2)) < 2e-2
+
+
+def test_prefill_with_fused_conv_matches_conv_then_reference():
+    """conv_* pass through to the prologue: raw bands in, conv + SiLU applied, conv state written."""
+    import torch.nn.functional as F
+
+    from kda_engram.kda.reference import naive_recurrent_kda as naive
+
+    gen = torch.Generator().manual_seed(11)
+    lengths, H, K = [5, 70], 2, 16
+    T, N, C = sum(lengths), len(lengths), 3 * H * K
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v, g = (rnd(1, T, H, K) for _ in range(4))
+    beta, A_log, dt_bias = rnd(1, T, H), rnd(H) * 0.5, rnd(H * K)
+    weight = rnd(C, 4) * 0.5
+    conv_state = rnd(3, C, 3)
+    rows = torch.tensor([2, 0])
+    has = torch.tensor([True, False])
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    initial_windows = conv_state.clone()
+    out, final = chunk_kda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound=-5.0, cu_seqlens=cu,
+                                   output_final_state=True, conv_weight=weight, conv_state=conv_state,
+                                   conv_state_indices=rows, conv_has_initial_state=has)
+    x = torch.cat([q.reshape(T, H * K), k.reshape(T, H * K), v.reshape(T, H * K)], dim=1)
+    conv = []
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        head = initial_windows[rows[n]].T if has[n] else torch.zeros(3, C)
+        seq = torch.cat([head, x[s:e]], dim=0).T[None]  # [1, C, 3 + L]
+        conv.append(F.silu(F.conv1d(seq, weight[:, None, :], groups=C))[0].T)
+        assert torch.allclose(conv_state[rows[n]], torch.cat([head, x[s:e]], 0)[-3:].T)
+    y = torch.cat(conv, 0)
+    qc, kc, vc = (y[:, i * H * K:(i + 1) * H * K].reshape(1, T, H, K) for i in range(3))
+    o_ref, f_ref, _ = naive(qc, kc, vc, g, beta, A_log, dt_bias, lower_bound=-5.0, cu_seqlens=cu,
+                            output_final_state=True)
+    assert (out - o_ref).abs().max() < 2e-3
+    assert (final - f_ref).abs().max() < 2e-3

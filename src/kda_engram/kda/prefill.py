@@ -60,6 +60,10 @@ def chunk_kda_prefill(
     checkpoint_offsets: torch.Tensor | None = None,
     checkpoint_state_indices: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    conv_weight: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    conv_has_initial_state: torch.Tensor | None = None,
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
@@ -92,6 +96,13 @@ def chunk_kda_prefill(
     kernel writes). The operand workspaces are ``torch.empty`` of the caching
     allocator, released when the call returns.
 
+    ``conv_weight`` (``[2HK + HV, 4]``) turns on the prologue's fused depthwise
+    causal conv + SiLU: ``q``, ``k``, ``v`` are then the raw bands of the QKV
+    projection and ``conv_state`` ``[slots, 2HK + HV, 3]`` (the last three raw
+    inputs per sequence, oldest first) is read at ``conv_state_indices[n]`` where
+    ``conv_has_initial_state[n]`` and written back in place (see
+    :func:`kda_engram.kda.prologue.fused_kda_prologue`).
+
     ``check_inputs=True`` validates every argument, reading ``cu_seqlens`` and the
     index tensors back to the host. With ``False`` nothing synchronises (the
     chunk metadata is built on the device with the static bound ``T // 64 + N``
@@ -122,6 +133,8 @@ def chunk_kda_prefill(
 
     ops = fused_kda_prologue(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
+        conv_has_initial_state=conv_has_initial_state,
         chunk_indices=chunk_indices, check_inputs=check_inputs,
     )
     if out is None:
