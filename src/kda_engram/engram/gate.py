@@ -1,0 +1,361 @@
+"""Fused Engram post-``wkv`` gate on one rank: ``out = hidden + gate * value``.
+
+Per token ``t`` and hyper-connection stream ``h`` (DESIGN.md, "Engram math"), in fp32::
+
+    dot  = sum_d hidden*q_w[h]*k_w[h]*key_h * rsqrt(mean hidden^2 + eps)
+           * rsqrt(mean key_h^2 + eps) / sqrt(dim)
+    gate = sigmoid(sign(dot) * sqrt(max(|dot|, clamp_value)))      (sign(0) = +1)
+    out  = hidden + gate * value          (gate = 0 where token_mask is false)
+
+Each program gates one stream; by default one token, as the reference engine
+launches it. The kernel is a pure streaming kernel (about 26 bytes per token per
+unit of dim in bf16 at hc = 4, a few FLOPs per byte), so the design is about moving
+each HBM byte once and keeping the L2 traffic behind it small:
+
+* **Single pass, row in registers** (``dim <= SINGLE_PASS_MAX_DIM``). The gate needs
+  the full-dim sums before the first output element can be written, so a program
+  loads its hidden row, key row and the shared value row once, reduces, and writes
+  ``hidden + gate * value`` from the same registers. A row is covered by at most
+  two power-of-two pieces, ``HEAD`` (the largest power of two <= dim) and a masked
+  ``TAIL``: dim 5120 = 4096 + 1024 and 2560 = 2048 + 512 carry no masked lanes,
+  where one ``next_power_of_2(dim)`` block would hold 8192 (37% idle registers).
+  Any dim works (257 = 256 + a 16-lane masked tail).
+* **Chunked two passes** (larger dims, or forced with ``chunk=``): pass one
+  accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
+  and value (from L2: the row was touched microseconds earlier) and writes. This
+  bounds registers for any dim at the price of an L2 re-read of hidden.
+* The value row is shared by the ``hc`` programs of a token. They are adjacent in
+  launch order, so the ``hc - 1`` extra reads hit L2; a program per token looping
+  over streams would read it once but cut the grid by ``hc`` (64 programs for 64
+  tokens on a 132-SM H200) and hold ``hc + 1`` rows of state.
+* **Token blocks** (large T): a program per (token, stream) also re-reads
+  ``q_w[h]`` and ``k_w[h]`` from L2, as many bytes as its hidden and key rows. At
+  T = 16384, dim 5120 that would put ~1.9x the HBM bytes through L2. So once the
+  grid has enough programs (:func:`tokens_per_program`), a program walks up to 8
+  consecutive tokens of its stream with ``q_w[h]*k_w[h]`` held in registers.
+
+Rows ``t >= num_kv_tokens`` read key = value = 0 (masked loads, never out of
+bounds), so their output is ``hidden`` bit for bit. Sums overflow fp32 only when
+``|x|^2 * dim`` passes 3.4e38 (|x| ~ 2.6e17 at dim 5120); the reference shares that
+limit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
+from kda_engram.platform import num_compute_units
+
+# Above this dim the row no longer fits in registers comfortably (two pieces of
+# 8192 fp32 lanes each for five operands) and the kernel switches to two passes.
+SINGLE_PASS_MAX_DIM = 8192
+# Block width of the two-pass path.
+LOOP_CHUNK = 2048
+# Token blocking: at most this many tokens per program, and only while the grid
+# keeps at least PROGRAMS_PER_CU programs per compute unit.
+MAX_TOKENS_PER_PROGRAM = 8
+PROGRAMS_PER_CU = 16
+
+
+# --------------------------------------------------------------------------------------
+# Launch geometry shared with the sharded gate (engram/sharded_gate.py)
+# --------------------------------------------------------------------------------------
+
+
+def row_pieces(n: int) -> tuple[int, int]:
+    """Cover ``n`` columns with two power-of-two register blocks ``(HEAD, TAIL)``:
+    ``HEAD`` = the largest power of two <= n, ``TAIL`` = the masked power of two that
+    covers the rest (0 when n is a power of two; at least 16 lanes otherwise).
+    Rows narrower than 16 take one masked 16-lane block."""
+    if n < 16:
+        return 16, 0
+    head = 1 << (n.bit_length() - 1)
+    rest = n - head
+    tail = 0 if rest == 0 else max(16, triton.next_power_of_2(rest))
+    return head, tail
+
+
+def warps_for(lanes: int) -> int:
+    """Warps for a program that holds ``lanes`` fp32 elements per operand: about
+    8-16 elements per thread, so a bf16 row loads as 16-byte vectors without
+    spilling the five live operands."""
+    if lanes <= 1024:
+        return 4
+    if lanes <= 4096:
+        return 8
+    return 16
+
+
+def tokens_per_program(num_rows: int, device: torch.device, tokens: int | None = None) -> int:
+    """Tokens a program walks through for one stream (``num_rows = T * streams``).
+
+    Each program otherwise re-reads ``q_w[h]`` and ``k_w[h]`` (as many bytes as its
+    hidden and key rows together) from L2; walking ``TOKENS`` tokens reads them once.
+    Blocks only while at least ``PROGRAMS_PER_CU`` programs per compute unit remain,
+    so small batches keep their parallelism (T = 64 at hc = 4: one token each)."""
+    if tokens is not None:
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+        return tokens
+    per_cu = num_rows // (PROGRAMS_PER_CU * num_compute_units(device))
+    block = 1
+    while block * 2 <= min(per_cu, MAX_TOKENS_PER_PROGRAM):
+        block *= 2
+    return block
+
+
+def launch_geometry(dim: int, chunk: int | None, num_warps: int | None) -> dict:
+    """Constexprs of a gate kernel that must keep a ``dim`` row (single pass) or
+    stream it in ``chunk``-wide blocks (two passes)."""
+    if chunk is None and dim <= SINGLE_PASS_MAX_DIM:
+        head, tail = row_pieces(dim)
+        geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
+        lanes = head + tail
+    else:
+        chunk = LOOP_CHUNK if chunk is None else chunk
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
+        geom = dict(HEAD=16, TAIL=0, CHUNK=chunk, LOOP=True)
+        lanes = chunk
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
+        raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
+    geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
+    return geom
+
+
+# --------------------------------------------------------------------------------------
+# Kernel pieces
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value):
+    """The gate from the full-dim sums (scalars, fp32). ``dot == 0`` (and -0) take
+    the positive sign, so the gate is ``sigmoid(+sqrt(clamp_value))`` there."""
+    hidden_rms = tl.rsqrt(hidden_sq * inv_dim + eps)
+    key_rms = tl.rsqrt(key_sq * inv_dim + eps)
+    dot = dot * hidden_rms * key_rms * dim_scale
+    mag = tl.sqrt(tl.maximum(tl.abs(dot), clamp_value))
+    return tl.sigmoid(tl.where(dot < 0.0, -mag, mag))
+
+
+@triton.jit
+def _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, N: tl.constexpr, DIM: tl.constexpr):
+    """``q_w[h] * k_w[h]`` over columns ``[start, start + N)``, fp32 (exact for bf16/fp16)."""
+    offs = start + tl.arange(0, N)
+    valid = offs < DIM
+    q = tl.load(q_row + offs * q_stride_d, mask=valid, other=0.0).to(tl.float32)
+    k = tl.load(k_row + offs * k_stride_d, mask=valid, other=0.0).to(tl.float32)
+    return q * k
+
+
+@triton.jit
+def _stream_piece(
+    hidden_row, key_row, value_row, qk,
+    hidden_stride_d, kv_stride_d,
+    start, token_ok, kv_ok,
+    N: tl.constexpr, DIM: tl.constexpr,
+):
+    """Load columns ``[start, start + N)`` of one (token, stream) and return the
+    hidden and value blocks (fp32, kept for the output) and the piece's three sums."""
+    offs = start + tl.arange(0, N)
+    valid = offs < DIM
+    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
+    key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+    value = tl.load(value_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+    hidden_sq = tl.sum(hidden * hidden, axis=0)
+    key_sq = tl.sum(key * key, axis=0)
+    dot = tl.sum(hidden * qk * key, axis=0)
+    return hidden, value, hidden_sq, key_sq, dot
+
+
+@triton.jit
+def _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, N: tl.constexpr, DIM: tl.constexpr):
+    offs = start + tl.arange(0, N)
+    tl.store(
+        out_row + offs * out_stride_d,
+        (hidden + gate * value).to(out_row.dtype.element_ty),
+        mask=(offs < DIM) & token_ok,
+    )
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_kv_tokens"])
+def _engram_post_wkv_kernel(
+    hidden_states, kv, q_weight, k_weight, token_mask, out,
+    num_tokens, num_kv_tokens,
+    hidden_stride_t, hidden_stride_h, hidden_stride_d,
+    kv_stride_t, kv_stride_d,
+    q_stride_h, q_stride_d, k_stride_h, k_stride_d,
+    mask_stride,
+    out_stride_t, out_stride_h, out_stride_d,
+    inv_dim, dim_scale, eps, clamp_value,
+    DIM: tl.constexpr, HC: tl.constexpr, TOKENS: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Grid ``cdiv(T, TOKENS) * HC``: program ``(b, h)`` gates stream ``h`` of tokens
+    ``[b*TOKENS, (b+1)*TOKENS)`` one after the other, loading ``q_w[h]*k_w[h]`` once
+    (single-pass path) instead of once per token. ``num_kv_tokens`` is the number
+    of readable kv rows, already clamped to ``kv.shape[0]`` by the host."""
+    pid = tl.program_id(0)
+    block = pid // HC
+    stream = pid % HC
+    q_row = q_weight + stream * q_stride_h
+    k_row = k_weight + stream * k_stride_h
+    if not LOOP:
+        qk0 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, 0, HEAD, DIM)
+        if TAIL > 0:
+            qk1 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, HEAD, TAIL, DIM)
+
+    for i in tl.range(0, TOKENS):
+        token = (block * TOKENS + i).to(tl.int64)
+        token_ok = token < num_tokens
+        kv_ok = token_ok & (token < num_kv_tokens)
+        hidden_row = hidden_states + token * hidden_stride_t + stream * hidden_stride_h
+        key_row = kv + token * kv_stride_t + (stream * DIM) * kv_stride_d
+        value_row = kv + token * kv_stride_t + (HC * DIM) * kv_stride_d
+        out_row = out + token * out_stride_t + stream * out_stride_h
+        if HAS_MASK:  # issued early: its latency hides behind the row loads
+            active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
+
+        if not LOOP:
+            hidden0, value0, hidden_sq, key_sq, dot = _stream_piece(
+                hidden_row, key_row, value_row, qk0, hidden_stride_d, kv_stride_d,
+                0, token_ok, kv_ok, HEAD, DIM,
+            )
+            if TAIL > 0:
+                hidden1, value1, hidden_sq1, key_sq1, dot1 = _stream_piece(
+                    hidden_row, key_row, value_row, qk1, hidden_stride_d, kv_stride_d,
+                    HEAD, token_ok, kv_ok, TAIL, DIM,
+                )
+                hidden_sq += hidden_sq1
+                key_sq += key_sq1
+                dot += dot1
+            gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
+            if HAS_MASK:
+                gate = tl.where(active, gate, 0.0)
+            _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
+            if TAIL > 0:
+                _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+        else:
+            acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
+            acc_key = tl.zeros([CHUNK], dtype=tl.float32)
+            acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
+            for start in tl.range(0, DIM, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                valid = offs < DIM
+                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
+                key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+                qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM)
+                acc_hidden += hidden * hidden
+                acc_key += key * key
+                acc_dot += hidden * qk * key
+            gate = _signed_sqrt_gate(
+                tl.sum(acc_hidden, axis=0), tl.sum(acc_key, axis=0), tl.sum(acc_dot, axis=0),
+                inv_dim, dim_scale, eps, clamp_value,
+            )
+            if HAS_MASK:
+                gate = tl.where(active, gate, 0.0)
+            for start in tl.range(0, DIM, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                valid = offs < DIM
+                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
+                value = tl.load(value_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+                _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+
+def check_gate_common(hidden_states, q_weight, k_weight, token_mask, out, *, with_weights: bool = True):
+    """Checks shared by the single-rank and the sharded gate (``with_weights=False``:
+    the entry point takes no weights). Returns ``(T, hc, dim)``."""
+    check_tensor("hidden_states", hidden_states, shape=(None, None, None), dtypes=FLOAT_DTYPES)
+    T, hc, dim = hidden_states.shape
+    if hc < 1 or dim < 1:
+        raise ValueError(f"hidden_states: expected hc >= 1 and dim >= 1, got shape {list(hidden_states.shape)}")
+    device = hidden_states.device
+    if with_weights:
+        check_tensor("q_weight", q_weight, shape=(hc, dim), dtypes=FLOAT_DTYPES, device=device)
+        check_tensor("k_weight", k_weight, shape=(hc, dim), dtypes=FLOAT_DTYPES, device=device)
+    if token_mask is not None:
+        check_tensor("token_mask", token_mask, shape=(T,), dtypes=(torch.bool,), device=device)
+    if out is not None:
+        check_tensor("out", out, shape=(T, hc, dim), dtypes=(hidden_states.dtype,), device=device)
+    return T, hc, dim
+
+
+def engram_post_wkv(
+    hidden_states: torch.Tensor,
+    kv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    *,
+    eps: float,
+    clamp_value: float = 1e-6,
+    token_mask: torch.Tensor | None = None,
+    num_kv_tokens: int | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+    chunk: int | None = None,
+    num_warps: int | None = None,
+    tokens: int | None = None,
+) -> torch.Tensor:
+    """The Engram gate on one rank, fused: ``out = hidden + gate * value``.
+
+    Args:
+        hidden_states: ``[T, hc, dim]`` bf16/fp16/fp32, any strides.
+        kv: ``[T_kv, (hc+1)*dim]`` in hidden's dtype, rows ``[key_0 | ... | key_{hc-1} |
+            value]`` (the ``wkv`` projection, e.g. a strided view of a larger buffer).
+        q_weight, k_weight: ``[hc, dim]``, any float dtype (read as fp32).
+        eps: added to both mean squares before the rsqrt.
+        clamp_value: lower bound on ``|dot|`` under the square root.
+        token_mask: optional bool ``[T]``; false rows get gate 0 (``out = hidden``).
+        num_kv_tokens: rows ``t >= num_kv_tokens`` (default ``kv.shape[0]``; never more
+            than that) read key = value = 0, so ``out = hidden`` there.
+        out: optional ``[T, hc, dim]`` output in hidden's dtype (may alias nothing
+            else the call reads); allocated with ``torch.empty`` when omitted.
+        check_inputs: validate shapes, dtypes and devices on the host (no device
+            reads either way, so the call is CUDA-graph capturable).
+        chunk, num_warps, tokens: launch overrides for tuning (``chunk`` forces the
+            two-pass path with that power-of-two block width; ``tokens`` sets the
+            tokens per program, see :func:`tokens_per_program`).
+
+    Returns:
+        ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
+    """
+    if check_inputs:
+        T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, token_mask, out)
+        check_tensor("kv", kv, shape=(None, (hc + 1) * dim), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+        check_same_dtype(("hidden_states", "kv"), (hidden_states, kv))
+        if num_kv_tokens is not None and not (0 <= int(num_kv_tokens) <= kv.shape[0]):
+            raise ValueError(f"num_kv_tokens: expected 0 <= num_kv_tokens <= kv.shape[0] = {kv.shape[0]}, got {num_kv_tokens}")
+    T, hc, dim = hidden_states.shape
+    if out is None:
+        out = torch.empty_like(hidden_states)
+    if T == 0:
+        return out
+    # Host integers only: never read past kv's rows, whatever the caller passed.
+    n_kv = kv.shape[0] if num_kv_tokens is None else max(0, min(int(num_kv_tokens), kv.shape[0]))
+    geom = launch_geometry(dim, chunk, num_warps)
+    block = tokens_per_program(T * hc, hidden_states.device, tokens)
+    mask_arg = token_mask if token_mask is not None else hidden_states
+    _engram_post_wkv_kernel[(triton.cdiv(T, block) * hc,)](
+        hidden_states, kv, q_weight, k_weight, mask_arg, out,
+        T, n_kv,
+        *hidden_states.stride(),
+        *kv.stride(),
+        *q_weight.stride(), *k_weight.stride(),
+        token_mask.stride(0) if token_mask is not None else 0,
+        *out.stride(),
+        1.0 / dim, dim**-0.5, float(eps), float(clamp_value),
+        DIM=dim, HC=hc, TOKENS=block,
+        HAS_MASK=token_mask is not None,
+        **geom,
+    )
+    return out

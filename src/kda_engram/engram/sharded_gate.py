@@ -1,0 +1,363 @@
+"""The dim-sharded Engram gate: two kernels around one all-gather.
+
+Under tensor parallelism over ``P`` ranks with ``width = dim / P``, rank ``r`` holds
+columns ``[r*width, (r+1)*width)`` of every key and of the value (a merged
+column-parallel ``wkv`` over ``[dim] * (hc+1)``: ``kv_local [T, (hc+1)*width]``).
+The gate only needs two per-token sums over dim per stream, so instead of
+all-gathering the whole projection (``(hc+1)*dim`` elements per token) each rank:
+
+1. :func:`engram_gate_partials` packs one ``send`` row per token: its value slice,
+   then per stream the fp32 pair ``(sum key^2, sum hidden*q*k*key)`` over its slice,
+   stored in kv's dtype (a bf16/fp16 row carries each pair as 4 elements, an fp32
+   row as 2: ``pair_elems = 8 // element_size``).
+2. the caller all-gathers ``send`` along tokens, rank-major
+   (:meth:`kda_engram.parallel.TensorParallelGroup.all_gather`), giving
+   ``gathered [P*T, width + pair_elems*hc]``;
+3. :func:`engram_gate_finish` sums the partials **in rank order** (so every rank
+   computes bit-identical gates from bit-identical gathered rows), takes hidden's
+   RMS over the full dim (hidden is replicated), reassembles the value from the
+   slices and writes ``hidden + gate * value``.
+
+Traffic per token is ``(width + pair_elems*hc) * P`` elements, i.e.
+``(dim + 4*hc*P) * 2`` bytes in bf16, instead of ``(hc+1) * dim * 2``.
+
+Alignment: the pairs are read through an fp32 view of the row, so their offset
+``width * element_size`` and the row stride must be multiples of 4 bytes (bf16/fp16:
+``width`` even; fp32: any width). The entry points check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
+from kda_engram.engram.gate import (
+    _load_qk,
+    _signed_sqrt_gate,
+    _store_piece,
+    check_gate_common,
+    launch_geometry,
+    tokens_per_program,
+)
+
+# Block width of the partials kernel's loops (sums and copies need no full row).
+PARTIALS_MAX_CHUNK = 2048
+
+
+def pair_elems(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` that store one fp32 pair (8 bytes): 4 for bf16/fp16, 2 for fp32."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if 8 % size:
+        raise TypeError(f"kv: element size {size} cannot pack fp32 pairs; expected bf16, fp16 or fp32")
+    return 8 // size
+
+
+def send_width(dim: int, hc: int, tp_size: int, dtype: torch.dtype) -> int:
+    """Elements per ``send`` row: ``dim / tp_size`` value columns + ``pair_elems * hc``."""
+    return dim // tp_size + pair_elems(dtype) * hc
+
+
+def _check_slice(dim: int, tp_size: int, dtype: torch.dtype, name: str = "kv_local") -> int:
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
+    if dim % tp_size:
+        raise ValueError(f"hidden_states: dim {dim} is not divisible by tp_size {tp_size}")
+    width = dim // tp_size
+    size = torch.empty((), dtype=dtype).element_size()
+    if (width * size) % 4:
+        raise ValueError(
+            f"{name}: the slice width dim/tp_size = {width} of {str(dtype).replace('torch.', '')} is {width * size} bytes; "
+            "the fp32 partial sums that follow it need a multiple of 4 bytes (an even width for 16-bit dtypes)"
+        )
+    return width
+
+
+def _f32_view(name: str, buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` (kv dtype, last dim stride 1) seen as fp32, for the packed pairs."""
+    try:
+        return buf.view(torch.float32)
+    except RuntimeError as exc:
+        raise ValueError(f"{name}: cannot be viewed as fp32 for the packed partial sums ({exc})") from None
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _engram_gate_partials_kernel(
+    hidden_states, kv, q_weight, k_weight, send, send_f32,
+    num_tokens,
+    hidden_stride_t, hidden_stride_h, hidden_stride_d,
+    kv_stride_t, kv_stride_d,
+    q_stride_h, q_stride_d, k_stride_h, k_stride_d,
+    send_stride_t, send_f32_stride_t,
+    dim_start,
+    WIDTH: tl.constexpr, HC: tl.constexpr, PAIR_OFFSET: tl.constexpr, CHUNK: tl.constexpr,
+    TOKENS: tl.constexpr,
+):
+    """Grid ``cdiv(T, TOKENS) * (HC + 1)``: program ``(b, j)`` writes stream ``j``'s
+    pair (``j < HC``) or copies the value slice (``j == HC``) for tokens
+    ``[b*TOKENS, (b+1)*TOKENS)``. Sums and copies are single passes over ``WIDTH`` in
+    ``CHUNK`` blocks (no full row in registers); when one chunk covers the slice,
+    ``q_w[j]*k_w[j]`` is loaded once per program rather than once per token."""
+    pid = tl.program_id(0)
+    block = pid // (HC + 1)
+    j = pid % (HC + 1)
+    if j == HC:
+        for i in tl.range(0, TOKENS):
+            token = (block * TOKENS + i).to(tl.int64)
+            token_ok = token < num_tokens
+            for start in tl.range(0, WIDTH, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                valid = (offs < WIDTH) & token_ok
+                value = tl.load(kv + token * kv_stride_t + (HC * WIDTH + offs) * kv_stride_d, mask=valid)
+                tl.store(send + token * send_stride_t + offs, value, mask=valid)
+    else:
+        q_row = q_weight + j * q_stride_h
+        k_row = k_weight + j * k_stride_h
+        if CHUNK >= WIDTH:
+            qk_once = _load_qk(q_row + dim_start * q_stride_d, k_row + dim_start * k_stride_d, q_stride_d, k_stride_d, 0, CHUNK, WIDTH)
+        for i in tl.range(0, TOKENS):
+            token = (block * TOKENS + i).to(tl.int64)
+            token_ok = token < num_tokens
+            hidden_row = hidden_states + token * hidden_stride_t + j * hidden_stride_h + dim_start * hidden_stride_d
+            key_row = kv + token * kv_stride_t + (j * WIDTH) * kv_stride_d
+            acc_key = tl.zeros([CHUNK], dtype=tl.float32)
+            acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
+            for start in tl.range(0, WIDTH, CHUNK):
+                offs = start + tl.arange(0, CHUNK)
+                valid = (offs < WIDTH) & token_ok
+                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
+                key = tl.load(key_row + offs * kv_stride_d, mask=valid, other=0.0).to(tl.float32)
+                if CHUNK >= WIDTH:
+                    qk = qk_once
+                else:
+                    qk = _load_qk(q_row + dim_start * q_stride_d, k_row + dim_start * k_stride_d, q_stride_d, k_stride_d, start, CHUNK, WIDTH)
+                acc_key += key * key
+                acc_dot += hidden * qk * key
+            pair = send_f32 + token * send_f32_stride_t + PAIR_OFFSET + 2 * j
+            tl.store(pair, tl.sum(acc_key, axis=0), mask=token_ok)
+            tl.store(pair + 1, tl.sum(acc_dot, axis=0), mask=token_ok)
+
+
+@triton.jit
+def _hidden_value_piece(
+    hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
+    start, N: tl.constexpr, DIM: tl.constexpr, WIDTH: tl.constexpr,
+):
+    """Columns ``[start, start + N)`` of hidden and of the value reassembled from the
+    rank-major slices (column ``d`` lives in rank ``d // WIDTH``'s row), both fp32."""
+    offs = start + tl.arange(0, N)
+    valid = offs < DIM
+    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
+    # `//` and `%` by the constexpr WIDTH keep the runs of WIDTH contiguous columns
+    # visible to Triton's axis analysis, so the slices still load as vectors.
+    rank = offs // WIDTH
+    col = offs % WIDTH
+    value = tl.load(
+        gathered + rank.to(tl.int64) * (num_tokens * gathered_stride_t) + token * gathered_stride_t + col * gathered_stride_d,
+        mask=valid,
+        other=0.0,
+    ).to(tl.float32)
+    return hidden, value
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _engram_gate_finish_kernel(
+    hidden_states, gathered, gathered_f32, token_mask, out,
+    num_tokens,
+    hidden_stride_t, hidden_stride_h, hidden_stride_d,
+    gathered_stride_t, gathered_stride_d, gathered_f32_stride_t,
+    mask_stride,
+    out_stride_t, out_stride_h, out_stride_d,
+    inv_dim, dim_scale, eps, clamp_value,
+    DIM: tl.constexpr, WIDTH: tl.constexpr, TP_SIZE: tl.constexpr, HC: tl.constexpr,
+    PAIR_OFFSET: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Grid ``T * HC``, one (token, stream) per program, the same register plan as
+    the single-rank kernel (engram/gate.py): hidden and value rows held in at most
+    two power-of-two pieces, or two chunked passes for large dims."""
+    pid = tl.program_id(0)
+    token = (pid // HC).to(tl.int64)
+    stream = pid % HC
+    hidden_row = hidden_states + token * hidden_stride_t + stream * hidden_stride_h
+    out_row = out + token * out_stride_t + stream * out_stride_h
+    token_ok = token < num_tokens  # always true on this grid; the store helper wants it
+    if HAS_MASK:
+        active = tl.load(token_mask + token * mask_stride) != 0
+
+    # Rank order, the same on every rank: bit-identical gates everywhere.
+    pair = gathered_f32 + token * gathered_f32_stride_t + PAIR_OFFSET + 2 * stream
+    key_sq = tl.load(pair)
+    dot = tl.load(pair + 1)
+    for r in tl.static_range(1, TP_SIZE):
+        pair_r = pair + (r * num_tokens) * gathered_f32_stride_t
+        key_sq += tl.load(pair_r)
+        dot += tl.load(pair_r + 1)
+
+    if not LOOP:
+        hidden0, value0 = _hidden_value_piece(
+            hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
+            0, HEAD, DIM, WIDTH,
+        )
+        hidden_sq = tl.sum(hidden0 * hidden0, axis=0)
+        if TAIL > 0:
+            hidden1, value1 = _hidden_value_piece(
+                hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
+                HEAD, TAIL, DIM, WIDTH,
+            )
+            hidden_sq += tl.sum(hidden1 * hidden1, axis=0)
+        gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
+        if HAS_MASK:
+            gate = tl.where(active, gate, 0.0)
+        _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
+        if TAIL > 0:
+            _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+    else:
+        acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in tl.range(0, DIM, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=offs < DIM, other=0.0).to(tl.float32)
+            acc_hidden += hidden * hidden
+        gate = _signed_sqrt_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
+        if HAS_MASK:
+            gate = tl.where(active, gate, 0.0)
+        for start in tl.range(0, DIM, CHUNK):
+            hidden, value = _hidden_value_piece(
+                hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
+                start, CHUNK, DIM, WIDTH,
+            )
+            _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
+
+
+def engram_gate_partials(
+    hidden_states: torch.Tensor,
+    kv_local: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    *,
+    rank: int,
+    tp_size: int,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+    tokens: int | None = None,
+) -> torch.Tensor:
+    """Pack this rank's value slice and per-stream gate partial sums.
+
+    Args:
+        hidden_states: ``[T, hc, dim]`` (replicated on every rank), any strides.
+        kv_local: ``[T, (hc+1)*width]`` in hidden's dtype, ``width = dim / tp_size``:
+            this rank's columns of ``[key_0 | ... | key_{hc-1} | value]``.
+        q_weight, k_weight: ``[hc, dim]`` full (replicated) weights, any float dtype.
+        rank, tp_size: this rank's index and the number of ranks.
+        out: optional ``send`` buffer ``[T, width + pair_elems*hc]`` in kv's dtype with a
+            unit last stride (``torch.empty`` when omitted).
+        check_inputs: validate on the host (no device reads: capturable either way).
+        tokens: tokens per program (tuning; see
+            :func:`kda_engram.engram.gate.tokens_per_program`).
+
+    Returns:
+        ``send [T, width + pair_elems*hc]`` in kv's dtype: the value slice (copied
+        bit for bit), then per stream the fp32 pair ``(sum key^2, sum hidden*q*k*key)``
+        over the slice, ``pair_elems = 8 // kv.element_size()``.
+    """
+    if check_inputs:
+        T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, None, None)
+        width = _check_slice(dim, tp_size, kv_local.dtype if isinstance(kv_local, torch.Tensor) else hidden_states.dtype)
+        if not isinstance(rank, int) or not 0 <= rank < tp_size:
+            raise ValueError(f"rank: expected an int in [0, {tp_size}), got {rank!r}")
+        check_tensor("kv_local", kv_local, shape=(T, (hc + 1) * width), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+        check_same_dtype(("hidden_states", "kv_local"), (hidden_states, kv_local))
+        if out is not None:
+            check_tensor(
+                "out", out, shape=(T, send_width(dim, hc, tp_size, kv_local.dtype)), dtypes=(kv_local.dtype,),
+                device=hidden_states.device, last_dim_contiguous=True,
+            )
+    T, hc, dim = hidden_states.shape
+    width = dim // tp_size
+    if out is None:
+        out = torch.empty(T, send_width(dim, hc, tp_size, kv_local.dtype), dtype=kv_local.dtype, device=kv_local.device)
+    if T == 0:
+        return out
+    send_f32 = _f32_view("out", out)
+    size = kv_local.element_size()
+    chunk = min(triton.next_power_of_2(width), PARTIALS_MAX_CHUNK)
+    block = tokens_per_program(T * (hc + 1), hidden_states.device, tokens)
+    _engram_gate_partials_kernel[(triton.cdiv(T, block) * (hc + 1),)](
+        hidden_states, kv_local, q_weight, k_weight, out, send_f32,
+        T,
+        *hidden_states.stride(),
+        *kv_local.stride(),
+        *q_weight.stride(), *k_weight.stride(),
+        out.stride(0), send_f32.stride(0),
+        rank * width,
+        WIDTH=width, HC=hc, PAIR_OFFSET=width * size // 4, CHUNK=chunk, TOKENS=block,
+        num_warps=4 if chunk <= 1024 else 8,
+    )
+    return out
+
+
+def engram_gate_finish(
+    hidden_states: torch.Tensor,
+    gathered: torch.Tensor,
+    *,
+    tp_size: int,
+    eps: float,
+    clamp_value: float = 1e-6,
+    token_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check_inputs: bool = True,
+    chunk: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """The gate from the all-gathered ``send`` rows of every rank.
+
+    Args:
+        hidden_states: ``[T, hc, dim]`` (replicated), any strides.
+        gathered: ``[tp_size*T, width + pair_elems*hc]`` in hidden's dtype, rank-major
+            (rows ``[r*T, (r+1)*T)`` are rank ``r``'s send), unit last stride.
+        tp_size: number of ranks that packed ``gathered``.
+        eps, clamp_value, token_mask: as in :func:`kda_engram.engram.gate.engram_post_wkv`.
+        out: optional ``[T, hc, dim]`` in hidden's dtype.
+        check_inputs: validate on the host (no device reads: capturable either way).
+        chunk, num_warps: launch overrides for tuning (``chunk`` forces two passes).
+
+    Returns:
+        ``out [T, hc, dim]``; partials are summed in rank order, so ranks holding the
+        same ``hidden_states`` and ``gathered`` get the same bits.
+    """
+    if check_inputs:
+        T, hc, dim = check_gate_common(hidden_states, None, None, token_mask, out, with_weights=False)
+        check_tensor("gathered", gathered, shape=(None, None), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+        check_same_dtype(("hidden_states", "gathered"), (hidden_states, gathered))
+        _check_slice(dim, tp_size, gathered.dtype, "gathered")
+        want = (tp_size * T, send_width(dim, hc, tp_size, gathered.dtype))
+        if tuple(gathered.shape) != want:
+            raise ValueError(
+                f"gathered: expected shape [tp_size*T, dim/tp_size + pair_elems*hc] = {list(want)}, got {list(gathered.shape)}"
+            )
+        check_tensor("gathered", gathered, last_dim_contiguous=True)
+    T, hc, dim = hidden_states.shape
+    width = dim // tp_size
+    if out is None:
+        out = torch.empty_like(hidden_states)
+    if T == 0:
+        return out
+    gathered_f32 = _f32_view("gathered", gathered)
+    geom = launch_geometry(dim, chunk, num_warps)
+    mask_arg = token_mask if token_mask is not None else hidden_states
+    _engram_gate_finish_kernel[(T * hc,)](
+        hidden_states, gathered, gathered_f32, mask_arg, out,
+        T,
+        *hidden_states.stride(),
+        gathered.stride(0), gathered.stride(1), gathered_f32.stride(0),
+        token_mask.stride(0) if token_mask is not None else 0,
+        *out.stride(),
+        1.0 / dim, dim**-0.5, float(eps), float(clamp_value),
+        DIM=dim, WIDTH=width, TP_SIZE=tp_size, HC=hc,
+        PAIR_OFFSET=width * gathered.element_size() // 4,
+        HAS_MASK=token_mask is not None,
+        **geom,
+    )
+    return out

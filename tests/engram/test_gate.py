@@ -1,0 +1,324 @@
+"""engram_post_wkv (the single-rank fused gate) against engram_post_wkv_ref.
+
+CPU: the Triton interpreter, fp32/fp16, small T (the kernel is one program per
+(token, stream), so dims up to 5120 stay cheap). GPU: bf16 and fp32 at real shapes.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kda_engram.engram.gate import (
+    MAX_TOKENS_PER_PROGRAM,
+    SINGLE_PASS_MAX_DIM,
+    engram_post_wkv,
+    launch_geometry,
+    row_pieces,
+    tokens_per_program,
+)
+from kda_engram.engram.reference import engram_post_wkv_ref
+
+EPS = 1e-6
+
+
+def make_inputs(T, hc, dim, *, dtype=torch.float32, device="cpu", seed=0, T_kv=None, scale=1.0, wdtype=None):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    T_kv = T if T_kv is None else T_kv
+    hidden = (scale * rnd(T, hc, dim)).to(dtype).to(device)
+    kv = (scale * rnd(T_kv, (hc + 1) * dim)).to(dtype).to(device)
+    wdtype = dtype if wdtype is None else wdtype
+    q = (1 + 0.5 * rnd(hc, dim)).to(wdtype).to(device)
+    k = (1 + 0.5 * rnd(hc, dim)).to(wdtype).to(device)
+    return hidden, kv, q, k
+
+
+def ref64(hidden, kv, q, k, **kw):
+    """The reference in fp64 on the exact (already rounded) inputs."""
+    return engram_post_wkv_ref(hidden.double(), kv.double(), q.double(), k.double(), eps=kw.pop("eps", EPS), **kw)
+
+
+def assert_matches(out, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+    elif dtype == torch.float16:
+        # The output is rounded to fp16 once (half an ulp <= 2^-11 relative).
+        torch.testing.assert_close(out.double(), want, rtol=2e-3, atol=2e-3)
+    else:
+        torch.testing.assert_close(out.double(), want, rtol=8e-3, atol=1e-2)
+
+
+# --------------------------------------------------------------------------------------
+# Launch geometry
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dim, pieces", [(96, (64, 32)), (257, (256, 16)), (2560, (2048, 512)), (5120, (4096, 1024)), (4096, (4096, 0)), (1, (16, 0))]
+)
+def test_row_pieces_cover_the_row(dim, pieces):
+    head, tail = row_pieces(dim)
+    assert (head, tail) == pieces
+    assert head + tail >= dim and (head <= dim or dim < 16)
+    assert tail == 0 or tail == 16 or head + tail // 2 < dim  # the tail is no wider than needed
+
+
+def test_launch_geometry_switches_to_two_passes_above_the_register_budget():
+    assert not launch_geometry(SINGLE_PASS_MAX_DIM, None, None)["LOOP"]
+    big = launch_geometry(SINGLE_PASS_MAX_DIM + 1, None, None)
+    assert big["LOOP"] and big["CHUNK"] >= 16
+    assert launch_geometry(96, 32, None)["LOOP"]
+    with pytest.raises(ValueError, match="chunk"):
+        launch_geometry(96, 48, None)
+    with pytest.raises(ValueError, match="num_warps"):
+        launch_geometry(96, None, 3)
+
+
+def test_tokens_per_program_keeps_small_batches_parallel():
+    cpu = torch.device("cpu")  # the interpreter pretends to have CPU_COMPUTE_UNITS
+    assert tokens_per_program(16 * 8 * 2 - 1, cpu) == 1  # fewer than 2 programs' worth per CU
+    assert tokens_per_program(10**7, cpu) == MAX_TOKENS_PER_PROGRAM
+    block = tokens_per_program(16 * 8 * 4, cpu)  # 4 programs' worth of rows per CU
+    assert block & (block - 1) == 0 and 1 <= block <= 4
+    assert tokens_per_program(8, cpu, tokens=3) == 3
+    with pytest.raises(ValueError, match="tokens"):
+        tokens_per_program(8, cpu, tokens=0)
+
+
+# --------------------------------------------------------------------------------------
+# Against the reference (interpreter on the CPU)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [96, 257, 2560, 5120])
+@pytest.mark.parametrize("hc", [1, 2, 4])
+def test_matches_reference_fp32(dim, hc):
+    T = 3 if dim >= 2560 else 5
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=dim + hc)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS)
+    assert out.dtype == hidden.dtype and out.shape == hidden.shape
+    assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+
+
+@pytest.mark.parametrize("dim, hc", [(96, 4), (257, 2)])
+def test_matches_reference_fp16_with_mask_and_short_kv(dim, hc):
+    T = 6
+    hidden, kv, q, k = make_inputs(T, hc, dim, dtype=torch.float16, seed=7, wdtype=torch.float32)
+    mask = torch.tensor([True, False, True, True, False, True])
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=4)
+    want = ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=4)
+    assert_matches(out, want, torch.float16)
+    # masked rows and rows past num_kv_tokens are hidden, bit for bit
+    assert torch.equal(out[1], hidden[1]) and torch.equal(out[4:], hidden[4:])
+    assert not torch.equal(out[0], hidden[0])
+
+
+@pytest.mark.parametrize("dim, chunk, tokens", [(257, 64, 1), (96, 32, 3), (130, 128, 2)])
+def test_two_pass_path_matches_reference(dim, chunk, tokens):
+    T, hc = 5, 2
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=chunk)
+    mask = torch.tensor([True, True, False, True, True])
+    out = engram_post_wkv(
+        hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=3, chunk=chunk, num_warps=2, tokens=tokens
+    )
+    want = ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=3)
+    assert_matches(out, want, torch.float32)
+    assert torch.equal(out[2:], hidden[2:])
+
+
+@pytest.mark.parametrize("dim, tokens", [(96, 2), (257, 3), (64, 8)])
+def test_token_blocks_match_reference(dim, tokens):
+    # T = 7 is no multiple of the block: the last program's extra tokens must be
+    # neither read nor written (out is a view into a NaN-filled buffer).
+    T, hc = 7, 2
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=tokens)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(tokens)) > 0.3
+    backing = torch.full((T + 2, hc, dim), float("nan"))
+    out = backing[1 : T + 1]
+    engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=6, tokens=tokens, out=out)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=6), torch.float32)
+    assert torch.isnan(backing[0]).all() and torch.isnan(backing[-1]).all()
+
+
+def test_fewer_kv_rows_than_tokens_reads_zero():
+    hidden, kv, q, k = make_inputs(5, 2, 96, T_kv=2, seed=3)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS)  # num_kv_tokens defaults to kv.shape[0]
+    assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+    assert torch.equal(out[2:], hidden[2:])
+    # num_kv_tokens = 0: nothing is read from kv at all
+    out0 = engram_post_wkv(hidden, kv, q, k, eps=EPS, num_kv_tokens=0)
+    assert torch.equal(out0, hidden)
+
+
+def test_empty_batch():
+    hidden, kv, q, k = make_inputs(0, 4, 96, seed=1)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS)
+    assert out.shape == (0, 4, 96)
+    hidden, _, q, k = make_inputs(0, 4, 96)
+    assert engram_post_wkv(hidden, torch.empty(0, 5 * 96), q, k, eps=EPS).shape == (0, 4, 96)
+
+
+def test_strided_inputs_and_out_buffer_are_respected():
+    T, hc, dim = 4, 2, 96
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(hc, T, dim, generator=gen).transpose(0, 1)  # [T, hc, dim], not contiguous
+    wide = torch.randn(T, 7 + (hc + 1) * dim + 5, generator=gen)
+    kv = wide[:, 7 : 7 + (hc + 1) * dim]  # a column slice of a fused projection
+    q = torch.randn(hc, 2 * dim, generator=gen)[:, ::2]  # stride 2 along dim
+    k = torch.randn(dim, hc, generator=gen).t()  # [hc, dim] transposed
+    backing = torch.full((T, hc + 1, dim + 3), float("nan"))
+    out = backing[:, 1:, 2 : 2 + dim]
+    got = engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+    # nothing outside the view was written
+    assert torch.isnan(backing[:, 0]).all() and torch.isnan(backing[:, :, :2]).all() and torch.isnan(backing[:, :, -1]).all()
+
+
+# --------------------------------------------------------------------------------------
+# Edge values
+# --------------------------------------------------------------------------------------
+
+
+def test_zero_inputs_give_zero_and_no_nan():
+    hidden, kv, q, k = make_inputs(3, 4, 96)
+    zero_out = engram_post_wkv(torch.zeros_like(hidden), torch.zeros_like(kv), q, k, eps=EPS)
+    assert torch.equal(zero_out, torch.zeros_like(hidden))
+    # zero keys: key_rms = rsqrt(eps) but dot = 0, so the gate is sigmoid(sqrt(clamp))
+    kv0 = kv.clone()
+    kv0[:, : 4 * 96] = 0
+    out = engram_post_wkv(hidden, kv0, q, k, eps=EPS, clamp_value=0.04)
+    gate = torch.sigmoid(torch.tensor(0.2))
+    torch.testing.assert_close(out, hidden + gate * kv0[:, None, 4 * 96 :], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0])
+def test_zero_dot_takes_the_positive_sign(zero):
+    hidden, kv, q, k = make_inputs(3, 2, 257, seed=5)
+    q = torch.full_like(q, zero)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, clamp_value=0.25)
+    gate = torch.sigmoid(torch.tensor(0.5))
+    torch.testing.assert_close(out, hidden + gate * kv[:, None, 2 * 257 :], rtol=1e-6, atol=1e-6)
+    assert_matches(out, ref64(hidden, kv, q, k, clamp_value=0.25), torch.float32)
+
+
+def test_negating_k_weight_flips_the_gate():
+    # sigmoid(-x) = 1 - sigmoid(x): with |dot| above the clamp, gate(-k) = 1 - gate(k).
+    hidden, kv, q, k = make_inputs(4, 2, 96, seed=9)
+    value = kv[:, None, 2 * 96 :]
+    gate_pos = (engram_post_wkv(hidden, kv, q, k, eps=EPS, clamp_value=1e-12) - hidden) / value
+    gate_neg = (engram_post_wkv(hidden, kv, q, -k, eps=EPS, clamp_value=1e-12) - hidden) / value
+    torch.testing.assert_close(gate_pos + gate_neg, torch.ones_like(gate_pos), rtol=1e-4, atol=1e-4)
+    assert (gate_pos < 0.5).any() and (gate_pos > 0.5).any()  # both signs of dot occur
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1e15), (torch.float16, 4e3), (torch.float32, 1e-15)])
+def test_huge_and_tiny_magnitudes(dtype, scale):
+    hidden, kv, q, k = make_inputs(3, 4, 257, dtype=dtype, seed=13, scale=scale, wdtype=torch.float32)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS if scale > 1 else 0.0)
+    assert torch.isfinite(out).all()
+    want = ref64(hidden, kv, q, k, eps=EPS if scale > 1 else 0.0)
+    tol = 2e-3 if dtype == torch.float16 else 2e-5
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * scale)
+
+
+# --------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_clear_errors():
+    hidden, kv, q, k = make_inputs(4, 2, 96)
+    with pytest.raises(ValueError, match=r"kv: expected shape \[\*, 288\]"):
+        engram_post_wkv(hidden, kv[:, :-1], q, k, eps=EPS)
+    with pytest.raises(ValueError, match=r"q_weight: expected shape \[2, 96\]"):
+        engram_post_wkv(hidden, kv, q[:1], k, eps=EPS)
+    with pytest.raises(ValueError, match=r"k_weight: expected shape \[2, 96\]"):
+        engram_post_wkv(hidden, kv, q, torch.ones(3, 96), eps=EPS)
+    with pytest.raises(TypeError, match="hidden_states, kv: expected one dtype"):
+        engram_post_wkv(hidden, kv.half(), q, k, eps=EPS)
+    with pytest.raises(TypeError, match="hidden_states: expected dtype"):
+        engram_post_wkv(hidden.double(), kv.double(), q, k, eps=EPS)
+    with pytest.raises(ValueError, match=r"token_mask: expected shape \[4\]"):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="token_mask: expected dtype bool"):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="num_kv_tokens"):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, num_kv_tokens=5)
+    with pytest.raises(ValueError, match="kv: expected a tensor on cpu"):
+        engram_post_wkv(hidden, kv.to("meta"), q, k, eps=EPS)
+    with pytest.raises(ValueError, match=r"out: expected shape \[4, 2, 96\]"):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, out=torch.empty(4, 2, 95))
+    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+        engram_post_wkv(hidden[0], kv, q, k, eps=EPS)
+
+
+def test_unchecked_call_never_reads_past_kv():
+    # check_inputs=False with num_kv_tokens beyond kv's rows: the host clamps it.
+    hidden, kv, q, k = make_inputs(5, 2, 96, T_kv=3, seed=2)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, num_kv_tokens=10, check_inputs=False)
+    assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+    assert torch.equal(out[3:], hidden[3:])
+
+
+# --------------------------------------------------------------------------------------
+# GPU: bf16 at real shapes
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [96, 257, 2560, 5120])
+@pytest.mark.parametrize("hc", [1, 2, 4])
+def test_gpu_bf16_matches_reference(gpu, dim, hc):
+    T = 777
+    hidden, kv, q, k = make_inputs(T, hc, dim, dtype=torch.bfloat16, device=gpu, seed=dim * hc)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(1)).to(gpu) > 0.2
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 37)
+    want = ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=T - 37)
+    assert_matches(out, want, torch.bfloat16)
+    assert torch.equal(out[T - 37 :], hidden[T - 37 :])
+    assert torch.equal(out[~mask], hidden[~mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dim, chunk, tokens", [(5120, None, None), (5120, 1024, 3), (12288, None, None), (2560, None, 8), (5120, None, 1)]
+)
+def test_gpu_fp32_tight(gpu, dim, chunk, tokens):
+    T, hc = 3001, 4
+    hidden, kv, q, k = make_inputs(T, hc, dim, device=gpu, seed=dim)
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, chunk=chunk, tokens=tokens)
+    assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_edge_values(gpu):
+    hidden, kv, q, k = make_inputs(64, 4, 5120, dtype=torch.bfloat16, device=gpu, seed=3)
+    assert torch.equal(engram_post_wkv(torch.zeros_like(hidden), torch.zeros_like(kv), q, k, eps=EPS), torch.zeros_like(hidden))
+    out = engram_post_wkv(hidden, kv, torch.zeros_like(q), k, eps=EPS, clamp_value=0.25)
+    gate = 1 / (1 + math.exp(-0.5))
+    want = (hidden.float() + gate * kv[:, None, 4 * 5120 :].float()).bfloat16()
+    torch.testing.assert_close(out.float(), want.float(), rtol=8e-3, atol=1e-2)
+    big_h, big_kv = hidden * 1e15, kv * 1e15
+    big = engram_post_wkv(big_h, big_kv, q, k, eps=EPS)
+    assert torch.isfinite(big.float()).all()
+    # atol: where hidden + gate*value cancels, a 1e-7 gate error times |value| ~ 1e15
+    torch.testing.assert_close(big.double(), ref64(big_h, big_kv, q, k), rtol=8e-3, atol=1e11)
+    empty = engram_post_wkv(hidden[:0], kv[:0], q, k, eps=EPS)
+    assert empty.shape == (0, 4, 5120)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture(gpu):
+    hidden, kv, q, k = make_inputs(128, 4, 2560, dtype=torch.bfloat16, device=gpu, seed=4)
+    mask = torch.ones(128, dtype=torch.bool, device=gpu)
+    out = torch.empty_like(hidden)
+    engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, out=out, check_inputs=False)
+    hidden.copy_(torch.randn_like(hidden))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask), torch.bfloat16)
