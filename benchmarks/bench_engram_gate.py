@@ -52,7 +52,8 @@ SHARDED_CASES = [(T, 5120, P) for T in (2048, 16384) for P in (2, 4, 8)]
 SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)]
 # Launch variants of engram_post_wkv measured (not quick) to check the default choice.
 VARIANT_CASE = (16384, 5120)
-VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(num_warps=8)]
+VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(chunk=512),
+            dict(chunk=1024, tokens=1), dict(chunk=1024, num_warps=8), dict(chunk=1024, num_warps=2), dict(num_warps=8)]
 
 
 def _bench(fn) -> float:

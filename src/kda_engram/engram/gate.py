@@ -20,7 +20,8 @@ each HBM byte once and keeping the L2 traffic behind it small:
   ``TAIL``: dim 5120 = 4096 + 1024 and 2560 = 2048 + 512 carry no masked lanes,
   where one ``next_power_of_2(dim)`` block would hold 8192 (37% idle registers).
   Any dim works (257 = 256 + a 16-lane masked tail).
-* **Chunked two passes** (larger dims, or forced with ``chunk=``): pass one
+* **Chunked two passes** (larger dims, the model's 2560 and 5120 among them, see
+  ``SINGLE_PASS_MAX_DIM`` for the H200 measurement; or forced with ``chunk=``): pass one
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
   bounds registers for any dim at the price of an L2 re-read of hidden.
@@ -49,11 +50,15 @@ import triton.language as tl
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.platform import num_compute_units
 
-# Above this dim the row no longer fits in registers comfortably (two pieces of
-# 8192 fp32 lanes each for five operands) and the kernel switches to two passes.
-SINGLE_PASS_MAX_DIM = 8192
-# Block width of the two-pass path.
-LOOP_CHUNK = 2048
+# Above this dim the kernel streams the row in LOOP_CHUNK-wide blocks (two
+# passes, the second re-reading hidden from L2) instead of holding it in
+# registers. Measured on an H200 (2026-12-02, T = 16384, dim 5120, hc 4, bf16):
+# the register-resident row took 0.853 ms (60% of the HBM floor), the two-pass
+# loop 0.811 ms with 2048-wide blocks and 0.619 ms (83%) with 1024-wide ones: a
+# whole 5120 row per program needs 16 warps and few programs fit an SM, while
+# 1024-wide blocks at 4 warps keep several programs (and their loads) in flight.
+SINGLE_PASS_MAX_DIM = 2048
+LOOP_CHUNK = 1024
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
