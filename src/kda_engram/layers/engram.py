@@ -1,0 +1,683 @@
+"""The whole Engram layer for serving: token ids in, gated residual streams out.
+
+One Engram layer of DeepSeek-V4.1 is four steps, each a kernel of this package:
+
+1. hash every token's n-grams (:func:`~kda_engram.engram.hashing.ngram_hash`, all
+   Engram layers at once: one launch per *model step*, not per layer);
+2. gather (and dequantise) the table rows of this layer
+   (:class:`~kda_engram.engram.table.EngramTable`, hash columns sharded over TP);
+3. project them with ``wkv`` to ``hc`` keys and a value;
+4. gate them into the ``hc`` hyper-connection streams (fused gate, or the
+   dim-sharded gate under TP: :class:`~kda_engram.engram.module.Engram`).
+
+Serving adds the one piece of state Engram has: the **hash history**, the last
+``max_ngram - 1`` token ids of every sequence, which the n-grams of a chunk's
+first tokens reach back into. It lives in a caller-owned cache ``[slots,
+max_ngram - 1]`` (int32/int64, ids in the same space as ``token_ids``; ``-1`` =
+none), indexed like the KDA state cache, so chunked prefill and decode continue a
+sequence exactly: :func:`engram_hash_step` gathers the rows of the batch's
+sequences, hashes, and writes each sequence's new history back, all on the
+device. A prefix-cache checkpoint at offset ``p`` writes the history *at* ``p``
+(:func:`checkpoint_history`) so a later prefill resumes there exactly, as the KDA
+layer does for its recurrent state and conv window.
+
+Everything on the forward path is a ``torch.ops.kda_engram`` custom op
+(:mod:`kda_engram.ops`) called with its device-side checks off, so a step can be
+captured in a CUDA graph and compiled with ``torch.compile(fullgraph=True)``;
+the host-side checks (``check_inputs=True``) read nothing back from the device
+except in :meth:`EngramBatch.validate`, which syncs and is for eager use.
+
+Weights (DeepSeek-V4.1 checkpoint names, under ``layers.{layer_id}.engram.``):
+
+======================= ============================================ =======================
+name                    shape                                        notes
+======================= ============================================ =======================
+``embed.weight``        ``[engram_num_embeddings[l], engram_head_dim]`` fp8 e4m3 (or any float)
+``embed.scale``         ``[rows, head_dim / 32]``                    ue8m0, with fp8 weights
+``wkv.weight``          ``[(hc_mult + 1) * hidden_size, n_hash_cols * head_dim]``
+``q_weight``            ``[hc_mult, hidden_size]``
+``k_weight``            ``[hc_mult, hidden_size]``
+======================= ============================================ =======================
+
+:meth:`EngramLayer.load_weights` takes them full (unsharded); each rank keeps its
+hash columns of the table and its shard of ``wkv``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from .. import ops
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..engram.layout import EngramLayout
+from ..engram.module import Engram
+from ..engram.table import EngramTable
+from ..parallel import TensorParallelGroup
+
+__all__ = [
+    "EngramBatch",
+    "EngramLayer",
+    "engram_hash_step",
+    "gather_history",
+    "scatter_history",
+    "checkpoint_history",
+    "engram_layer_reference",
+]
+
+
+# ----------------------------------------------------------------- history kernels
+
+
+@triton.jit
+def _history_copy_kernel(
+    src_ptr, s_src_n, s_src_j,
+    src_idx_ptr, s_src_idx,
+    has_ptr, s_has,
+    dst_ptr, s_dst_n, s_dst_j,
+    dst_idx_ptr, s_dst_idx,
+    HIST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GATHER: tl.constexpr,
+    HAS_FLAGS: tl.constexpr,
+):
+    """One program per sequence ``n``. ``GATHER``: ``dst[n] = src[src_idx[n]]`` (or -1
+    when the index is negative or ``has[n]`` is false). Else (scatter):
+    ``dst[dst_idx[n]] = src[n]`` when the index is non-negative."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_H)
+    jm = j < HIST
+    if GATHER:
+        row = tl.load(src_idx_ptr + n * s_src_idx).to(tl.int64)
+        ok = row >= 0
+        if HAS_FLAGS:
+            ok = ok & (tl.load(has_ptr + n * s_has) != 0)
+        val = tl.load(src_ptr + tl.where(ok, row, 0) * s_src_n + j * s_src_j, mask=jm & ok, other=-1)
+        tl.store(dst_ptr + n * s_dst_n + j * s_dst_j, val.to(dst_ptr.dtype.element_ty), mask=jm)
+    else:
+        row = tl.load(dst_idx_ptr + n * s_dst_idx).to(tl.int64)
+        ok = row >= 0
+        val = tl.load(src_ptr + n * s_src_n + j * s_src_j, mask=jm & ok, other=-1)
+        tl.store(dst_ptr + tl.where(ok, row, 0) * s_dst_n + j * s_dst_j, val.to(dst_ptr.dtype.element_ty),
+                 mask=jm & ok)
+
+
+@triton.jit
+def _history_checkpoint_kernel(
+    tok_ptr, s_tok,
+    cu_ptr, s_cu,
+    hist_ptr, s_hist_n, s_hist_j,
+    dead_ptr, s_dead,
+    off_ptr, s_off,
+    idx_ptr, s_idx,
+    cache_ptr, s_cache_n, s_cache_j,
+    HIST: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_HISTORY: tl.constexpr,
+    HAS_DEAD: tl.constexpr,
+):
+    """``cache[idx[n]]`` = the history after the first ``off[n]`` tokens of sequence
+    ``n`` (``next_history`` of the truncated sequence), for ``0 < off <= length``."""
+    n = tl.program_id(0).to(tl.int64)
+    bos = tl.load(cu_ptr + n * s_cu).to(tl.int64)
+    eos = tl.load(cu_ptr + (n + 1) * s_cu).to(tl.int64)
+    p = tl.load(off_ptr + n * s_off).to(tl.int64)
+    row = tl.load(idx_ptr + n * s_idx).to(tl.int64)
+    on = (row >= 0) & (p > 0) & (p <= eos - bos)
+    j = tl.arange(0, BLOCK_H)
+    jm = (j < HIST) & on
+    pos = bos + p - HIST + j
+    inside = pos >= bos
+    tok = tl.load(tok_ptr + tl.where(jm & inside, pos, 0) * s_tok, mask=jm & inside, other=-1).to(tl.int64)
+    if HAS_DEAD:
+        dead = tl.load(dead_ptr + tl.where(jm & inside, pos, 0) * s_dead, mask=jm & inside, other=0)
+        tok = tl.where(dead != 0, -1, tok)
+    jold = j + p
+    if HAS_HISTORY:
+        old = tl.load(hist_ptr + n * s_hist_n + jold * s_hist_j, mask=jm & (~inside) & (jold < HIST),
+                      other=-1).to(tl.int64)
+    else:
+        old = tl.full([BLOCK_H], -1, tl.int64)
+    new = tl.where(inside, tok, old)
+    tl.store(cache_ptr + tl.where(on, row, 0) * s_cache_n + j * s_cache_j, new.to(cache_ptr.dtype.element_ty), mask=jm)
+
+
+def _check_history_cache(cache, slot_indices):
+    check_tensor("history_cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
+    check_tensor("slot_indices", slot_indices, shape=[None], dtypes=INDEX_DTYPES, device=cache.device)
+
+
+def gather_history(cache: torch.Tensor, slot_indices: torch.Tensor, has_initial_state: torch.Tensor | None = None,
+                   *, check_inputs: bool = True) -> torch.Tensor:
+    """The hash history of a batch's sequences: ``[N, H]`` rows of ``cache [slots, H]``.
+
+    Row ``n`` is ``cache[slot_indices[n]]``, or all ``-1`` (no history: the sequence
+    starts fresh) where the index is negative or ``has_initial_state[n]`` is false --
+    a new sequence never reads a stale row. One launch, no host sync. Returns a new
+    tensor in ``cache``'s dtype."""
+    if check_inputs:
+        _check_history_cache(cache, slot_indices)
+        check_index_range("slot_indices", slot_indices, cache.shape[0])
+        if has_initial_state is not None:
+            check_tensor("has_initial_state", has_initial_state, shape=[slot_indices.shape[0]], dtypes=(torch.bool,),
+                         device=cache.device)
+    N, H = slot_indices.shape[0], cache.shape[1]
+    out = torch.empty(N, H, dtype=cache.dtype, device=cache.device)
+    if N == 0 or H == 0:
+        return out
+    flags = has_initial_state.view(torch.uint8) if has_initial_state is not None else slot_indices
+    _history_copy_kernel[(N,)](
+        cache, cache.stride(0), cache.stride(1),
+        slot_indices, slot_indices.stride(0),
+        flags, flags.stride(0) if has_initial_state is not None else 0,
+        out, out.stride(0), out.stride(1),
+        slot_indices, 0,
+        HIST=H, BLOCK_H=triton.next_power_of_2(H), GATHER=True, HAS_FLAGS=has_initial_state is not None,
+        num_warps=1,
+    )
+    return out
+
+
+def scatter_history(cache: torch.Tensor, slot_indices: torch.Tensor, history: torch.Tensor, *,
+                    check_inputs: bool = True) -> torch.Tensor:
+    """Write ``history [N, H]`` to rows ``slot_indices`` of ``cache`` in place (negative:
+    not written; rows no index names are never touched). Returns ``cache``."""
+    if check_inputs:
+        _check_history_cache(cache, slot_indices)
+        check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
+                     device=cache.device)
+        check_index_range("slot_indices", slot_indices, cache.shape[0])
+    N, H = slot_indices.shape[0], cache.shape[1]
+    if N == 0 or H == 0:
+        return cache
+    _history_copy_kernel[(N,)](
+        history, history.stride(0), history.stride(1),
+        slot_indices, 0,
+        slot_indices, 0,
+        cache, cache.stride(0), cache.stride(1),
+        slot_indices, slot_indices.stride(0),
+        HIST=H, BLOCK_H=triton.next_power_of_2(H), GATHER=False, HAS_FLAGS=False,
+        num_warps=1,
+    )
+    return cache
+
+
+def checkpoint_history(token_ids: torch.Tensor, cu_seqlens: torch.Tensor, history: torch.Tensor | None,
+                       dead_mask: torch.Tensor | None, checkpoint_offsets: torch.Tensor,
+                       checkpoint_indices: torch.Tensor, cache: torch.Tensor, *,
+                       check_inputs: bool = True) -> torch.Tensor:
+    """Prefix-cache checkpoint of the hash history: row ``checkpoint_indices[n]`` of
+    ``cache`` gets the history after the first ``p = checkpoint_offsets[n]`` tokens of
+    sequence ``n`` of this call (``history`` is what came before the call, as given
+    to ``ngram_hash``), for ``0 < p <= length``; ``p = 0`` or a negative row: nothing.
+    Returns ``cache``."""
+    if check_inputs:
+        check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
+        dev = token_ids.device
+        check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=dev)
+        N = cu_seqlens.numel() - 1
+        if history is not None:
+            check_tensor("history", history, shape=[N, cache.shape[1]], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        cu = cu_seqlens.tolist()
+        for n, p in enumerate(checkpoint_offsets.tolist()):
+            if p < 0 or p > cu[n + 1] - cu[n]:
+                raise ValueError(f"checkpoint_offsets[{n}]: expected 0 <= p <= the sequence length "
+                                 f"{cu[n + 1] - cu[n]}, got {p}")
+        check_index_range("checkpoint_indices", checkpoint_indices[checkpoint_offsets > 0], cache.shape[0])
+    N, H = cu_seqlens.shape[0] - 1, cache.shape[1]
+    if N <= 0 or H == 0:
+        return cache
+    dead = None if dead_mask is None else (dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask)
+    _history_checkpoint_kernel[(N,)](
+        token_ids, token_ids.stride(0),
+        cu_seqlens, cu_seqlens.stride(0),
+        history if history is not None else token_ids,
+        history.stride(0) if history is not None else 0, history.stride(1) if history is not None else 0,
+        dead if dead is not None else token_ids, dead.stride(0) if dead is not None else 0,
+        checkpoint_offsets, checkpoint_offsets.stride(0),
+        checkpoint_indices, checkpoint_indices.stride(0),
+        cache, cache.stride(0), cache.stride(1),
+        HIST=H, BLOCK_H=triton.next_power_of_2(H), HAS_HISTORY=history is not None, HAS_DEAD=dead is not None,
+        num_warps=1,
+    )
+    return cache
+
+
+# ------------------------------------------------------------------------- batch
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramBatch:
+    """Which sequences a step's tokens belong to, for the Engram layer.
+
+    Fields (device tensors; ``T`` tokens flattened over ``N`` sequences):
+
+    * ``cu_seqlens`` int ``[N+1]``: offsets of every sequence, decode rows (length 1)
+      included -- the hash does not care which tokens decode.
+    * ``slot_indices`` int ``[N]``: the sequence's row of the history cache (negative:
+      none, e.g. a padding row of a captured batch: nothing is read or written).
+    * ``has_initial_state`` bool ``[N]``: false starts the sequence's n-grams from the
+      pad id (a new prompt) without reading its row.
+    * ``dead_mask`` ``[T]`` (optional): tokens that hash as pad and hide everything
+      older (image placeholders, padding).
+    * ``token_mask`` bool ``[T]`` (optional): false rows keep ``out = hidden``.
+    * ``checkpoint_offsets`` / ``checkpoint_indices`` int ``[N]`` (optional): write the
+      history at offset ``p`` (0 = none) of sequence ``n`` to that cache row.
+
+    Build it with :meth:`from_query_lens` or :meth:`from_kda_batch` (device ops only,
+    no host sync); :meth:`validate` checks it against the host (syncs).
+    """
+
+    cu_seqlens: torch.Tensor
+    slot_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    dead_mask: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None
+    checkpoint_offsets: torch.Tensor | None = None
+    checkpoint_indices: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_indices.shape[0]
+
+    @classmethod
+    def from_query_lens(
+        cls,
+        query_lens: torch.Tensor,
+        slot_indices: torch.Tensor,
+        has_initial_state: torch.Tensor | None = None,
+        *,
+        dead_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+        checkpoint_offsets: torch.Tensor | None = None,
+        checkpoint_indices: torch.Tensor | None = None,
+    ) -> EngramBatch:
+        """From per-sequence query lengths ``[N]`` (device), slots ``[N]`` and flags
+        ``[N]`` (default all true: every sequence continues its history)."""
+        check_tensor("query_lens", query_lens, shape=[None], dtypes=INDEX_DTYPES)
+        N, dev = query_lens.shape[0], query_lens.device
+        check_tensor("slot_indices", slot_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        cu = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(query_lens.to(torch.int64), 0, out=cu[1:])
+        if has_initial_state is None:
+            has_initial_state = torch.ones(N, dtype=torch.bool, device=dev)
+        return cls(cu, slot_indices, has_initial_state, dead_mask, token_mask, checkpoint_offsets, checkpoint_indices)
+
+    @classmethod
+    def from_kda_batch(
+        cls,
+        batch,
+        *,
+        slot_indices: torch.Tensor | None = None,
+        dead_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> EngramBatch:
+        """The same step as a :class:`~kda_engram.layers.kda.KDABatch` (decode rows
+        first, then the prefill sequences): decode rows become length-1 sequences
+        that continue their history; slots default to the KDA state slots (one
+        numbering for every per-sequence cache); checkpoints carry over."""
+        B = batch.num_decode
+        cu_p = batch.prefill_cu_seqlens.to(torch.int64)
+        dev = cu_p.device
+        cu = torch.cat([torch.arange(B, dtype=torch.int64, device=dev), cu_p + B])
+        if slot_indices is None:
+            slot_indices = torch.cat([batch.decode_state_indices.to(torch.int64),
+                                      batch.prefill_state_indices.to(torch.int64)])
+        has = torch.cat([torch.ones(B, dtype=torch.bool, device=dev), batch.prefill_has_initial_state])
+        ck_off = ck_idx = None
+        if batch.checkpoint_offsets is not None:
+            ck_off = torch.cat([torch.zeros(B, dtype=torch.int64, device=dev), batch.checkpoint_offsets.to(torch.int64)])
+            ck_idx = torch.cat([torch.full((B,), -1, dtype=torch.int64, device=dev),
+                                batch.checkpoint_indices.to(torch.int64)])
+        return cls(cu, slot_indices, has, dead_mask, token_mask, ck_off, ck_idx)
+
+    def validate(self, num_tokens: int, history_slots: int | None = None) -> None:
+        """Host-side checks of every field (reads the tensors back: a sync; eager only)."""
+        check_tensor("cu_seqlens", self.cu_seqlens, shape=[None], dtypes=INDEX_DTYPES)
+        dev = self.cu_seqlens.device
+        N = self.cu_seqlens.numel() - 1
+        if N < 0:
+            raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
+        check_tensor("slot_indices", self.slot_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("has_initial_state", self.has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
+        cu = self.cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={num_tokens}, got {cu}")
+        for name in ("dead_mask", "token_mask"):
+            x = getattr(self, name)
+            if x is not None:
+                dts = (torch.bool,) if name == "token_mask" else (torch.bool, torch.uint8, torch.int8)
+                check_tensor(name, x, shape=[num_tokens], dtypes=dts, device=dev)
+        if history_slots is not None:
+            check_index_range("slot_indices", self.slot_indices, history_slots)
+        if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
+            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        if self.checkpoint_offsets is not None:
+            check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            for n, p in enumerate(self.checkpoint_offsets.tolist()):
+                if p < 0 or p > cu[n + 1] - cu[n]:
+                    raise ValueError(f"checkpoint_offsets[{n}]: expected 0 <= p <= {cu[n + 1] - cu[n]}, got {p}")
+            if history_slots is not None:
+                active = self.checkpoint_indices[self.checkpoint_offsets > 0]
+                check_index_range("checkpoint_indices", torch.cat([self.slot_indices.to(torch.int64),
+                                                                   active.to(torch.int64)]), history_slots)
+
+
+def engram_hash_step(
+    token_ids: torch.Tensor,
+    batch: EngramBatch,
+    layout: EngramLayout | int,
+    history_cache: torch.Tensor,
+    *,
+    token_map: torch.Tensor | None = None,
+    global_rows: bool = False,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """Hash one step's tokens for every Engram layer and advance the hash history.
+
+    Call it once per model step (it moves the history on) and pass its result to
+    every :class:`EngramLayer` of the model.
+
+    Args:
+        token_ids: int ``[T]`` (raw ids with ``token_map``, else compressed ids).
+        batch: the step's :class:`EngramBatch`.
+        layout: the model's :class:`~kda_engram.engram.layout.EngramLayout`, or its
+            :func:`kda_engram.ops.handle` (what :meth:`EngramLayer.hash_step` passes,
+            so that a compiled step traces no registry lookup).
+        history_cache: int ``[slots, max_ngram - 1]`` (same id space as
+            ``token_ids``), read at and written back to the batch's slots in place;
+            checkpoint rows are written too.
+        token_map, global_rows: as in :func:`~kda_engram.engram.hashing.ngram_hash`.
+        check_inputs: host-only checks (shapes, dtypes; no device reads). Call
+            :meth:`EngramBatch.validate` for the syncing ones.
+
+    Returns int32 ``[T, n_layers, n_hash_cols]`` table rows.
+    """
+    if check_inputs:
+        check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
+        hist_len = None if isinstance(layout, int) else layout.max_ngram - 1
+        check_tensor("history_cache", history_cache, shape=[None, hist_len], dtypes=INDEX_DTYPES,
+                     device=token_ids.device)
+        check_tensor("batch.slot_indices", batch.slot_indices, shape=[batch.cu_seqlens.shape[0] - 1],
+                     dtypes=INDEX_DTYPES, device=token_ids.device)
+    hist = ops.engram_history_gather(history_cache, batch.slot_indices, batch.has_initial_state)
+    rows = ops.ngram_hash(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
+                          token_map=token_map, global_rows=global_rows)
+    new = ops.next_history(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask)
+    if batch.checkpoint_offsets is not None:
+        ops.engram_history_checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
+                                      batch.checkpoint_indices, history_cache)
+    ops.engram_history_scatter(history_cache, batch.slot_indices, new)
+    return rows
+
+
+# ------------------------------------------------------------------------- layer
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = dataclasses.MISSING) -> Any:
+    if isinstance(cfg, Mapping):
+        if key in cfg:
+            return cfg[key]
+    elif hasattr(cfg, key):
+        return getattr(cfg, key)
+    if default is dataclasses.MISSING:
+        raise ValueError(f"cfg: the model config needs the key {key!r}, which is missing")
+    return default
+
+
+def _text_config(cfg: Any) -> dict:
+    """The text config as a dict (V4.1 nests it under ``text_config``), with the pad
+    id under the key :meth:`EngramLayout.from_config` reads."""
+    inner = _cfg_get(cfg, "text_config", None)
+    src = inner if inner is not None else cfg
+    if isinstance(src, Mapping):
+        out = dict(src)
+    elif hasattr(src, "to_dict"):
+        out = dict(src.to_dict())
+    else:
+        out = dict(vars(src))
+    if "engram_pad_token_id" not in out and "engram_pad_id" in out:
+        out["engram_pad_token_id"] = out["engram_pad_id"]
+    return out
+
+
+class EngramLayer(nn.Module):
+    """One Engram layer from table rows (or token ids) to the gated ``hc`` streams.
+
+    Args:
+        layout: the model's :class:`~kda_engram.engram.layout.EngramLayout` (shared by
+            its Engram layers).
+        layer_id: this layer's id (one of ``layout.layer_ids``).
+        dim: hidden size of each stream; hc_mult: number of streams.
+        eps, clamp_value: the gate's RMS epsilon and ``|dot|`` floor.
+        tp: tensor-parallel group (``None``: one process). The table is sharded by
+            hash columns (each rank gathers its columns, then one all-gather), the
+            projection and gate as :class:`~kda_engram.engram.module.Engram` decides.
+        shard_gate: force the dim-sharded gate on/off (``None``: the policy).
+        storage: table storage, ``"bf16"``, ``"fp16"``, ``"fp32"`` or ``"fp8"`` (e4m3 +
+            ue8m0 scales, V4.1's checkpoint format: 101 GB instead of 196 GB per layer).
+        host_resident, host_mode: keep the table in (pinned) host memory, see
+            :class:`~kda_engram.engram.table.EngramTable`.
+        dtype, device: of the projection/gate parameters and of the lookup output.
+
+    The table (``self.table``) is a plain object, not a submodule: a host-resident
+    table must not follow ``module.to(...)``. Fill everything with
+    :meth:`load_weights` (or :meth:`reset_parameters` for a random layer).
+    """
+
+    def __init__(
+        self,
+        layout: EngramLayout,
+        layer_id: int,
+        dim: int,
+        hc_mult: int,
+        *,
+        eps: float = 1e-6,
+        clamp_value: float = 1e-6,
+        tp: TensorParallelGroup | None = None,
+        shard_gate: bool | None = None,
+        storage: str = "bf16",
+        host_resident: bool = False,
+        host_mode: str = "auto",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        if not isinstance(layout, EngramLayout):
+            raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.layer_id = int(layer_id)
+        self.layer_index = layout.layer_index(layer_id)
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.engram = Engram(dim, hc_mult, layout.embedding_dim, eps=eps, clamp_value=clamp_value, tp=self.tp,
+                             shard_gate=shard_gate, dtype=dtype, device=device)
+        self.table = EngramTable.for_layer(
+            layout, layer_id, storage=storage, device=device, host_resident=host_resident, host_mode=host_mode,
+            group=self.tp if self.tp.world_size > 1 else None, out_dtype=dtype,
+        )
+        # Op handles, taken once: the forward passes plain ints to the ops.
+        self._layout_handle = ops.handle(layout)
+        self._table_handle = ops.handle(self.table)
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        layer_id: int,
+        *,
+        layout: EngramLayout | None = None,
+        token_map: torch.Tensor | None = None,
+        **kwargs,
+    ) -> EngramLayer:
+        """From a DeepSeek-V4.1 config (dict or object; a nested ``text_config`` is
+        used when present): ``hidden_size``, ``hc_mult``, ``rms_norm_eps`` and the
+        ``engram_*`` keys of :meth:`EngramLayout.from_config` (``engram_pad_id`` is
+        accepted for ``engram_pad_token_id``; ``engram_clamp_value`` optional, default
+        1e-6). Pass ``layout`` to share one layout between the model's Engram layers.
+        Other keyword arguments go to the constructor."""
+        text = _text_config(cfg)
+        if layout is None:
+            layout = EngramLayout.from_config(text, token_map=token_map)
+        kwargs.setdefault("eps", float(_cfg_get(text, "rms_norm_eps", 1e-6)))
+        kwargs.setdefault("clamp_value", float(_cfg_get(text, "engram_clamp_value", 1e-6)))
+        return cls(layout, layer_id, int(_cfg_get(text, "hidden_size")), int(_cfg_get(text, "hc_mult")), **kwargs)
+
+    @staticmethod
+    def checkpoint_prefix(layer_id: int) -> str:
+        """Where V4.1 checkpoints keep this layer's tensors: ``layers.{layer_id}.engram.``."""
+        return f"layers.{int(layer_id)}.engram."
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     prefix: str = "") -> set[str]:
+        """Load full (unsharded) checkpoint tensors named as in the module docstring,
+        each under ``prefix`` (e.g. :meth:`checkpoint_prefix`); names outside the
+        prefix are ignored, a missing or unknown name under it is a ``ValueError``.
+        Returns the names loaded."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        mine = {name[len(prefix):]: t for name, t in items if name.startswith(prefix)}
+        need = {"embed.weight", "wkv.weight", "q_weight", "k_weight"}
+        missing = need - mine.keys()
+        unknown = mine.keys() - need - {"embed.scale"}
+        if missing or unknown:
+            raise ValueError(f"weights: under prefix {prefix!r} missing {sorted(missing)}, unknown {sorted(unknown)}")
+        emb = mine["embed.weight"]
+        check_tensor(f"{prefix}embed.weight", emb, shape=[self.table.num_rows, self.table.head_dim])
+        self.table.load_(emb, mine.get("embed.scale"))
+        self.engram.load_checkpoint(mine["wkv.weight"], mine["q_weight"], mine["k_weight"])
+        return {prefix + n for n in mine}
+
+    @torch.no_grad()
+    def random_weights(self, generator: torch.Generator | None = None, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Random full checkpoint tensors (CPU, fp32) under this layer's names, for tests."""
+        g = generator
+        hc, dim, in_dim = self.engram.hc_mult, self.engram.dim, self.engram.in_dim
+        return {
+            "embed.weight": torch.randn(self.table.num_rows, self.table.head_dim, generator=g) * scale,
+            "wkv.weight": torch.randn((hc + 1) * dim, in_dim, generator=g) * in_dim**-0.5,
+            "q_weight": 1.0 + 0.1 * torch.randn(hc, dim, generator=g),
+            "k_weight": 1.0 + 0.1 * torch.randn(hc, dim, generator=g),
+        }
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Load :meth:`random_weights`; returns them (the reference needs the full tensors)."""
+        w = self.random_weights(generator)
+        self.load_weights(w)
+        return w
+
+    # -- forward --------------------------------------------------------------------
+
+    def hash_step(self, token_ids: torch.Tensor, batch: EngramBatch, history_cache: torch.Tensor, *,
+                  token_map: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
+        """:func:`engram_hash_step` with this layer's layout (once per model step; the
+        rows serve every Engram layer of the model)."""
+        return engram_hash_step(token_ids, batch, self._layout_handle, history_cache, token_map=token_map,
+                                check_inputs=check_inputs)
+
+    def embeddings(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [T, n_layers, n_hash_cols]`` (all layers, from :func:`engram_hash_step`)
+        -> this layer's looked-up rows ``[T, n_hash_cols * head_dim]``, replicated."""
+        mine = rows[:, self.layer_index]
+        if self.tp.world_size == 1:
+            emb = ops.engram_lookup(mine, self._table_handle)
+        else:
+            emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True), dim=1)
+        return emb.reshape(emb.shape[0], -1)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        batch: EngramBatch | None = None,
+        *,
+        rows: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+        history_cache: torch.Tensor | None = None,
+        token_map: torch.Tensor | None = None,
+        check_inputs: bool = True,
+    ) -> torch.Tensor:
+        """``hidden_states [T, hc, dim]`` -> ``[T, hc, dim]``: ``hidden + gate * value``.
+
+        Pass ``rows`` (``[T, n_layers, n_hash_cols]`` from :func:`engram_hash_step`,
+        shared by all Engram layers of the step), or ``token_ids`` with ``batch`` and
+        ``history_cache`` to hash here (this advances the history: only for a model
+        with a single Engram layer, or once per step). ``batch.token_mask`` (if any)
+        switches the gate off per token. ``check_inputs``: host-only shape checks.
+        """
+        if rows is None:
+            if token_ids is None or batch is None or history_cache is None:
+                raise ValueError("rows: pass rows, or token_ids with batch and history_cache to hash them here")
+            rows = self.hash_step(token_ids, batch, history_cache, token_map=token_map, check_inputs=check_inputs)
+        eng = self.engram
+        if check_inputs:
+            check_tensor("hidden_states", hidden_states, shape=[None, eng.hc_mult, eng.dim],
+                         dtypes=(eng.wkv.weight.dtype,), device=eng.wkv.weight.device)
+            check_tensor("rows", rows, shape=[hidden_states.shape[0], self.layout.n_layers, self.layout.n_hash_cols],
+                         dtypes=INDEX_DTYPES, device=hidden_states.device)
+        token_mask = batch.token_mask if batch is not None else None
+        emb = self.embeddings(rows)
+        kv_local = eng.wkv(emb)
+        P = self.tp.world_size
+        if not eng.shard_gate:
+            kv = self.tp.all_gather(kv_local, dim=-1)
+            return ops.engram_post_wkv(hidden_states, kv, eng.q_weight, eng.k_weight, eps=eng.eps,
+                                       clamp_value=eng.clamp_value, token_mask=token_mask,
+                                       num_kv_tokens=emb.shape[0])
+        send = ops.engram_gate_partials(hidden_states, kv_local, eng.q_weight, eng.k_weight, rank=self.tp.rank,
+                                        tp_size=P)
+        gathered = self.tp.all_gather(send, dim=0)
+        return ops.engram_gate_finish(hidden_states, gathered, tp_size=P, eps=eng.eps, clamp_value=eng.clamp_value,
+                                      token_mask=token_mask)
+
+    def extra_repr(self) -> str:
+        return (f"layer_id={self.layer_id}, n_hash_cols={self.layout.n_hash_cols}, head_dim={self.layout.head_dim}, "
+                f"storage={self.table.storage}, tp_size={self.tp.world_size}")
+
+
+# --------------------------------------------------------------------- reference
+
+
+def engram_layer_reference(
+    layout: EngramLayout,
+    layer_id: int,
+    weights: Mapping[str, torch.Tensor],
+    hidden_states: torch.Tensor,
+    token_ids,
+    cu_seqlens,
+    *,
+    eps: float,
+    clamp_value: float = 1e-6,
+    history=None,
+    dead_mask=None,
+    token_mask=None,
+    token_map=None,
+) -> torch.Tensor:
+    """The layer in plain NumPy/PyTorch (fp32 on the CPU) from full weights: the
+    reference hash, gather, projection and gate of :mod:`kda_engram.engram`."""
+    from ..engram.memory_reference import dequantize_fp8_ue8m0_ref, lookup_ref, ngram_hash_ref
+    from ..engram.reference import engram_post_wkv_ref
+
+    rows = ngram_hash_ref(token_ids, cu_seqlens, layout, history=history, dead_mask=dead_mask, token_map=token_map)
+    table = weights["embed.weight"]
+    if "embed.scale" in weights:
+        table = dequantize_fp8_ue8m0_ref(table.view(torch.uint8), weights["embed.scale"].view(torch.uint8))
+    emb = lookup_ref(table, rows[:, layout.layer_index(layer_id)]).reshape(rows.shape[0], -1)
+    kv = emb @ weights["wkv.weight"].float().t()
+    mask = None if token_mask is None else token_mask.cpu()
+    return engram_post_wkv_ref(hidden_states.float().cpu(), kv, weights["q_weight"].float(),
+                               weights["k_weight"].float(), eps=eps, clamp_value=clamp_value, token_mask=mask)

@@ -1,0 +1,633 @@
+"""``KimiDeltaAttention``: the KDA mixer of Kimi-Linear / Kimi-K3 for serving.
+
+Per token (hidden ``x``), per head ``h`` of this rank:
+
+1. one fused input projection ``x @ W_in^T`` produces the bands
+   ``[q | k | v | gate | beta | g_out]`` (``gate`` and ``g_out`` are either full,
+   ``H K`` / ``H V`` columns, or the ``r`` columns of a low-rank down projection
+   whose up projection ``f_b_proj`` / ``g_b_proj`` follows the fused matmul);
+2. the width-4 causal depthwise conv + SiLU on ``q, k, v`` with a per-sequence
+   conv window cache ``[slots, 2HK + HV, 3]`` (the last three raw inputs);
+3. KDA itself: prefill sequences through ``chunk_kda_prefill`` (prologue with the
+   fused conv, chunk kernel with the paged state cache and checkpoints), decode
+   rows through ``kda_decode`` after the decode conv step, in the same call;
+4. the output gate ``RMSNorm(o) * o_norm.weight * sigmoid(g_out)`` per head and the
+   output projection (row-parallel: an all-reduce under tensor parallelism).
+
+Batches follow the engines' order: the ``num_decode`` decode rows first (one token
+each), then the prefill tokens (``prefill_cu_seqlens`` over them alone).
+:class:`KDABatch` says which rows are which, their state-cache and conv-cache
+rows, ``has_initial_state`` and the prefix-cache checkpoints, all as device
+tensors built without host syncs, so a step is CUDA-graph capturable and
+``torch.compile(fullgraph=True)``-able (every kernel is a ``torch.ops.kda_engram``
+custom op, :mod:`kda_engram.ops`).
+
+Prefix caching is exact: a checkpoint at offset ``p`` (a multiple of 64) writes
+the recurrent state after ``p`` tokens (chunk kernel) *and* the conv window at
+``p`` -- the raw q/k/v inputs of tokens ``p-3 .. p-1``, gathered from the
+projection on the device (:func:`kda_engram.kda.conv.kda_conv_checkpoint`) -- to
+the checkpoint row; a later prefill from that row with ``has_initial_state``
+reproduces the uninterrupted prefill. Chunked prefill carries both caches the same
+way.
+
+Memory ownership: the caches are the caller's (:meth:`KimiDeltaAttention.allocate_cache`
+makes them with ``torch.empty``: rows are read only where ``has_initial_state``
+says so). The projection output is read through strided band views, never copied;
+the kernels' workspaces are ``torch.empty`` of the caching allocator.
+
+Tensor parallelism: heads are sharded over the group (rank ``r`` of ``P`` owns heads
+``[r H/P, (r+1) H/P)``): the q/k/v/gate/beta/g_out bands, conv channels, ``A_log``,
+``dt_bias`` and the up projections are column-parallel, the low-rank down
+projections replicated, ``o_proj`` row-parallel. :meth:`KimiDeltaAttention.load_weights`
+takes the full (unsharded) Kimi-Linear checkpoint tensors and keeps this rank's
+shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
+from ..parallel import TensorParallelGroup
+
+__all__ = ["KDABatch", "KimiDeltaAttention", "kda_layer_reference"]
+
+CONV_SIZE = 4
+_HEAD_DIMS = (16, 32, 64, 128)
+
+
+# --------------------------------------------------------------------------- batch
+
+
+@dataclasses.dataclass(frozen=True)
+class KDABatch:
+    """The rows of one mixed decode + prefill step, as the KDA layer needs them.
+
+    Tokens are ordered decode rows first (``num_decode`` of them, one token each),
+    then the prefill tokens. Fields (device tensors, int32/int64 unless noted):
+
+    * ``num_decode``: Python int, static for a captured graph.
+    * ``decode_state_indices [B_d]``: state-cache row of each decode row (negative:
+      padding row -- nothing read or written, output zero).
+    * ``decode_conv_indices [B_d]``: conv-cache row (defaults to the state rows).
+    * ``prefill_cu_seqlens [N_p+1]``: offsets over the prefill tokens only.
+    * ``prefill_state_indices [N_p]`` / ``prefill_conv_indices [N_p]``: cache rows.
+    * ``prefill_has_initial_state`` bool ``[N_p]``: continue from the rows (chunked
+      prefill, resumption from a prefix checkpoint) or start from zeros (the rows
+      are then not read).
+    * ``checkpoint_offsets [N_p]`` / ``checkpoint_indices [N_p]`` (optional, both or
+      neither): snapshot the state and conv window after ``checkpoint_offsets[n]``
+      tokens (0 = none, else a multiple of 64, at most the length) into row
+      ``checkpoint_indices[n]`` of the checkpoint buffers (by default the caches).
+
+    Build it with :meth:`from_query_lens` (device ops, no sync) or directly;
+    :meth:`validate` checks it against the host (syncs: eager only).
+    """
+
+    num_decode: int
+    decode_state_indices: torch.Tensor
+    decode_conv_indices: torch.Tensor
+    prefill_cu_seqlens: torch.Tensor
+    prefill_state_indices: torch.Tensor
+    prefill_conv_indices: torch.Tensor
+    prefill_has_initial_state: torch.Tensor
+    checkpoint_offsets: torch.Tensor | None = None
+    checkpoint_indices: torch.Tensor | None = None
+
+    @property
+    def num_prefill(self) -> int:
+        """Number of prefill sequences (static: a shape)."""
+        return self.prefill_state_indices.shape[0]
+
+    @classmethod
+    def from_query_lens(
+        cls,
+        query_lens: torch.Tensor,
+        state_indices: torch.Tensor,
+        has_initial_state: torch.Tensor | None = None,
+        *,
+        num_decode: int,
+        conv_state_indices: torch.Tensor | None = None,
+        checkpoint_offsets: torch.Tensor | None = None,
+        checkpoint_indices: torch.Tensor | None = None,
+    ) -> KDABatch:
+        """From per-request device tensors in engine order (decode requests first).
+
+        ``query_lens [N]`` (the first ``num_decode`` must be 1), ``state_indices [N]``,
+        ``has_initial_state`` bool ``[N]`` (decode entries ignored: decode always
+        continues; default all false for the prefill requests), ``conv_state_indices
+        [N]`` (default ``state_indices``), ``checkpoint_offsets`` / ``checkpoint_indices
+        [N]`` (decode entries ignored). Device ops only (a cumsum and slices)."""
+        check_tensor("query_lens", query_lens, shape=[None], dtypes=INDEX_DTYPES)
+        N, dev = query_lens.shape[0], query_lens.device
+        num_decode = int(num_decode)
+        if not 0 <= num_decode <= N:
+            raise ValueError(f"num_decode: expected 0 <= num_decode <= {N} requests, got {num_decode}")
+        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        conv = state_indices if conv_state_indices is None else conv_state_indices
+        check_tensor("conv_state_indices", conv, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        B = num_decode
+        cu = torch.zeros(N - B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(query_lens[B:].to(torch.int64), 0, out=cu[1:])
+        if has_initial_state is None:
+            has = torch.zeros(N - B, dtype=torch.bool, device=dev)
+        else:
+            check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
+            has = has_initial_state[B:]
+        if (checkpoint_offsets is None) != (checkpoint_indices is None):
+            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        ck_off = ck_idx = None
+        if checkpoint_offsets is not None:
+            check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            ck_off, ck_idx = checkpoint_offsets[B:], checkpoint_indices[B:]
+        return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx)
+
+    def validate(self, num_tokens: int, state_slots: int | None = None, conv_slots: int | None = None,
+                 checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
+        """Every field against the host (reads them back: a sync; eager only).
+
+        ``num_tokens`` is the step's token count (``num_decode`` + prefill tokens).
+        With the cache sizes, index ranges and distinctness are checked too: all
+        state rows written in the step (decode, prefill, checkpoints) must differ,
+        and so must the conv rows."""
+        B = self.num_decode
+        if not isinstance(B, int) or B < 0:
+            raise TypeError(f"num_decode: expected a non-negative Python int, got {B!r}")
+        check_tensor("decode_state_indices", self.decode_state_indices, shape=[B], dtypes=INDEX_DTYPES)
+        dev = self.decode_state_indices.device
+        check_tensor("decode_conv_indices", self.decode_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("prefill_cu_seqlens", self.prefill_cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
+        N = self.prefill_cu_seqlens.shape[0] - 1
+        if N < 0:
+            raise ValueError("prefill_cu_seqlens: expected shape [N_p+1] with N_p >= 0, got [0]")
+        for name in ("prefill_state_indices", "prefill_conv_indices"):
+            check_tensor(name, getattr(self, name), shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("prefill_has_initial_state", self.prefill_has_initial_state, shape=[N], dtypes=(torch.bool,),
+                     device=dev)
+        if num_tokens < B:
+            raise ValueError(f"hidden_states: {num_tokens} tokens cannot hold num_decode={B} decode rows")
+        cu = self.prefill_cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != num_tokens - B or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(
+                f"prefill_cu_seqlens: expected non-decreasing offsets from 0 to the {num_tokens - B} prefill tokens, "
+                f"got {cu if len(cu) <= 16 else '[...]'}"
+            )
+        if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
+            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        ck_rows = torch.zeros(0, dtype=torch.int64, device=dev)
+        if self.checkpoint_offsets is not None:
+            check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+            for n, p in enumerate(self.checkpoint_offsets.tolist()):
+                length = cu[n + 1] - cu[n]
+                if p < 0 or p % KDA_CHECKPOINT_ALIGNMENT or p > length:
+                    raise ValueError(
+                        f"checkpoint_offsets[{n}]: expected 0 (none) or a multiple of {KDA_CHECKPOINT_ALIGNMENT} "
+                        f"at most the sequence length {length}, got {p}"
+                    )
+            ck_rows = self.checkpoint_indices[self.checkpoint_offsets > 0].to(torch.int64)
+            if checkpoint_rows is not None:
+                check_index_range("checkpoint_indices", ck_rows, checkpoint_rows)
+            if conv_checkpoint_rows is not None:
+                check_index_range("checkpoint_indices", ck_rows, conv_checkpoint_rows)
+        cat = lambda *xs: torch.cat([x.to(torch.int64) for x in xs])  # noqa: E731
+        if state_slots is not None:
+            rows = cat(self.decode_state_indices, self.prefill_state_indices)
+            check_index_range("decode_state_indices/prefill_state_indices", rows, state_slots)
+            if checkpoint_rows is None:  # checkpoints into the state cache itself
+                check_index_range("state rows written this step (decode, prefill, checkpoints)",
+                                  torch.cat([rows, ck_rows]), state_slots)
+        if conv_slots is not None:
+            rows = cat(self.decode_conv_indices, self.prefill_conv_indices)
+            check_index_range("decode_conv_indices/prefill_conv_indices", rows, conv_slots)
+            if conv_checkpoint_rows is None:
+                check_index_range("conv rows written this step (decode, prefill, checkpoints)",
+                                  torch.cat([rows, ck_rows]), conv_slots)
+
+
+# --------------------------------------------------------------------------- layer
+
+
+def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
+    size = x.shape[dim] // parts
+    return x.narrow(dim, rank * size, size)
+
+
+class KimiDeltaAttention(nn.Module):
+    """The KDA token mixer for serving (one layer, this rank's heads).
+
+    Args:
+        hidden_size: model width.
+        num_heads: KDA heads of the whole layer (sharded over ``tp``).
+        head_dim: K = V per head (128 in Kimi-Linear; 16/32/64 accepted for tests).
+        conv_size: the short conv width; the fused kernels implement 4.
+        gate_low_rank_dim: ``None`` for a full ``H K`` gate band, or the rank ``r`` of
+            the low-rank gate (``f_a_proj`` in the fused projection, ``f_b_proj``
+            after it; Kimi-Linear uses ``r = head_dim``).
+        output_gate_low_rank_dim: the same for the output gate (``g_a_proj`` /
+            ``g_b_proj``).
+        lower_bound: ``None`` for the softplus gate, ``L < 0`` for the bounded one
+            (Kimi-K3 style safe gate).
+        norm_eps: epsilon of the output RMSNorm.
+        scale: attention scale (default ``head_dim ** -0.5``).
+        tp: tensor-parallel group (``None``: one process).
+        dtype, device: of the projections (``A_log``, ``dt_bias`` stay fp32).
+
+    Parameters (this rank's shard, ``torch.empty``: load with :meth:`load_weights`):
+    ``in_proj.weight [2HK + HV + gate + H + g_out, hidden]``, ``f_b_proj.weight``,
+    ``g_b_proj.weight`` (low-rank only), ``conv_weight [2HK + HV, 4]``, ``A_log [H]``,
+    ``dt_bias [H K]``, ``o_norm_weight [V]``, ``o_proj.weight [hidden, H V]``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int = 128,
+        *,
+        conv_size: int = CONV_SIZE,
+        gate_low_rank_dim: int | None = None,
+        output_gate_low_rank_dim: int | None = None,
+        lower_bound: float | None = None,
+        norm_eps: float = 1e-5,
+        scale: float | None = None,
+        tp: TensorParallelGroup | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        P = self.tp.world_size
+        if conv_size != CONV_SIZE:
+            raise ValueError(f"conv_size: the fused conv kernels implement width {CONV_SIZE}, got {conv_size}")
+        if head_dim not in _HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {_HEAD_DIMS} (128 in production), got {head_dim}")
+        if num_heads < 1 or num_heads % P:
+            raise ValueError(f"num_heads: expected a positive multiple of tp_size {P}, got {num_heads}")
+        if lower_bound is not None and not lower_bound <= 0:
+            raise ValueError(f"lower_bound: expected None or a value <= 0 (e.g. -5.0), got {lower_bound}")
+        for name, r in (("gate_low_rank_dim", gate_low_rank_dim), ("output_gate_low_rank_dim", output_gate_low_rank_dim)):
+            if r is not None and (not isinstance(r, int) or r < 1):
+                raise ValueError(f"{name}: expected None or a positive int, got {r!r}")
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.local_heads = H = num_heads // P
+        self.head_dim = K = V = head_dim
+        self.conv_size = conv_size
+        self.gate_low_rank_dim = gate_low_rank_dim
+        self.output_gate_low_rank_dim = output_gate_low_rank_dim
+        self.lower_bound = None if lower_bound is None else float(lower_bound)
+        self.norm_eps = float(norm_eps)
+        self.scale = float(scale) if scale is not None else K**-0.5
+        self.conv_channels = C = 2 * H * K + H * V
+        gate_cols = gate_low_rank_dim or H * K
+        gout_cols = output_gate_low_rank_dim or H * V
+        # Column bands of the fused projection output, in order.
+        widths = [("q", H * K), ("k", H * K), ("v", H * V), ("gate", gate_cols), ("beta", H), ("g_out", gout_cols)]
+        self.bands: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, w in widths:
+            self.bands[name] = (start, start + w)
+            start += w
+        self.proj_width = start
+        kw = dict(dtype=dtype, device=device)
+        self.in_proj = nn.Linear(hidden_size, start, bias=False, **kw)
+        self.f_b_proj = nn.Linear(gate_low_rank_dim, H * K, bias=False, **kw) if gate_low_rank_dim else None
+        self.g_b_proj = nn.Linear(output_gate_low_rank_dim, H * V, bias=False, **kw) if output_gate_low_rank_dim else None
+        self.conv_weight = nn.Parameter(torch.empty(C, conv_size, **kw))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32, device=device))
+        self.dt_bias = nn.Parameter(torch.empty(H * K, dtype=torch.float32, device=device))
+        self.o_norm_weight = nn.Parameter(torch.empty(V, **kw))
+        self.o_proj = nn.Linear(H * V, hidden_size, bias=False, **kw)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    # -- caches -----------------------------------------------------------------------
+
+    def allocate_cache(self, slots: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(state_cache fp32 [slots, H, V, K], conv_state [slots, 2HK + HV, 3])`` with
+        ``torch.empty`` (the conv windows in the projection dtype: raw inputs are
+        stored exactly). Rows are only read where ``has_initial_state`` says so."""
+        device = device or self.in_proj.weight.device
+        H, K = self.local_heads, self.head_dim
+        state = torch.empty(slots, H, K, K, dtype=torch.float32, device=device)
+        conv = torch.empty(slots, self.conv_channels, self.conv_size - 1, dtype=self.in_proj.weight.dtype,
+                           device=device)
+        return state, conv
+
+    # -- weights ----------------------------------------------------------------------
+
+    def weight_names(self) -> list[str]:
+        """The full-checkpoint tensor names :meth:`load_weights` takes (Kimi-Linear's)."""
+        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+                 "v_conv1d.weight", "b_proj.weight", "A_log", "dt_bias", "o_norm.weight", "o_proj.weight"]
+        names += ["f_a_proj.weight", "f_b_proj.weight"] if self.gate_low_rank_dim else ["f_proj.weight"]
+        names += ["g_a_proj.weight", "g_b_proj.weight"] if self.output_gate_low_rank_dim else ["g_proj.weight"]
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     prefix: str = "") -> set[str]:
+        """Load the full (unsharded) checkpoint tensors, Kimi-Linear names under ``prefix``:
+
+        ``q_proj / k_proj / v_proj.weight [H*K or H*V, hidden]``,
+        ``q_conv1d / k_conv1d / v_conv1d.weight [*, 1, 4]`` (or ``[*, 4]``),
+        ``f_a_proj.weight [r, hidden]`` + ``f_b_proj.weight [H*K, r]`` (low-rank gate) or
+        ``f_proj.weight [H*K, hidden]``, ``b_proj.weight [H, hidden]``,
+        ``g_a_proj.weight [r_o, hidden]`` + ``g_b_proj.weight [H*V, r_o]`` or
+        ``g_proj.weight [H*V, hidden]``, ``A_log [H]`` (or ``[1, 1, H, 1]``),
+        ``dt_bias [H*K]`` (or ``[H, K]``), ``o_norm.weight [V]``, ``o_proj.weight [hidden, H*V]``.
+
+        This rank keeps its heads; the fused projection is assembled from the bands.
+        Missing or unknown names under ``prefix`` raise ``ValueError``. Returns the
+        names loaded."""
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        w = {name[len(prefix):]: t for name, t in items if name.startswith(prefix)}
+        need = set(self.weight_names())
+        if need != set(w):
+            raise ValueError(f"weights: under prefix {prefix!r} missing {sorted(need - set(w))}, "
+                             f"unknown {sorted(set(w) - need)}")
+        P, r = self.tp.world_size, self.tp.rank
+        Hf, K, hid = self.num_heads, self.head_dim, self.hidden_size
+
+        def get(name, shape):
+            t = w[name]
+            return check_tensor(prefix + name, t, shape=shape)
+
+        def heads(name, shape, dim=0):
+            return _sharded(get(name, shape), dim, r, P)
+
+        q = heads("q_proj.weight", [Hf * K, hid])
+        k = heads("k_proj.weight", [Hf * K, hid])
+        v = heads("v_proj.weight", [Hf * K, hid])
+        if self.gate_low_rank_dim:
+            gate = get("f_a_proj.weight", [self.gate_low_rank_dim, hid])  # replicated
+            self.f_b_proj.weight.copy_(heads("f_b_proj.weight", [Hf * K, self.gate_low_rank_dim]))
+        else:
+            gate = heads("f_proj.weight", [Hf * K, hid])
+        beta = heads("b_proj.weight", [Hf, hid])
+        if self.output_gate_low_rank_dim:
+            gout = get("g_a_proj.weight", [self.output_gate_low_rank_dim, hid])
+            self.g_b_proj.weight.copy_(heads("g_b_proj.weight", [Hf * K, self.output_gate_low_rank_dim]))
+        else:
+            gout = heads("g_proj.weight", [Hf * K, hid])
+        self.in_proj.weight.copy_(torch.cat([x.to(self.in_proj.weight.dtype) for x in (q, k, v, gate, beta, gout)]))
+
+        def conv(name):
+            t = w[name]
+            t = t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
+            return _sharded(check_tensor(prefix + name, t, shape=[Hf * K, self.conv_size]), 0, r, P)
+
+        self.conv_weight.copy_(torch.cat([conv("q_conv1d.weight"), conv("k_conv1d.weight"), conv("v_conv1d.weight")]))
+        a_log = w["A_log"].reshape(-1)
+        self.A_log.copy_(_sharded(check_tensor(prefix + "A_log", a_log, shape=[Hf]), 0, r, P))
+        dtb = w["dt_bias"].reshape(-1)
+        self.dt_bias.copy_(_sharded(check_tensor(prefix + "dt_bias", dtb, shape=[Hf * K]), 0, r, P))
+        self.o_norm_weight.copy_(get("o_norm.weight", [K]))
+        self.o_proj.weight.copy_(heads("o_proj.weight", [hid, Hf * K], dim=1))
+        return {prefix + n for n in w}
+
+    def random_weights(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Random full checkpoint tensors (CPU fp32, Kimi-Linear names) of a plausible
+        scale: unit-variance projections, ``A_log`` in ``log[1, 16]``, a conv that
+        keeps the signal, for tests and benchmarks."""
+        g = generator
+        Hf, K, hid = self.num_heads, self.head_dim, self.hidden_size
+        lin = lambda o, i: torch.randn(o, i, generator=g) * i**-0.5  # noqa: E731
+        out = {
+            "q_proj.weight": lin(Hf * K, hid), "k_proj.weight": lin(Hf * K, hid), "v_proj.weight": lin(Hf * K, hid),
+            "b_proj.weight": lin(Hf, hid), "o_proj.weight": lin(hid, Hf * K),
+            "A_log": torch.log(torch.rand(Hf, generator=g) * 15 + 1),
+            "dt_bias": torch.randn(Hf * K, generator=g) * 0.5,
+            "o_norm.weight": 1.0 + 0.1 * torch.randn(K, generator=g),
+        }
+        for name in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"):
+            out[name] = (torch.randn(Hf * K, 1, self.conv_size, generator=g) * 0.5)
+        if self.gate_low_rank_dim:
+            out["f_a_proj.weight"] = lin(self.gate_low_rank_dim, hid)
+            out["f_b_proj.weight"] = lin(Hf * K, self.gate_low_rank_dim)
+        else:
+            out["f_proj.weight"] = lin(Hf * K, hid)
+        if self.output_gate_low_rank_dim:
+            out["g_a_proj.weight"] = lin(self.output_gate_low_rank_dim, hid)
+            out["g_b_proj.weight"] = lin(Hf * K, self.output_gate_low_rank_dim)
+        else:
+            out["g_proj.weight"] = lin(Hf * K, hid)
+        return out
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Load :meth:`random_weights`; returns the full tensors (the reference needs them)."""
+        w = self.random_weights(generator)
+        self.load_weights(w)
+        return w
+
+    # -- forward ----------------------------------------------------------------------
+
+    def _check_forward(self, hidden_states, batch, state_cache, conv_state, checkpoint_state, checkpoint_conv_state):
+        wt = self.in_proj.weight
+        check_tensor("hidden_states", hidden_states, shape=[None, self.hidden_size], dtypes=(wt.dtype,),
+                     device=wt.device)
+        if not isinstance(batch, KDABatch):
+            raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
+        H, K = self.local_heads, self.head_dim
+        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=(torch.float32,), device=wt.device)
+        check_tensor("conv_state", conv_state, shape=[None, self.conv_channels, self.conv_size - 1],
+                     dtypes=FLOAT_DTYPES, device=wt.device)
+        if checkpoint_state is not None:
+            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=(torch.float32,),
+                         device=wt.device)
+        if checkpoint_conv_state is not None:
+            check_tensor("checkpoint_conv_state", checkpoint_conv_state,
+                         shape=[None, self.conv_channels, self.conv_size - 1], dtypes=FLOAT_DTYPES, device=wt.device)
+        T, B = hidden_states.shape[0], batch.num_decode
+        if T < B or (batch.num_prefill == 0 and T != B):
+            raise ValueError(f"hidden_states: {T} tokens do not match num_decode={B} decode rows and "
+                             f"{batch.num_prefill} prefill sequences")
+        for name in ("decode_state_indices", "decode_conv_indices"):
+            check_tensor(f"batch.{name}", getattr(batch, name), shape=[batch.num_decode], dtypes=INDEX_DTYPES,
+                         device=wt.device)
+        N = batch.prefill_cu_seqlens.shape[0] - 1
+        for name in ("prefill_state_indices", "prefill_conv_indices"):
+            check_tensor(f"batch.{name}", getattr(batch, name), shape=[N], dtypes=INDEX_DTYPES, device=wt.device)
+        check_tensor("batch.prefill_has_initial_state", batch.prefill_has_initial_state, shape=[N],
+                     dtypes=(torch.bool,), device=wt.device)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        batch: KDABatch,
+        state_cache: torch.Tensor,
+        conv_state: torch.Tensor,
+        *,
+        checkpoint_state: torch.Tensor | None = None,
+        checkpoint_conv_state: torch.Tensor | None = None,
+        check_inputs: bool = True,
+    ) -> torch.Tensor:
+        """One step: ``hidden_states [T, hidden]`` (decode rows first) -> ``[T, hidden]``.
+
+        Args:
+            batch: the step's :class:`KDABatch`.
+            state_cache: fp32 ``[slots, H, V, K]`` (this rank's heads), updated in place.
+            conv_state: ``[slots, 2HK + HV, 3]`` conv windows, updated in place.
+            checkpoint_state / checkpoint_conv_state: where the batch's checkpoints go
+                (rows ``batch.checkpoint_indices``); default the caches themselves.
+            check_inputs: host-only checks of shapes, dtypes and devices (no device
+                reads, so they are safe under capture). Index ranges and offsets are
+                the caller's contract; check them eagerly with :meth:`KDABatch.validate`.
+
+        Under tensor parallelism the result is all-reduced over the group.
+        """
+        if check_inputs:
+            self._check_forward(hidden_states, batch, state_cache, conv_state, checkpoint_state,
+                                checkpoint_conv_state)
+        T = hidden_states.shape[0]
+        B = batch.num_decode
+        H, K = self.local_heads, self.head_dim
+        V = K
+        C = self.conv_channels
+        b = self.bands
+        proj = self.in_proj(hidden_states)  # [T, width]: the only read of hidden_states
+        gate = proj[:, b["gate"][0] : b["gate"][1]]
+        raw_g = self.f_b_proj(gate) if self.f_b_proj is not None else gate  # [T, H*K], strided when full
+        raw_beta = proj[:, b["beta"][0] : b["beta"][1]]  # [T, H], a strided column slice
+        g_out = proj[:, b["g_out"][0] : b["g_out"][1]]
+        g_out = self.g_b_proj(g_out) if self.g_b_proj is not None else g_out
+
+        parts = []
+        if B > 0:
+            x = proj[:B, :C]
+            conv = ops.kda_conv_decode(x, self.conv_weight, conv_state, batch.decode_conv_indices,
+                                       out_dtype=torch.float32)
+            q = conv[:, : H * K].view(B, H, K)
+            k = conv[:, H * K : 2 * H * K].view(B, H, K)
+            v = conv[:, 2 * H * K :].view(B, H, V)
+            o_d = ops.kda_decode(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
+                                 state_cache, batch.decode_state_indices, scale=self.scale,
+                                 lower_bound=self.lower_bound)
+            parts.append(o_d.to(hidden_states.dtype))
+        if batch.num_prefill > 0:
+            Tp = T - B
+            xp = proj[B:]
+            q = xp[:, 0 : H * K].view(1, Tp, H, K)
+            k = xp[:, H * K : 2 * H * K].view(1, Tp, H, K)
+            v = xp[:, 2 * H * K : C].view(1, Tp, H, V)
+            ckpt = batch.checkpoint_offsets is not None
+            o_p, _ = ops._chunk_kda_prefill_op(
+                q, k, v, raw_g[B:].view(1, Tp, H, K), raw_beta[B:].unsqueeze(0), self.A_log, self.dt_bias,
+                batch.prefill_cu_seqlens, self.scale, self.lower_bound, None, False,
+                state_cache, batch.prefill_state_indices, batch.prefill_has_initial_state,
+                checkpoint_state if ckpt else None, batch.checkpoint_offsets if ckpt else None,
+                batch.checkpoint_indices if ckpt else None, ckpt and checkpoint_state is None,
+                self.conv_weight, conv_state, batch.prefill_conv_indices, batch.prefill_has_initial_state,
+            )
+            if ckpt:
+                ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,
+                                        batch.checkpoint_indices,
+                                        checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
+            parts.append(o_p.view(Tp, H, V))
+        # Decode rows then prefill tokens: together exactly the T rows (checked above).
+        o = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H, V))
+        y = self.o_proj(self._output_gate(o, g_out.view(T, H, V)).reshape(T, H * V))
+        if self.tp.world_size > 1:
+            y = self._all_reduce(y)
+        return y
+
+    def _output_gate(self, o: torch.Tensor, g_out: torch.Tensor) -> torch.Tensor:
+        """``RMSNorm(o) * o_norm.weight * sigmoid(g_out)`` per head, fp32 math, model dtype out."""
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        of = of * self.o_norm_weight.float() * torch.sigmoid(g_out.float())
+        return of.to(self.in_proj.weight.dtype)
+
+    def _all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        reduce = getattr(self.tp, "all_reduce", None)
+        if reduce is not None:
+            return reduce(y)
+        import torch.distributed as dist
+
+        dist.all_reduce(y, group=self.tp.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads} (local {self.local_heads}), "
+                f"head_dim={self.head_dim}, gate_low_rank_dim={self.gate_low_rank_dim}, "
+                f"output_gate_low_rank_dim={self.output_gate_low_rank_dim}, lower_bound={self.lower_bound}, "
+                f"tp_size={self.tp.world_size}")
+
+
+# ----------------------------------------------------------------------- reference
+
+
+def kda_layer_reference(
+    weights: Mapping[str, torch.Tensor],
+    hidden_states: torch.Tensor,
+    cu_seqlens,
+    *,
+    num_heads: int,
+    head_dim: int,
+    lower_bound: float | None = None,
+    norm_eps: float = 1e-5,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    initial_conv: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+):
+    """The layer in plain PyTorch, from the full Kimi-Linear weights (the names of
+    :meth:`KimiDeltaAttention.load_weights`): separate projections, ``F.conv1d`` from
+    the conv window, :func:`~kda_engram.kda.reference.naive_recurrent_kda`, the
+    gated RMSNorm and ``o_proj``, every sequence of ``cu_seqlens`` (over all tokens;
+    decode rows are length-1 sequences) on its own, in ``dtype`` on the CPU.
+
+    ``initial_state [N, H, V, K]`` / ``initial_conv [N, 2HK + HV, 3]`` (raw inputs,
+    oldest first): per sequence, zeros when ``None``.
+
+    Returns ``(y [T, hidden], final_state [N, H, V, K], final_conv [N, C, 3])``.
+    """
+    w = {n: t.detach().to("cpu", dtype) for n, t in weights.items()}
+    x = hidden_states.detach().to("cpu", dtype)
+    H, K = num_heads, head_dim
+    T = x.shape[0]
+    cu = [int(c) for c in cu_seqlens]
+    N = len(cu) - 1
+    q_raw, k_raw, v_raw = x @ w["q_proj.weight"].t(), x @ w["k_proj.weight"].t(), x @ w["v_proj.weight"].t()
+    g = (x @ w["f_a_proj.weight"].t()) @ w["f_b_proj.weight"].t() if "f_a_proj.weight" in w else x @ w["f_proj.weight"].t()
+    beta = x @ w["b_proj.weight"].t()
+    g_out = ((x @ w["g_a_proj.weight"].t()) @ w["g_b_proj.weight"].t() if "g_a_proj.weight" in w
+             else x @ w["g_proj.weight"].t())
+    raw = torch.cat([q_raw, k_raw, v_raw], dim=1)  # [T, C]
+    Cc = raw.shape[1]
+    cw = torch.cat([w[n].reshape(H * K, -1) for n in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")])
+    W = cw.shape[1]
+    conv = torch.zeros_like(raw)
+    final_conv = torch.zeros(N, Cc, W - 1, dtype=dtype)
+    for n in range(N):
+        s, e = cu[n], cu[n + 1]
+        window = initial_conv[n].to("cpu", dtype) if initial_conv is not None else torch.zeros(Cc, W - 1, dtype=dtype)
+        xs = torch.cat([window, raw[s:e].t()], dim=1)
+        if e > s:
+            conv[s:e] = F.silu(F.conv1d(xs[None], cw[:, None, :], groups=Cc)[0]).t()
+        final_conv[n] = xs[:, -(W - 1):]
+    q = conv[:, : H * K].reshape(1, T, H, K)
+    k = conv[:, H * K : 2 * H * K].reshape(1, T, H, K)
+    v = conv[:, 2 * H * K :].reshape(1, T, H, K)
+    h0 = None if initial_state is None else initial_state.to("cpu", dtype)
+    o, final, _ = naive_recurrent_kda(
+        q, k, v, g.reshape(1, T, H, K), beta.reshape(1, T, H), w["A_log"].reshape(-1), w["dt_bias"].reshape(-1),
+        scale=scale, lower_bound=lower_bound, cu_seqlens=torch.tensor(cu), initial_state=h0, output_final_state=True,
+    )
+    o = o[0]  # [T, H, V]
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm_eps) * w["o_norm.weight"]
+    o = o * torch.sigmoid(g_out.reshape(T, H, K))
+    y = o.reshape(T, H * K) @ w["o_proj.weight"].t()
+    return y, final, final_conv

@@ -1,0 +1,114 @@
+"""The decode-time short conv step and the conv-window checkpoint (kda/conv.py)
+against their plain-PyTorch references, and against the prologue's fused conv:
+a prefill that continues with decode steps equals one longer prefill."""
+
+import pytest
+import torch
+
+from kda_engram.kda.conv import (
+    conv_checkpoint_reference,
+    conv_decode_reference,
+    kda_conv_checkpoint,
+    kda_conv_decode,
+)
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("x_dtype, state_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                  (torch.float32, torch.float16)])
+def test_decode_step_matches_reference(x_dtype, state_dtype):
+    B, C = 4, 300  # C not a multiple of the 256-channel block
+    wide = torch.randn(B + 1, C + 9, generator=gen(0)).to(x_dtype)
+    x = wide[1:, 5 : 5 + C]  # a strided band view, read in place
+    w = torch.randn(C, 4, generator=gen(1))
+    state = torch.randn(7, C, 3, generator=gen(2)).to(state_dtype)
+    idx = torch.tensor([6, -1, 0, 3])
+    want_out, want_state = conv_decode_reference(x, w, state, idx)
+    before = state.clone()
+    out = kda_conv_decode(x, w, state, idx, out_dtype=torch.float32)
+    tol = 1e-5 if x_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=0)
+    for r in (1, 2, 4, 5):
+        assert torch.equal(state[r], before[r])
+    # default output dtype is x's; an explicit strided out is honoured
+    assert kda_conv_decode(x, w, before.clone(), idx).dtype == x_dtype
+    buf = torch.zeros(B, 2 * C)
+    kda_conv_decode(x, w, before.clone(), idx, out=buf[:, ::2])
+    torch.testing.assert_close(buf[:, ::2].double(), want_out, rtol=tol, atol=tol)
+    assert (buf[:, 1::2] == 0).all()
+
+
+def test_decode_steps_continue_a_prefill_conv():
+    """conv1d over a whole sequence equals: window of the first L tokens, then steps."""
+    C, L, S = 24, 9, 5
+    seq = torch.randn(L + S, C, generator=gen(3))
+    w = torch.randn(C, 4, generator=gen(4))
+    full = torch.nn.functional.conv1d(torch.cat([torch.zeros(C, 3), seq.t()], 1)[None], w[:, None, :], groups=C)
+    full = torch.nn.functional.silu(full[0]).t()  # [L + S, C]
+    state = torch.zeros(1, C, 3)
+    state[0] = seq[L - 3 : L].t()
+    for t in range(L, L + S):
+        out = kda_conv_decode(seq[t : t + 1], w, state, torch.tensor([0]))
+        torch.testing.assert_close(out[0], full[t], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[0], seq[-3:].t(), rtol=0, atol=0)
+
+
+def test_checkpoint_matches_reference():
+    C = 40
+    x = torch.randn(300, C + 4, generator=gen(5))[:, 2 : 2 + C]
+    cu = torch.tensor([0, 70, 70, 200, 300])
+    offs = torch.tensor([64, 0, 128, 64])
+    rows = torch.tensor([5, 2, -1, 0])
+    state = torch.randn(6, C, 3, generator=gen(6))
+    want = conv_checkpoint_reference(x, cu, offs, rows, state)
+    kda_conv_checkpoint(x, cu, offs, rows, state)
+    torch.testing.assert_close(state, want, rtol=0, atol=0)
+    torch.testing.assert_close(state[5], x[61:64].t(), rtol=0, atol=0)
+    torch.testing.assert_close(state[0], x[261:264].t(), rtol=0, atol=0)
+
+
+def test_bad_input():
+    x, w, s = torch.randn(2, 8), torch.randn(8, 4), torch.zeros(3, 8, 3)
+    with pytest.raises(ValueError, match="conv_weight: expected shape"):
+        kda_conv_decode(x, torch.randn(9, 4), s, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="conv_state: expected shape"):
+        kda_conv_decode(x, w, torch.zeros(3, 8, 4), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="conv_state_indices: expected shape"):
+        kda_conv_decode(x, w, s, torch.tensor([0]))
+    with pytest.raises(ValueError, match="distinct"):
+        kda_conv_decode(x, w, s, torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="entries must be < 3"):
+        kda_conv_decode(x, w, s, torch.tensor([0, 3]))
+    with pytest.raises(TypeError, match="x: expected dtype"):
+        kda_conv_decode(x.double(), w, s, torch.tensor([0, 1]))
+    xt, cu = torch.randn(10, 8), torch.tensor([0, 10])
+    with pytest.raises(ValueError, match="checkpoint_offsets"):
+        kda_conv_checkpoint(xt, cu, torch.tensor([11]), torch.tensor([0]), s)
+    with pytest.raises(ValueError, match="checkpoint_offsets"):
+        kda_conv_checkpoint(xt, cu, torch.tensor([2]), torch.tensor([0]), s)
+    with pytest.raises(ValueError, match="checkpoint_indices"):
+        kda_conv_checkpoint(xt, cu, torch.tensor([5]), torch.tensor([3]), s)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_decode_and_checkpoint(gpu):
+    B, C = 64, 2 * 16 * 128 + 16 * 128
+    x = torch.randn(B, C + 64, device=gpu).to(torch.bfloat16)[:, :C]
+    w = torch.randn(C, 4, device=gpu).to(torch.bfloat16)
+    state = torch.randn(80, C, 3, device=gpu).to(torch.bfloat16)
+    idx = torch.randperm(80, device=gpu)[:B]
+    idx[5] = -1
+    want_out, want_state = conv_decode_reference(x.cpu(), w.cpu(), state.cpu(), idx.cpu())
+    out = kda_conv_decode(x, w, state, idx, out_dtype=torch.float32)
+    torch.testing.assert_close(out.double().cpu(), want_out, rtol=1e-4, atol=1e-4)
+    assert torch.equal(state.cpu(), want_state)
+    xt = torch.randn(1000, C, device=gpu).to(torch.bfloat16)
+    cu = torch.tensor([0, 300, 1000], device=gpu)
+    offs, rows = torch.tensor([256, 640], device=gpu), torch.tensor([3, 7], device=gpu)
+    want = conv_checkpoint_reference(xt.cpu(), cu.cpu(), offs.cpu(), rows.cpu(), state.cpu())
+    kda_conv_checkpoint(xt, cu, offs, rows, state, check_inputs=False)
+    assert torch.equal(state.cpu(), want)

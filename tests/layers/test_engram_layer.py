@@ -1,0 +1,251 @@
+"""EngramLayer: token ids -> hash -> table rows -> wkv -> gate, with the hash history
+carried across chunked prefill, decode and prefix-cache checkpoints; the history
+cache kernels; ``from_config`` and the DeepSeek-V4.1 weight names.
+
+References: ``memory_reference`` (NumPy hash, gather, fp8 decode) and the gate
+reference, composed by ``engram_layer_reference``.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from kda_engram.engram.layout import EngramLayout
+from kda_engram.engram.memory_reference import next_history_ref, ngram_hash_ref
+from kda_engram.engram.table import quantize_fp8_ue8m0
+from kda_engram.layers.engram import (
+    EngramBatch,
+    EngramLayer,
+    checkpoint_history,
+    engram_hash_step,
+    engram_layer_reference,
+    gather_history,
+    scatter_history,
+)
+from kda_engram.layers.kda import KDABatch
+
+DIM, HC, EPS = 32, 2, 1e-6
+VOCAB = 30
+
+
+def make_layout(head_dim=16):
+    return EngramLayout.build(layer_ids=[2, 5], max_ngram=3, n_heads=2, head_dim=head_dim, vocab_size=[40, 50],
+                              compressed_vocab_size=VOCAB, pad_id=1, seed=3)
+
+
+def make_layer(layout=None, layer_id=5, seed=0, **kw):
+    layout = layout or make_layout()
+    kw.setdefault("storage", "fp32")
+    layer = EngramLayer(layout, layer_id, DIM, HC, eps=EPS, dtype=torch.float32, device="cpu", **kw)
+    w = layer.reset_parameters(torch.Generator().manual_seed(seed))
+    return layer, w
+
+
+def ids_for(T, seed):
+    return torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden_for(T, seed):
+    return torch.randn(T, HC, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def ref_out(layer, w, hidden, ids, cu, **kw):
+    return engram_layer_reference(layer.layout, layer.layer_id, w, hidden, ids, cu, eps=EPS, **kw)
+
+
+def test_whole_layer_matches_reference_and_advances_history():
+    layer, w = make_layer()
+    lens = [6, 1, 9]
+    T = sum(lens)
+    ids, hidden = ids_for(T, 1), hidden_for(T, 2)
+    gen = torch.Generator().manual_seed(3)
+    dead = torch.rand(T, generator=gen) < 0.15
+    mask = torch.rand(T, generator=gen) > 0.2
+    cache = torch.full((5, 2), -7, dtype=torch.int64)  # -7: never read (fresh sequences)
+    slots = torch.tensor([4, -1, 0])
+    batch = EngramBatch.from_query_lens(torch.tensor(lens), slots, torch.tensor([False, False, False]),
+                                        dead_mask=dead, token_mask=mask)
+    batch.validate(T, 5)
+    out = layer(hidden, batch, token_ids=ids, history_cache=cache)
+    cu = [0, 6, 7, 16]
+    want = ref_out(layer, w, hidden, ids, cu, dead_mask=dead, token_mask=mask)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    hist = next_history_ref(ids, cu, layer.layout, dead_mask=dead)
+    assert cache[4].tolist() == hist[0].tolist() and cache[0].tolist() == hist[2].tolist()
+    assert (cache[[1, 2, 3]] == -7).all()  # the padding sequence (-1) and unnamed rows untouched
+
+
+def test_chunked_prefill_and_decode_equal_one_shot():
+    """Sequence A (slot 1) arrives as prefill 7 + prefill 8 + two decode steps, sequence
+    B (slot 3) as prefill 5 + decode; batches built from KDABatch (decode rows first)."""
+    layer, w = make_layer(seed=4)
+    ids_a, ids_b = ids_for(17, 5), ids_for(6, 6)
+    h_a, h_b = hidden_for(17, 7), hidden_for(6, 8)
+    cache = torch.full((4, 2), -9, dtype=torch.int32)
+    steps = [
+        # (decode (seq, pos) rows, prefill (seq, start, end, has_init) rows)
+        ([], [("a", 0, 7, False), ("b", 0, 5, False)]),
+        ([("b", 5)], [("a", 7, 15, True)]),
+        ([("a", 15)], []),
+        ([("a", 16)], []),
+    ]
+    seqs = {"a": (ids_a, h_a, 1), "b": (ids_b, h_b, 3)}
+    got = {"a": [], "b": []}
+    for dec, pre in steps:
+        rows = [(s, p, p + 1, True) for s, p in dec] + list(pre)
+        ids = torch.cat([seqs[s][0][a:e] for s, a, e, _ in rows])
+        hid = torch.cat([seqs[s][1][a:e] for s, a, e, _ in rows])
+        kb = KDABatch.from_query_lens(torch.tensor([e - a for _, a, e, _ in rows]),
+                                      torch.tensor([seqs[s][2] for s, *_ in rows]),
+                                      torch.tensor([h for *_, h in rows]), num_decode=len(dec))
+        batch = EngramBatch.from_kda_batch(kb)
+        out = layer(hid, batch, rows=layer.hash_step(ids, batch, cache))
+        t = 0
+        for s, a, e, _ in rows:
+            got[s].append(out[t : t + e - a])
+            t += e - a
+    for s, (ids, hid, _) in seqs.items():
+        want = ref_out(layer, w, hid, ids, [0, ids.numel()])
+        torch.testing.assert_close(torch.cat(got[s]), want, rtol=1e-5, atol=1e-5)
+    assert cache[1].tolist() == ids_a[-2:].tolist() and cache[3].tolist() == ids_b[-2:].tolist()
+    assert (cache[[0, 2]] == -9).all()
+
+
+def test_history_checkpoint_resume_equals_one_shot():
+    layout = make_layout()
+    L, p = 70, 64
+    ids = ids_for(L, 9)
+    dead = torch.zeros(L, dtype=torch.bool)
+    dead[p - 2] = True  # a dead token inside the checkpointed window
+    cache = torch.full((4, 2), -5, dtype=torch.int64)
+    one = EngramBatch(torch.tensor([0, L]), torch.tensor([0]), torch.tensor([False]), dead_mask=dead,
+                      checkpoint_offsets=torch.tensor([p]), checkpoint_indices=torch.tensor([2]))
+    one.validate(L, 4)
+    rows_one = engram_hash_step(ids, one, layout, cache)
+    assert cache[2].tolist() == [-1, int(ids[p - 1])]  # the window at p, the dead token as -1
+    res = EngramBatch(torch.tensor([0, L - p]), torch.tensor([2]), torch.tensor([True]), dead_mask=dead[p:])
+    rows_res = engram_hash_step(ids[p:], res, layout, cache)
+    assert torch.equal(rows_res, rows_one[p:])
+    assert torch.equal(cache[2], cache[0])
+    want = ngram_hash_ref(ids, [0, L], layout, dead_mask=dead)
+    np.testing.assert_array_equal(rows_one.numpy(), want)
+
+
+def test_history_kernels_against_python():
+    gen = torch.Generator().manual_seed(10)
+    cache = torch.randint(-1, 50, (6, 3), generator=gen)
+    idx = torch.tensor([5, -1, 0, 2])
+    has = torch.tensor([True, True, False, True])
+    got = gather_history(cache, idx, has)
+    want = torch.stack([cache[5], torch.full((3,), -1), torch.full((3,), -1), cache[2]])
+    assert torch.equal(got, want)
+    assert torch.equal(gather_history(cache, idx)[2], cache[0])
+    new = torch.randint(0, 50, (4, 3), generator=gen, dtype=torch.int32)
+    before = cache.clone()
+    scatter_history(cache, idx, new)
+    assert torch.equal(cache[5], new[0].long()) and torch.equal(cache[0], new[2].long())
+    assert torch.equal(cache[2], new[3].long())
+    for r in (1, 3, 4):
+        assert torch.equal(cache[r], before[r])
+    # checkpoint: offsets 0 (none), 1 (reaches into the old history), 4; row -1 skipped.
+    ids = torch.arange(100, 112)
+    cu = torch.tensor([0, 4, 6, 12, 12])
+    hist = torch.tensor([[7, 8, 9], [1, 2, 3], [4, 5, 6], [0, 0, 0]])
+    offs = torch.tensor([0, 1, 4, 0])
+    rows = torch.tensor([1, 3, -1, 4])
+    before = cache.clone()
+    checkpoint_history(ids, cu, hist, None, offs, rows, cache)
+    assert cache[3].tolist() == [2, 3, 104]
+    assert torch.equal(cache[[0, 1, 2, 4, 5]], before[[0, 1, 2, 4, 5]])
+    offs = torch.tensor([4, 0, 6, 0])
+    rows = torch.tensor([1, -1, 4, -1])
+    checkpoint_history(ids, cu, hist, None, offs, rows, cache)
+    assert cache[1].tolist() == [101, 102, 103] and cache[4].tolist() == [109, 110, 111]
+    with pytest.raises(ValueError, match="checkpoint_offsets"):
+        checkpoint_history(ids, cu, hist, None, torch.tensor([5, 0, 0, 0]), rows, cache)
+    with pytest.raises(ValueError, match="distinct"):
+        gather_history(cache, torch.tensor([1, 1]))
+
+
+def test_from_config_and_v41_fp8_weights():
+    cfg = {"text_config": {
+        "hidden_size": DIM, "hc_mult": HC, "rms_norm_eps": EPS, "engram_layer_ids": [2, 5],
+        "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32, "engram_vocab_size": [40, 50],
+        "engram_compressed_vocab_size": VOCAB, "engram_pad_id": 1, "engram_seed": 3,
+    }}
+    layer = EngramLayer.from_config(cfg, 5, storage="fp8", dtype=torch.float32, device="cpu")
+    assert layer.engram.eps == EPS and layer.layout.head_dim == 32 and layer.table.storage == "fp8"
+    prefix = EngramLayer.checkpoint_prefix(5)
+    full = layer.random_weights(torch.Generator().manual_seed(11))
+    q, s = quantize_fp8_ue8m0(full["embed.weight"])
+    ckpt = {prefix + "embed.weight": q.view(torch.float8_e4m3fn), prefix + "embed.scale": s,
+            prefix + "wkv.weight": full["wkv.weight"].bfloat16(), prefix + "q_weight": full["q_weight"],
+            prefix + "k_weight": full["k_weight"], "layers.2.engram.wkv.weight": torch.zeros(1)}
+    assert layer.load_weights(ckpt, prefix) == {n for n in ckpt if n.startswith(prefix)}
+    T = 12
+    ids, hidden = ids_for(T, 12), hidden_for(T, 13)
+    batch = EngramBatch.from_query_lens(torch.tensor([T]), torch.tensor([0]))
+    cache = torch.full((1, 2), -1, dtype=torch.int64)
+    out = layer(hidden, batch, token_ids=ids, history_cache=cache)
+    ref_w = {"embed.weight": q, "embed.scale": s, "wkv.weight": full["wkv.weight"].bfloat16(),
+             "q_weight": full["q_weight"], "k_weight": full["k_weight"]}
+    want = ref_out(layer, ref_w, hidden, ids, [0, T])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_input():
+    layer, w = make_layer()
+    with pytest.raises(ValueError, match="missing"):
+        layer.load_weights({k: v for k, v in w.items() if k != "q_weight"})
+    with pytest.raises(ValueError, match="unknown"):
+        layer.load_weights({**w, "wkv.bias": torch.zeros(3)})
+    with pytest.raises(ValueError, match="embed.weight: expected shape"):
+        layer.load_weights({**w, "embed.weight": torch.zeros(3, 16)})
+    with pytest.raises(ValueError, match="layer_id"):
+        EngramLayer(make_layout(), 4, DIM, HC, dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="layout"):
+        EngramLayer({"engram_layer_ids": [5]}, 5, DIM, HC, dtype=torch.float32, device="cpu")
+    hidden = hidden_for(4, 0)
+    batch = EngramBatch.from_query_lens(torch.tensor([4]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="rows: pass rows"):
+        layer(hidden, batch)
+    with pytest.raises(ValueError, match="rows: expected shape"):
+        layer(hidden, batch, rows=torch.zeros(4, 2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+        layer(hidden_for(4, 0)[:, :1], batch, rows=torch.zeros(4, 2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="history_cache: expected shape"):
+        engram_hash_step(ids_for(4, 0), batch, layer.layout, torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        batch.validate(5)
+    with pytest.raises(ValueError, match="entries must be < 1"):
+        EngramBatch.from_query_lens(torch.tensor([4]), torch.tensor([1])).validate(4, 1)
+    with pytest.raises(ValueError, match="give both or neither"):
+        EngramBatch(torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([True]),
+                    checkpoint_offsets=torch.tensor([2])).validate(4)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_layer_matches_reference(gpu):
+    layout = EngramLayout.build(layer_ids=[1, 3], max_ngram=4, n_heads=4, head_dim=64, vocab_size=5000,
+                                compressed_vocab_size=4000, pad_id=2, seed=0)
+    dim, hc = 1024, 4
+    layer = EngramLayer(layout, 3, dim, hc, eps=EPS, storage="bf16", dtype=torch.bfloat16, device=gpu)
+    w = layer.reset_parameters(torch.Generator().manual_seed(0))
+    lens = [1, 1, 300, 77]
+    T = sum(lens)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4000, (T,), generator=gen)
+    hidden = torch.randn(T, hc, dim, generator=gen)
+    cache = torch.randint(0, 4000, (8, 3), generator=gen)
+    kb = KDABatch.from_query_lens(torch.tensor(lens, device=gpu), torch.tensor([6, 2, 0, 1], device=gpu),
+                                  torch.tensor([True, True, False, True], device=gpu), num_decode=2)
+    batch = EngramBatch.from_kda_batch(kb)
+    batch.validate(T, 8)
+    cache_g = cache.to(gpu)
+    out = layer(hidden.to(gpu, torch.bfloat16), batch, token_ids=ids.to(gpu), history_cache=cache_g)
+    hist = torch.stack([cache[6], cache[2], torch.full((3,), -1), cache[1]])
+    want = engram_layer_reference(layout, 3, w, hidden.bfloat16(), ids, [0, 1, 2, 302, T], eps=EPS, history=hist)
+    err = (out.float().cpu() - want).abs().max().item()
+    assert err < 0.05 * want.abs().max().item(), err
+    new = next_history_ref(ids, [0, 1, 2, 302, T], layout, history=hist)
+    assert cache_g[[6, 2, 0, 1]].cpu().tolist() == new.tolist()

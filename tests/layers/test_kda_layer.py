@@ -1,0 +1,348 @@
+"""KimiDeltaAttention: mixed decode + prefill steps, prefix caching, chunked prefill,
+TP sharding and bad input, against the plain-PyTorch layer reference
+(``kda_layer_reference``: separate projections, ``F.conv1d``, ``naive_recurrent_kda``).
+
+CPU (interpreter): fp32, head dim 16, one or two heads, short prompts (the
+prologue costs ~0.6 s per 64-token chunk and head under the interpreter). GPU:
+bf16 at K = V = 128 with the low-rank gates, the same exactness properties, a
+CUDA-graph capture and ``torch.compile(fullgraph=True)`` of a mixed step of both
+serving layers.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kda_engram.layers.kda import KDABatch, KimiDeltaAttention, kda_layer_reference
+from kda_engram.parallel import TensorParallelGroup
+
+HID, K = 32, 16
+
+
+def make_layer(heads=2, *, low_rank=True, lower_bound=-5.0, tp=None, seed=1, dtype=torch.float32, device="cpu",
+               hidden=HID, head_dim=K, rank=8):
+    layer = KimiDeltaAttention(
+        hidden, heads, head_dim, gate_low_rank_dim=rank if low_rank else None,
+        output_gate_low_rank_dim=rank if low_rank else None, lower_bound=lower_bound, tp=tp, dtype=dtype, device=device,
+    )
+    weights = layer.random_weights(torch.Generator().manual_seed(seed))
+    layer.load_weights(weights)
+    return layer, weights
+
+
+def reference(layer, weights, x, cu, init=None, init_conv=None):
+    return kda_layer_reference(weights, x, cu, num_heads=layer.num_heads, head_dim=layer.head_dim,
+                               lower_bound=layer.lower_bound, norm_eps=layer.norm_eps, initial_state=init,
+                               initial_conv=init_conv)
+
+
+def close(a, b, atol):
+    err = (a.double().cpu() - b.double().cpu()).abs().max().item() if a.numel() else 0.0
+    assert err < atol, err
+
+
+def cu_of(lengths):
+    return [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+
+# ------------------------------------------------------------------------ mixed step
+
+
+@pytest.mark.parametrize("variant", ["lowrank_bounded", "full_softplus"])
+def test_mixed_decode_prefill_step_matches_reference(variant):
+    low_rank, lb = (True, -5.0) if variant == "lowrank_bounded" else (False, None)
+    long = 66 if low_rank else 40  # two chunks in one variant, one in the other (interpreter time)
+    layer, w = make_layer(2, low_rank=low_rank, lower_bound=lb)
+    slots = 8
+    sc, cs = layer.allocate_cache(slots)
+    sc.normal_(0, 0.3)
+    cs.normal_()
+    sc0, cs0 = sc.clone(), cs.clone()
+    # Three decode rows (one padding row, index -1), then prefill lengths 5 (continues
+    # slot 0), 0 (fresh, slot 1) and `long` (fresh, slot 2).
+    lens = [1, 1, 1, 5, 0, long]
+    slot = torch.tensor([3, -1, 5, 0, 1, 2])
+    has = torch.tensor([True, True, True, True, False, False])
+    batch = KDABatch.from_query_lens(torch.tensor(lens), slot, has, num_decode=3)
+    T = sum(lens)
+    batch.validate(T, slots, slots)
+    x = torch.randn(T, HID, generator=torch.Generator().manual_seed(2))
+    y = layer(x, batch, sc, cs)
+
+    N = len(lens)
+    init = torch.zeros(N, layer.local_heads, K, K)
+    init_c = torch.zeros(N, layer.conv_channels, 3)
+    for n in range(N):
+        if slot[n] >= 0 and has[n]:
+            init[n], init_c[n] = sc0[slot[n]], cs0[slot[n]]
+    y_ref, s_ref, c_ref = reference(layer, w, x, cu_of(lens), init, init_c)
+    live = torch.ones(T, dtype=torch.bool)
+    live[1] = False
+    close(y[live], y_ref[live], 2e-5)
+    assert torch.equal(y[1], torch.zeros(HID))  # padding decode row: zero output
+    for n in range(N):
+        s = int(slot[n])
+        if s < 0:
+            continue
+        close(sc[s], s_ref[n], 1e-5)
+        if lens[n] > 0:
+            close(cs[s], c_ref[n], 1e-6)
+        else:
+            assert torch.equal(cs[s], cs0[s])  # a zero-length sequence leaves its conv row alone
+    for s in (4, 6, 7):  # rows nobody names are untouched
+        assert torch.equal(sc[s], sc0[s]) and torch.equal(cs[s], cs0[s])
+
+
+def test_decode_only_and_prefill_only_steps():
+    layer, w = make_layer(1)
+    sc, cs = layer.allocate_cache(4)
+    # prefill only: one fresh prompt of 9 tokens into slot 2
+    x = torch.randn(11, HID, generator=torch.Generator().manual_seed(3))
+    b1 = KDABatch.from_query_lens(torch.tensor([9]), torch.tensor([2]), num_decode=0)
+    y1 = layer(x[:9], b1, sc, cs)
+    # decode only: two steps of that sequence
+    dec = KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([2]), num_decode=1)
+    y2 = layer(x[9:10], dec, sc, cs)
+    y3 = layer(x[10:11], dec, sc, cs)
+    y_ref, s_ref, c_ref = reference(layer, w, x, [0, 11])
+    close(torch.cat([y1, y2, y3]), y_ref, 2e-5)
+    close(sc[2], s_ref[0], 1e-5)
+    close(cs[2], c_ref[0], 1e-6)
+
+
+# --------------------------------------------------------------------- prefix caching
+
+
+def test_prefix_checkpoint_resume_and_chunked_prefill_equal_one_prefill_then_decode():
+    layer, w = make_layer(1, seed=4)
+    L, p = 100, 64
+    x = torch.randn(L + 2, HID, generator=torch.Generator().manual_seed(5))
+    slots = 6
+    sc, cs = layer.allocate_cache(slots)
+    sc.fill_(math.nan)  # never read where has_initial_state is false
+    cs.fill_(math.nan)
+
+    # 1. One prefill of the whole prompt into slot 0, checkpoint at p into slot 1.
+    one = KDABatch.from_query_lens(torch.tensor([L]), torch.tensor([0]), num_decode=0,
+                                   checkpoint_offsets=torch.tensor([p]), checkpoint_indices=torch.tensor([1]))
+    one.validate(L, slots, slots)
+    y_one = layer(x[:L], one, sc, cs)
+    y_ref, s_ref, c_ref = reference(layer, w, x, [0, L + 2])
+    close(y_one, y_ref[:L], 2e-5)
+    _, s_p, c_p = reference(layer, w, x[:p], [0, p])
+    close(sc[1], s_p[0], 1e-5)  # the recurrent state after p tokens
+    # ... and the conv window at p: the raw q/k/v inputs of tokens p-3 .. p-1.
+    proj = torch.nn.functional.linear(x[:L], layer.in_proj.weight)
+    close(cs[1], proj[p - 3 : p, : layer.conv_channels].t(), 1e-6)
+
+    # 2. Resume from the checkpoint row (state and conv window at p) for the rest.
+    res = KDABatch.from_query_lens(torch.tensor([L - p]), torch.tensor([1]), torch.tensor([True]), num_decode=0)
+    y_res = layer(x[p:L], res, sc, cs)
+    close(y_res, y_one[p:], 1e-5)
+    close(sc[1], sc[0], 1e-5)
+    close(cs[1], cs[0], 1e-6)
+
+    # 3. Chunked prefill into slot 2: 40 tokens, then 60 from the carried caches.
+    first = KDABatch.from_query_lens(torch.tensor([40]), torch.tensor([2]), num_decode=0)
+    rest = KDABatch.from_query_lens(torch.tensor([L - 40]), torch.tensor([2]), torch.tensor([True]), num_decode=0)
+    y_c = torch.cat([layer(x[:40], first, sc, cs), layer(x[40:L], rest, sc, cs)])
+    close(y_c, y_one, 2e-5)
+    close(sc[2], sc[0], 1e-5)
+
+    # 4. Two decode steps of the chunked sequence (slot 2) and of the resumed one
+    #    (slot 1) in one batch equal the reference recurrence over L + 2 tokens.
+    dec = KDABatch.from_query_lens(torch.tensor([1, 1]), torch.tensor([2, 1]), num_decode=2)
+    for t in (L, L + 1):
+        y_d = layer(x[t : t + 1].expand(2, HID), dec, sc, cs)
+        close(y_d, y_ref[t : t + 1].expand(2, HID), 2e-5)
+    close(sc[2], s_ref[0], 1e-5)
+    close(cs[1], c_ref[0], 1e-6)
+    assert torch.isnan(sc[3:]).all() and torch.isnan(cs[3:]).all()
+
+
+# ---------------------------------------------------------------------- TP sharding
+
+
+def fake_group(rank, world_size):
+    group = TensorParallelGroup.single()
+    group.rank, group.world_size = rank, world_size
+    group.all_reduce = lambda y: y  # the test sums the rank partials itself
+    return group
+
+
+def test_tp_head_sharding_sums_to_the_full_layer():
+    full, w = make_layer(2, seed=6)
+    ranks = [KimiDeltaAttention(HID, 2, K, gate_low_rank_dim=8, output_gate_low_rank_dim=8, lower_bound=-5.0,
+                                tp=fake_group(r, 2), dtype=torch.float32, device="cpu") for r in range(2)]
+    for layer in ranks:
+        layer.load_weights(w)
+        assert layer.local_heads == 1 and layer.conv_channels == 3 * K
+    lens = [1, 1, 20]
+    batch = KDABatch.from_query_lens(torch.tensor(lens), torch.tensor([0, 1, 2]), torch.tensor([True, True, False]),
+                                     num_decode=2)
+    x = torch.randn(sum(lens), HID, generator=torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(8)
+    sc_full = torch.randn(3, 2, K, K, generator=gen) * 0.3
+    cs_full = torch.randn(3, full.conv_channels, 3, generator=gen)
+    sc_f, cs_f = sc_full.clone(), cs_full.clone()
+    y_full = full(x, batch, sc_f, cs_f)
+    y_sum = 0
+    for r, layer in enumerate(ranks):
+        # Rank r's conv channels: its q, k and v head slices.
+        ch = torch.cat([torch.arange(r * K, (r + 1) * K) + band * 2 * K for band in range(3)])
+        sc_r, cs_r = sc_full[:, r : r + 1].clone(), cs_full[:, ch].clone()
+        y_sum = y_sum + layer(x, batch, sc_r, cs_r)
+        close(sc_r, sc_f[:, r : r + 1], 1e-6)
+        close(cs_r, cs_f[:, ch], 1e-12)
+    close(y_sum, y_full, 1e-5)
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def test_layer_construction_errors():
+    with pytest.raises(ValueError, match="num_heads"):
+        KimiDeltaAttention(HID, 3, K, tp=fake_group(0, 2), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="head_dim"):
+        KimiDeltaAttention(HID, 2, 24, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="conv_size"):
+        KimiDeltaAttention(HID, 2, K, conv_size=3, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="lower_bound"):
+        KimiDeltaAttention(HID, 2, K, lower_bound=1.0, dtype=torch.float32, device="cpu")
+    layer, w = make_layer(2)
+    with pytest.raises(ValueError, match="missing"):
+        layer.load_weights({k: v for k, v in w.items() if k != "A_log"})
+    with pytest.raises(ValueError, match="unknown"):
+        layer.load_weights({**w, "q_proj.bias": torch.zeros(2 * K)})
+    bad = dict(w, **{"q_proj.weight": torch.zeros(2 * K, HID + 1)})
+    with pytest.raises(ValueError, match="q_proj.weight: expected shape"):
+        layer.load_weights(bad)
+    assert layer.load_weights({"blk.0." + k: v for k, v in w.items()}, prefix="blk.0.") == {
+        "blk.0." + k for k in w}
+
+
+def test_forward_and_batch_errors():
+    layer, _ = make_layer(2)
+    sc, cs = layer.allocate_cache(4)
+    x = torch.randn(6, HID)
+    ok = KDABatch.from_query_lens(torch.tensor([1, 5]), torch.tensor([0, 1]), num_decode=1)
+    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+        layer(torch.randn(6, HID + 1), ok, sc, cs)
+    with pytest.raises(TypeError, match="hidden_states: expected dtype"):
+        layer(x.double(), ok, sc, cs)
+    with pytest.raises(ValueError, match="state_cache: expected shape"):
+        layer(x, ok, sc[:, :1], cs)
+    with pytest.raises(ValueError, match="conv_state: expected shape"):
+        layer(x, ok, sc, cs[:, :, :2])
+    with pytest.raises(TypeError, match="batch: expected a KDABatch"):
+        layer(x, {"num_decode": 1}, sc, cs)
+    with pytest.raises(ValueError, match="do not match num_decode"):
+        layer(x, KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([0]), num_decode=1), sc, cs)
+    with pytest.raises(ValueError, match="num_decode"):
+        KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([0]), num_decode=2)
+    with pytest.raises(ValueError, match="give both or neither"):
+        KDABatch.from_query_lens(torch.tensor([5]), torch.tensor([0]), num_decode=0, checkpoint_offsets=torch.tensor([0]))
+    # validate(): the syncing checks
+    with pytest.raises(ValueError, match="prefill_cu_seqlens"):
+        ok.validate(7)
+    ck = KDABatch.from_query_lens(torch.tensor([70]), torch.tensor([0]), num_decode=0,
+                                  checkpoint_offsets=torch.tensor([32]), checkpoint_indices=torch.tensor([1]))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ck.validate(70)
+    dup = KDABatch.from_query_lens(torch.tensor([1, 5]), torch.tensor([1, 1]), num_decode=1)
+    with pytest.raises(ValueError, match="distinct"):
+        dup.validate(6, 4, 4)
+    clash = KDABatch.from_query_lens(torch.tensor([1, 70]), torch.tensor([1, 0]), num_decode=1,
+                                     checkpoint_offsets=torch.tensor([0, 64]), checkpoint_indices=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="distinct"):
+        clash.validate(71, 4, 4)
+    with pytest.raises(ValueError, match="entries must be < 4"):
+        KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([4]), num_decode=1).validate(1, 4, 4)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+GPU_HID, GPU_HEADS, GPU_K = 1024, 8, 128
+
+
+def gpu_layer(gpu, seed=11):
+    # Kimi-Linear's shape per head: K = V = 128, both gates low-rank with r = 128.
+    return make_layer(GPU_HEADS, seed=seed, dtype=torch.bfloat16, device=gpu, hidden=GPU_HID, head_dim=GPU_K,
+                      rank=GPU_K)
+
+
+def rel_rmse(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_mixed_step_matches_reference(gpu):
+    layer, w = gpu_layer(gpu)
+    slots = 16
+    sc, cs = layer.allocate_cache(slots)
+    sc.normal_(0, 0.05)
+    cs.normal_(0, 0.5)
+    sc0, cs0 = sc.clone(), cs.clone()
+    lens = [1, 1, 1, 1, 300, 64, 1000]
+    slot = torch.tensor([3, 7, -1, 9, 0, 1, 2], device=gpu)
+    has = torch.tensor([True, True, True, True, True, False, False], device=gpu)
+    batch = KDABatch.from_query_lens(torch.tensor(lens, device=gpu), slot, has, num_decode=4)
+    T = sum(lens)
+    batch.validate(T, slots, slots)
+    x = torch.randn(T, GPU_HID, device=gpu, generator=torch.Generator(gpu).manual_seed(3)).to(torch.bfloat16)
+    y = layer(x, batch, sc, cs)
+    N = len(lens)
+    init = torch.zeros(N, GPU_HEADS, GPU_K, GPU_K)
+    init_c = torch.zeros(N, layer.conv_channels, 3)
+    for n in range(N):
+        if slot[n] >= 0 and has[n]:
+            init[n], init_c[n] = sc0[slot[n]].cpu(), cs0[slot[n]].float().cpu()
+    y_ref, s_ref, c_ref = kda_layer_reference(w, x.float(), cu_of(lens), num_heads=GPU_HEADS, head_dim=GPU_K,
+                                              lower_bound=-5.0, initial_state=init, initial_conv=init_c,
+                                              dtype=torch.float32)
+    live = torch.ones(T, dtype=torch.bool)
+    live[2] = False
+    assert rel_rmse(y[live], y_ref[live]) < 3e-2
+    assert y[2].abs().max().item() == 0
+    for n in range(N):
+        if slot[n] >= 0:
+            assert rel_rmse(sc[slot[n]], s_ref[n]) < 3e-2
+            assert rel_rmse(cs[slot[n]], c_ref[n]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_checkpoint_resume_and_chunked_prefill(gpu):
+    layer, w = gpu_layer(gpu, seed=12)
+    L, p = 1000, 512
+    x = torch.randn(L + 3, GPU_HID, device=gpu, generator=torch.Generator(gpu).manual_seed(4)).to(torch.bfloat16)
+    sc, cs = layer.allocate_cache(6)
+    sc.fill_(math.nan)
+    cs.fill_(math.nan)
+    one = KDABatch.from_query_lens(torch.tensor([L], device=gpu), torch.tensor([0], device=gpu), num_decode=0,
+                                   checkpoint_offsets=torch.tensor([p], device=gpu),
+                                   checkpoint_indices=torch.tensor([1], device=gpu))
+    y_one = layer(x[:L], one, sc, cs)
+    res = KDABatch.from_query_lens(torch.tensor([L - p], device=gpu), torch.tensor([1], device=gpu),
+                                   torch.tensor([True], device=gpu), num_decode=0)
+    y_res = layer(x[p:L], res, sc, cs)
+    # The resumed walk repeats the same 64-token chunks from the same fp32 state (up
+    # to the rounding of a projection GEMM of another row count).
+    assert rel_rmse(y_res, y_one[p:]) < 1e-2
+    assert rel_rmse(sc[1], sc[0]) < 1e-2
+    assert rel_rmse(cs[1], cs[0]) < 1e-2
+    first = KDABatch.from_query_lens(torch.tensor([700], device=gpu), torch.tensor([2], device=gpu), num_decode=0)
+    rest = KDABatch.from_query_lens(torch.tensor([L - 700], device=gpu), torch.tensor([2], device=gpu),
+                                    torch.tensor([True], device=gpu), num_decode=0)
+    y_c = torch.cat([layer(x[:700], first, sc, cs), layer(x[700:L], rest, sc, cs)])
+    dec = KDABatch.from_query_lens(torch.tensor([1, 1], device=gpu), torch.tensor([2, 0], device=gpu), num_decode=2)
+    y_d = [layer(x[t : t + 1].expand(2, GPU_HID), dec, sc, cs) for t in range(L, L + 3)]
+    y_ref, s_ref, _ = kda_layer_reference(w, x.float(), [0, L + 3], num_heads=GPU_HEADS, head_dim=GPU_K,
+                                          lower_bound=-5.0, dtype=torch.float32)
+    assert rel_rmse(y_one, y_ref[:L]) < 3e-2
+    assert rel_rmse(y_c, y_ref[:L]) < 3e-2
+    for t, yd in enumerate(y_d):
+        assert rel_rmse(yd[0], y_ref[L + t]) < 3e-2 and rel_rmse(yd[1], y_ref[L + t]) < 3e-2
+    assert rel_rmse(sc[2], s_ref[0]) < 3e-2
+    assert rel_rmse(sc[2], sc[0]) < 1e-2
