@@ -11,11 +11,22 @@ beta, the initial and the final state in fp32 -- over the copy bandwidth
 measured here (a 1 GiB device-to-device copy, counting read + write). Our time is
 also split into the two launches (prologue, chunk walk).
 
+Parallel chunk groups (issue 6): every case's main row runs the heuristic's
+group count (``groups`` column, :func:`kda_engram.kda.groups.chunk_groups`); the
+long few-head cases (:data:`GROUP_CASES`) add one row per forced count
+(:data:`GROUP_COUNTS`, ``"<case> G=<n>"``: the whole prefill with ``groups=n``,
+its chunk walk alone, fla's time, and the max abs difference to our G = 1
+output), and a closing summary gives, per case, the heuristic's pick beside the
+fastest forced count: the measurement that sets the constants of
+:mod:`kda_engram.kda.groups`.
+
 ``python benchmarks/bench_kda_prefill.py [--cases 16x2k_H32,...] [--quick]
-[--no-peers] [--sweep] [--json PATH]``. ``--sweep`` also times the chunk kernel
-alone over its launch configurations (BV x num_warps x num_stages), to tune
-:func:`kda_engram.kda.chunk.chunk_config`. ``run(cases=None, peers=True,
-quick=False)`` returns the rows for ``kda-engram bench``.
+[--no-peers] [--sweep] [--groups 1,4,8,16,32] [--group-cases all|1x32k_H4,...]
+[--json PATH]``. ``--sweep`` also times the chunk kernel alone over its launch
+configurations (BV x num_warps x num_stages), to tune
+:func:`kda_engram.kda.chunk.chunk_config`; ``--groups ''`` drops the forced-G
+rows. ``run(cases=None, peers=True, quick=False)`` returns the rows for
+``kda-engram bench``.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
+from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.prologue import fused_kda_prologue
@@ -57,6 +69,10 @@ ANCHOR_FLASHKDA_MS = {"1x8k_H32": 1.047, "1x32k_H32": 4.077, "1x32k_H4": 3.256, 
                       "16x2k_H32": 1.545, "64x512_H32": 1.635, "1x8k_H96": 1.470}
 # Issue 5's targets (speed-up over fla-core); long few-head sequences: not slower.
 TARGET_RATIO = {"16x2k_H32": 2.6, "64x512_H32": 2.6, "1x8k_H32": 2.0, "1x8k_H96": 2.0}
+# Issue 6: the long few-head cases get forced-G rows beside the heuristic's pick.
+GROUP_CASES = ("1x32k_H4", "1x128k_H4", "1x32k_H32")
+GROUP_COUNTS = (1, 4, 8, 16, 32)
+TARGET_RATIO.update({"1x32k_H32": 2.5, "1x32k_H4": 2.5, "1x128k_H4": 3.0})
 SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
 
 
@@ -135,11 +151,14 @@ def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
     }
 
 
-def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False) -> list[dict]:
+def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False,
+        group_counts=GROUP_COUNTS, group_cases=GROUP_CASES) -> list[dict]:
     """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
-    max_abs_diff, max_abs_diff_state, prologue_ms, chunk_ms, target_ratio, ...}``.
+    max_abs_diff, max_abs_diff_state, prologue_ms, chunk_ms, groups, target_ratio, ...}``.
     ``cases``: names of :data:`CASES` (default all). ``sweep`` adds one row per
-    chunk-kernel launch configuration (its ``peer`` is the default configuration)."""
+    chunk-kernel launch configuration (its ``peer`` is the default configuration).
+    ``group_counts`` x ``group_cases`` add the forced-G rows (``forced_groups``
+    set, ``max_abs_diff_g1``: max abs difference of the output to our G = 1's)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_prefill needs a GPU")
     device = torch.device("cuda")
@@ -154,6 +173,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
         T = N * L
         floor_ms = floor_bytes(N, L, H) / (bw * 1e9) * 1e3
         out = torch.empty(1, T, H, HEAD_DIM, dtype=DTYPE, device=device)
+        picked = chunk_groups((T // CHUNK_SIZE) // N, N, H, device, head_k=HEAD_DIM, head_v=HEAD_DIM)
         ours = lambda: chunk_kda_prefill(  # noqa: E731
             x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
             lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
@@ -178,15 +198,16 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             ops = pro()
             prologue_ms = _bench(pro, quick)
 
-            def walk(config=None):
+            def walk(config=None, groups=None):
                 return fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
                                        scale, x["cu"], x["h0"], True, chunk_offsets=offs, check_inputs=False,
-                                       config=config)
+                                       config=config, groups=groups)
 
             chunk_ms = _bench(walk, quick)
 
             peer_ms = diff = diff_state = None
             peer = peer_name
+            o_fla = f_fla = None
             if chunk_kda is not None:
                 try:
                     h0_kv = x["h0"].transpose(-1, -2).contiguous()
@@ -199,13 +220,46 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             cfg = chunk_config(N, H, HEAD_DIM, device)
             row = _row(
                 name, ours_ms, peer_ms, peer, floor_ms, max_abs_diff=diff, max_abs_diff_state=diff_state,
-                prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw,
+                prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw, groups=picked,
                 target_ratio=TARGET_RATIO.get(name, 1.0), anchor_fla_ms=ANCHOR_FLA_MS[name],
                 anchor_flashkda_ms=ANCHOR_FLASHKDA_MS[name],
             )
             if row["ratio"] is not None:
                 row["meets_target"] = row["ratio"] >= row["target_ratio"]
             rows.append(row)
+
+            if name in group_cases and group_counts:
+                o_g1 = None
+                for g in sorted(group_counts):
+                    try:
+                        o_g, f_g = chunk_kda_prefill(
+                            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+                            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"],
+                            output_final_state=True, groups=g,
+                        )
+                        forced = lambda: chunk_kda_prefill(  # noqa: E731
+                            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+                            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"],
+                            output_final_state=True, out=out, groups=g, check_inputs=False,
+                        )
+                        g_ms = _bench(forced, quick)
+                        g_chunk_ms = _bench(lambda: walk(groups=g), quick)
+                    except Exception as exc:  # report, keep going
+                        print(f"  {name} G={g}: {type(exc).__name__}: {exc}")
+                        continue
+                    if g == 1:
+                        o_g1 = o_g
+                    g_row = _row(
+                        f"{name} G={g}", g_ms, peer_ms, peer, floor_ms, chunk_ms=g_chunk_ms, forced_groups=g,
+                        groups=g, heuristic_groups=picked, copy_gbs=bw, target_ratio=TARGET_RATIO.get(name, 1.0),
+                        max_abs_diff=None if o_fla is None else (o_g.float() - o_fla.float()).abs().max().item(),
+                        max_abs_diff_state=None if f_fla is None
+                        else (f_g - f_fla.transpose(-1, -2).float()).abs().max().item(),
+                        max_abs_diff_g1=None if o_g1 is None else (o_g.float() - o_g1.float()).abs().max().item(),
+                    )
+                    rows.append(g_row)
+                    del o_g, f_g
+                del o_g1
 
             if sweep:
                 for bv, nw, ns in itertools.product(*SWEEP.values()):
@@ -217,7 +271,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                         continue
                     rows.append(_row(f"{name} chunk[BV={bv},w={nw},s={ns}]", ms, chunk_ms,
                                      f"chunk default {cfg}", None, sweep=True))
-        del x, out, ops, o_ours, f_ours
+        del x, out, ops, o_ours, f_ours, o_fla, f_fla
         torch.cuda.empty_cache()
     return rows
 
@@ -229,7 +283,7 @@ def print_rows(rows: list[dict]) -> None:
     if rows and rows[0].get("copy_gbs"):
         print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth (read + write): {rows[0]['copy_gbs']:.0f} GB/s")
     print(f"{'case':<34} {'ours ms':>8} {'fla ms':>8} {'ratio':>6} {'target':>6} {'floor ms':>8} {'of floor':>8} "
-          f"{'prol ms':>8} {'chunk ms':>8} {'max|do|':>9} {'max|dS|':>9}")
+          f"{'prol ms':>8} {'chunk ms':>8} {'max|do|':>9} {'max|dS|':>9} {'G':>3} {'|do| G1':>9}")
     for r in rows:
         if r.get("sweep"):
             print(f"{r['case']:<34} {f(r['ours_ms']):>8} {'':>8} {f(r['ratio'], '.2f'):>6}   (vs the default chunk)")
@@ -238,10 +292,37 @@ def print_rows(rows: list[dict]) -> None:
             f"{r['case']:<34} {f(r['ours_ms']):>8} {f(r['peer_ms']):>8} {f(r['ratio'], '.2f'):>6} "
             f"{f(r.get('target_ratio'), '.1f'):>6} {f(r['hbm_floor_ms']):>8} {f(r['floor_fraction'], '.0%'):>8} "
             f"{f(r.get('prologue_ms')):>8} {f(r.get('chunk_ms')):>8} {f(r.get('max_abs_diff'), '.2e'):>9} "
-            f"{f(r.get('max_abs_diff_state'), '.2e'):>9}"
+            f"{f(r.get('max_abs_diff_state'), '.2e'):>9} {f(r.get('groups'), 'd'):>3} "
+            f"{f(r.get('max_abs_diff_g1'), '.2e'):>9}"
         )
-        print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; ANCHORS fla {r.get('anchor_fla_ms')} "
-              f"/ FlashKDA {r.get('anchor_flashkda_ms')} ms")
+        if r.get("forced_groups") is None:
+            print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; ANCHORS fla {r.get('anchor_fla_ms')} "
+                  f"/ FlashKDA {r.get('anchor_flashkda_ms')} ms")
+    summary = group_summary(rows)
+    if summary:
+        print("chunk groups: heuristic pick vs fastest forced G (whole prefill)")
+        for case, s in summary.items():
+            print(f"  {case:<12} heuristic G={s['heuristic']} {f(s['heuristic_ms'])} ms; fastest forced "
+                  f"G={s['best']} {f(s['best_ms'])} ms; G=1 {f(s['g1_ms'])} ms")
+
+
+def group_summary(rows: list[dict]) -> dict:
+    """Per case with forced-G rows: the heuristic's pick and time beside the fastest forced count."""
+    main = {r["case"]: r for r in rows if not r.get("sweep") and r.get("forced_groups") is None}
+    out = {}
+    for r in rows:
+        g = r.get("forced_groups")
+        if g is None or r.get("ours_ms") is None:
+            continue
+        case = r["case"].split(" ")[0]
+        s = out.setdefault(case, {"heuristic": main.get(case, {}).get("groups"),
+                                  "heuristic_ms": main.get(case, {}).get("ours_ms"),
+                                  "best": None, "best_ms": None, "g1_ms": None})
+        if s["best_ms"] is None or r["ours_ms"] < s["best_ms"]:
+            s["best"], s["best_ms"] = g, r["ours_ms"]
+        if g == 1:
+            s["g1_ms"] = r["ours_ms"]
+    return out
 
 
 def main(argv=None) -> int:
@@ -250,13 +331,28 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--sweep", action="store_true", help="also sweep the chunk kernel's launch configurations")
+    parser.add_argument("--groups", default=",".join(map(str, GROUP_COUNTS)),
+                        help="forced chunk-group counts for the group cases ('' = none)")
+    parser.add_argument("--group-cases", default=",".join(GROUP_CASES),
+                        help="cases that get forced-G rows ('all' = every case)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     cases = args.cases.split(",") if args.cases else None
     for c in cases or []:
         if c not in CASES:
             parser.error(f"unknown case {c!r}; expected one of {', '.join(CASES)}")
-    rows = run(cases, peers=not args.no_peers, quick=args.quick, sweep=args.sweep)
+    try:
+        counts = tuple(int(g) for g in args.groups.split(",") if g.strip())
+    except ValueError:
+        parser.error(f"--groups: expected comma-separated ints, got {args.groups!r}")
+    if any(g < 1 for g in counts):
+        parser.error(f"--groups: counts must be >= 1, got {args.groups!r}")
+    group_cases = tuple(CASES) if args.group_cases == "all" else tuple(c for c in args.group_cases.split(",") if c)
+    for c in group_cases:
+        if c not in CASES:
+            parser.error(f"--group-cases: unknown case {c!r}")
+    rows = run(cases, peers=not args.no_peers, quick=args.quick, sweep=args.sweep, group_counts=counts,
+               group_cases=group_cases)
     print_rows(rows)
     if args.json:
         with open(args.json, "w") as fh:

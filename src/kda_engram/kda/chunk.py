@@ -16,15 +16,22 @@ slice of the state in registers for the whole walk, so the only HBM traffic is
 the operands read once and the output written once, plus the start and final
 state. Programs never share a state row, so the in-place paged state cache
 (read row ``state_indices[n]``, write the same row back) needs no
-synchronisation.
+synchronisation (with groups, only the scan reads the row and only the
+sequence's last group in pass two writes it: launch order serialises them).
 
-The walk over chunks is serial per sequence; parallel chunk groups joined by
-the exact transfer-operator scan (``reference.chunk_walk(groups=...)``) are the
-next step and will plug in behind :func:`fused_kda_chunk` without changing its
-signature (the seed chooses the group count internally from the machine fit).
+The walk over chunks is serial per sequence. For long sequences on few heads
+(where that leaves the GPU mostly idle) :func:`fused_kda_chunk` cuts every
+sequence into parallel chunk groups joined by the exact transfer-operator scan
+(:mod:`kda_engram.kda.groups`; ``reference.chunk_walk(groups=...)`` is its
+plain-PyTorch form): pass one (:func:`_kda_group_pass_one_kernel`, the same
+chunk step with the output switched off, over the V state rows and the K
+operator rows), the scan (:func:`_kda_group_scan_kernel`) and pass two (the walk
+kernel below with ``GROUPED``). With one group it is the single launch above.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -32,6 +39,7 @@ import triton.language as tl
 
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
 from ..platform import arch, interpreting, num_compute_units
+from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
 from .metadata import CHUNK_SIZE, prepare_chunk_offsets
 from .reference import KDA_CHECKPOINT_ALIGNMENT
 
@@ -67,50 +75,69 @@ def _walk_chunk(
     st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
     st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
     st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
-    p_ck, ck_on, ck_off,
-    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+    p_ck, ck_on, ck_off, u_on,
+    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, OUTPUT: tl.constexpr,
 ):
     """Chunk ``c`` of one (sequence, head, V-tile): writes its output rows and
-    returns the state after it (``st[k, v] = S[v, k]``, fp32)."""
+    returns the state after it (``st[k, v] = S[v, k]``, fp32).
+
+    ``OUTPUT=False`` is pass one of the grouped walk: only the state update
+    (no qg/aqk loads, no output, no checkpoint), and ``u_on=False`` reads
+    ``u`` as zero, which turns the step into the transfer operator's
+    ``S (diag(d) - w^T kg)`` for the operator rows."""
     # 64-bit scalar bases, 32-bit tile offsets (C * token stride stays far below
     # 2^31): per-element address math in 64 bits would cost registers the dots need.
     t0 = bos + c * C
     row = row0 + c
     live = (c * C + o_c) < length  # tokens of a partial last chunk past the end
-    qg = tl.load(qg_ptr + t0 * st_qg_t + i_h * st_qg_h + (o_c[:, None] * st_qg_t + o_k[None, :] * st_qg_k),
-                 mask=live[:, None], other=0.0)
+    if OUTPUT:
+        qg = tl.load(qg_ptr + t0 * st_qg_t + i_h * st_qg_h + (o_c[:, None] * st_qg_t + o_k[None, :] * st_qg_k),
+                     mask=live[:, None], other=0.0)
     w = tl.load(w_ptr + t0 * st_w_t + i_h * st_w_h + (o_c[:, None] * st_w_t + o_k[None, :] * st_w_k),
                 mask=live[:, None], other=0.0)
     u = tl.load(u_ptr + t0 * st_u_t + i_h * st_u_h + (o_c[:, None] * st_u_t + o_v[None, :] * st_u_v),
-                mask=live[:, None], other=0.0)
-    # Masks along the contiguous dim would break vectorised loads, so aqk is read
-    # by rows and kg_t whole (both rows lie inside their buffers) and the causal /
-    # end-of-chunk masks are applied in registers: whatever the workspace holds
-    # above the diagonal or past the chunk's end never reaches a product.
-    a = tl.load(aqk_ptr + t0 * st_a_t + i_h * st_a_h + (o_c[:, None] * st_a_t + o_c[None, :] * st_a_c),
-                mask=live[:, None], other=0.0)
-    a = tl.where(o_c[None, :] <= o_c[:, None], a, 0.0)
+                mask=live[:, None] & u_on, other=0.0)
+    if OUTPUT:
+        # Masks along the contiguous dim would break vectorised loads, so aqk is read
+        # by rows and kg_t whole (both rows lie inside their buffers) and the causal /
+        # end-of-chunk masks are applied in registers: whatever the workspace holds
+        # above the diagonal or past the chunk's end never reaches a product.
+        a = tl.load(aqk_ptr + t0 * st_a_t + i_h * st_a_h + (o_c[:, None] * st_a_t + o_c[None, :] * st_a_c),
+                    mask=live[:, None], other=0.0)
+        a = tl.where(o_c[None, :] <= o_c[:, None], a, 0.0)
     kg = tl.load(kg_t_ptr + row * st_kg_r + i_h * st_kg_h + (o_k[:, None] * st_kg_k + o_c[None, :] * st_kg_c))
     kg = tl.where(live[None, :], kg, 0.0)
     d = tl.load(decay_ptr + row * st_d_r + i_h * st_d_h + o_k * st_d_k).to(tl.float32)
 
     # Dots in the operand dtype with fp32 accumulation (bf16 on the GPU, as fla
     # and FlashKDA do); the state itself stays fp32 from chunk to chunk.
-    dt = qg_ptr.dtype.element_ty
+    dt = w_ptr.dtype.element_ty
     # The state's chain (sb -> v_new -> st) is the serial part of the walk; the
     # output products hang off it and are issued beside it.
     sb = st.to(dt)
-    o = _mm(qg, sb, None, IEEE)
+    if OUTPUT:
+        o = _mm(qg, sb, None, IEEE)
     v_new = u.to(tl.float32) - _mm(w, sb, None, IEEE)  # [C, BV]
     vb = v_new.to(dt)
     st = _mm(kg, vb, st * d[:, None], IEEE)  # S diag(decay) + v_new^T kg, transposed
-    o = _mm(a, vb, o, IEEE)
-    tl.store(out_ptr + t0 * st_o_t + i_h * st_o_h + (o_c[:, None] * st_o_t + o_v[None, :] * st_o_v),
-             (o * scale).to(out_ptr.dtype.element_ty), mask=live[:, None])
-    if HAS_CKPT:
-        if ck_on & (ck_off == (c + 1) * C):
-            tl.store(p_ck, st)
+    if OUTPUT:
+        o = _mm(a, vb, o, IEEE)
+        tl.store(out_ptr + t0 * st_o_t + i_h * st_o_h + (o_c[:, None] * st_o_t + o_v[None, :] * st_o_v),
+                 (o * scale).to(out_ptr.dtype.element_ty), mask=live[:, None])
+        if HAS_CKPT:
+            if ck_on & (ck_off == (c + 1) * C):
+                tl.store(p_ck, st)
     return st
+
+
+@triton.jit
+def _group_span(n_chunks, n_groups, min_len):
+    """``(L, G_n)`` of one sequence: chunks per group ``max(ceil(n / G), min_len)``
+    and its non-empty groups ``max(ceil(n / L), 1)`` (an empty sequence keeps one
+    group, which passes its start state through to the final state).
+    Mirrors :func:`kda_engram.kda.groups._group_span`."""
+    per = tl.maximum(tl.maximum((n_chunks + n_groups - 1) // n_groups, min_len), 1)
+    return per, tl.maximum((n_chunks + per - 1) // per, 1)
 
 
 @triton.jit
@@ -119,7 +146,7 @@ def _kda_chunk_walk_kernel(
     cu_ptr, chunk_off_ptr,
     s_in_ptr, s_out_ptr, s_idx_ptr, has_init_ptr,
     ck_ptr, ck_off_ptr, ck_idx_ptr,
-    scale,
+    scale, n_groups, min_len,
     st_qg_t, st_qg_h, st_qg_k,
     st_w_t, st_w_h, st_w_k,
     st_u_t, st_u_h, st_u_v,
@@ -127,7 +154,7 @@ def _kda_chunk_walk_kernel(
     st_a_t, st_a_h, st_a_c,
     st_d_r, st_d_h, st_d_k,
     st_o_t, st_o_h, st_o_v,
-    st_in_r, st_in_h, st_in_v, st_in_k,
+    st_in_r, st_in_g, st_in_h, st_in_v, st_in_k,
     st_out_r, st_out_h, st_out_v, st_out_k,
     st_ck_r, st_ck_h, st_ck_v, st_ck_k,
     st_cu, st_co, st_idx, st_has, st_cko, st_cki,
@@ -135,18 +162,28 @@ def _kda_chunk_walk_kernel(
     V: tl.constexpr,
     BV: tl.constexpr,
     C: tl.constexpr,
-    LOAD_STATE: tl.constexpr,  # 0: zeros, 1: initial_state[n], 2: cache[idx[n]] if has_init[n]
+    LOAD_STATE: tl.constexpr,  # 0: zeros, 1: initial_state[n], 2: cache[idx[n]] if has_init[n], 3: group start
     STORE_STATE: tl.constexpr,  # 0: none, 1: final_state[n], 2: cache[idx[n]]
     HAS_CKPT: tl.constexpr,
     CKPT_INDEXED: tl.constexpr,
+    GROUPED: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
+    """The walk (``GROUPED=False``: grid ``(V/BV, H, N)``, one program walks a
+    whole sequence) or pass two of the grouped walk (``GROUPED=True``: grid
+    ``(V/BV, H, N*G)``, program ``n*G + g`` walks group ``g`` of sequence ``n``
+    from the scan's start state ``s_in[n, g]`` (``LOAD_STATE=3``); groups past the
+    sequence's last do nothing, and only its last group stores the final state)."""
     # V-tiles of one (sequence, head) are neighbours in launch order, so the
     # operands they all read (qg, w, kg_t, aqk) are served from L2 after the first.
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)  # head strides of a permuted cache can pass 2^31 / H
-    i_n = tl.program_id(2)
+    if GROUPED:
+        i_n = tl.program_id(2) // n_groups
+        i_g = tl.program_id(2) % n_groups
+    else:
+        i_n = tl.program_id(2)
 
     bos_raw = tl.load(cu_ptr + i_n * st_cu)
     eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
@@ -159,6 +196,15 @@ def _kda_chunk_walk_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_c = tl.arange(0, C)
     full = (o_k[:, None] < K) & (o_v[None, :] < V)
+
+    c_begin = 0
+    c_end = n_chunks
+    if GROUPED:
+        per, n_live = _group_span(n_chunks, n_groups, min_len)
+        active = i_g < n_live
+        c_begin = tl.minimum(i_g * per, n_chunks)
+        c_end = tl.where(active, tl.minimum(c_begin + per, n_chunks), c_begin)  # idle groups walk nothing
+        is_last = i_g == n_live - 1
 
     # The state is held transposed, st[k, v] = S[v, k]: every product below is
     # then a plain [M, K] @ [K, N] dot, with no transpose in memory or registers.
@@ -173,6 +219,11 @@ def _kda_chunk_walk_kernel(
         # A masked-off load reads nothing: rows of sequences that start from zero
         # (or have no row) are never touched, so garbage/NaN there is harmless.
         st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
+    elif LOAD_STATE == 3:
+        # The scan wrote the start state of every live group of the sequence.
+        p_in = (s_in_ptr + i_n.to(tl.int64) * st_in_r + i_g.to(tl.int64) * st_in_g + i_h * st_in_h
+                + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k))
+        st = tl.load(p_in, mask=full & active, other=0.0)
 
     # Placeholders when no checkpoints are taken (never dereferenced).
     p_ck = ck_ptr
@@ -185,40 +236,210 @@ def _kda_chunk_walk_kernel(
         else:
             ck_row = i_n.to(tl.int64)
         # Only an exactly placeable snapshot is written: a positive multiple of
-        # C inside the sequence, with a real destination row.
+        # C inside the sequence, with a real destination row. In the grouped walk
+        # the group whose range holds the offset's chunk writes it.
         ck_on = (ck_off > 0) & (ck_off % C == 0) & (ck_off <= length) & (ck_row >= 0)
         p_ck = ck_ptr + ck_row * st_ck_r + i_h * st_ck_h + (o_v[None, :] * st_ck_v + o_k[:, None] * st_ck_k)
 
     # The interpreter (CPU tests) cannot run a `for` over a loaded bound with
     # NumPy >= 2 (it converts the 1-element scalar with int()); compiled code
     # takes the `for`, which Triton software-pipelines when num_stages >= 2 (the
-    # next chunk's operand loads do not depend on the state).
+    # next chunk's operand loads do not depend on the state). The compiled
+    # `while` gave wrong results on the H200 (Triton 3.6): never use it there.
     if INTERPRET:
-        c = 0
-        while c < n_chunks:
+        c = c_begin
+        while c < c_end:
             st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_v, o_c,
                              qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr, scale,
                              st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
                              st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
                              st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
-                             p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True)
             c += 1
     else:
-        for c in range(0, n_chunks):
+        for c in range(c_begin, c_end):
             st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_v, o_c,
                              qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr, scale,
                              st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
                              st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
                              st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
-                             p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True)
 
+    if GROUPED:
+        store_mask = full & is_last
+    else:
+        store_mask = full
     if STORE_STATE == 1:
         p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
-        tl.store(p_out, st)
+        if GROUPED:
+            tl.store(p_out, st, mask=store_mask)
+        else:
+            tl.store(p_out, st)
     elif STORE_STATE == 2:
         slot_out = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
         p_out = s_out_ptr + slot_out * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
-        tl.store(p_out, st, mask=full & (slot_out >= 0))
+        tl.store(p_out, st, mask=store_mask & (slot_out >= 0))
+
+
+@triton.jit
+def _kda_group_pass_one_kernel(
+    w_ptr, u_ptr, kg_t_ptr, decay_ptr,
+    cu_ptr, chunk_off_ptr, h_ptr, m_ptr,
+    n_groups, min_len,
+    st_w_t, st_w_h, st_w_k,
+    st_u_t, st_u_h, st_u_v,
+    st_kg_r, st_kg_h, st_kg_k, st_kg_c,
+    st_d_r, st_d_h, st_d_k,
+    st_h_n, st_h_g, st_h_h, st_h_v, st_h_k,
+    st_m_n, st_m_g, st_m_h, st_m_j, st_m_k,
+    st_cu, st_co,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Pass one: grid ``((V + K) / BV, H, N * (G - 1))``; program ``n*(G-1) + g``
+    walks group ``g`` of sequence ``n`` from a zero state. Row tiles below ``V``
+    are state rows (``H_g``, the ordinary walk with ``u``); the rest are operator
+    rows (``M_g``, the same step with ``u = 0`` from the identity), so both come
+    out of one step function. The sequence's last live group and the groups past
+    it do nothing (nothing consumes their ``H``/``M``)."""
+    i_r = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_n = tl.program_id(2) // (n_groups - 1)
+    i_g = tl.program_id(2) % (n_groups - 1)
+
+    bos_raw = tl.load(cu_ptr + i_n * st_cu)
+    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
+    bos = bos_raw.to(tl.int64)
+    length = (eos_raw - bos_raw).to(tl.int32)
+    n_chunks = (length + C - 1) // C
+    row0 = tl.load(chunk_off_ptr + i_n * st_co).to(tl.int64)
+    per, n_live = _group_span(n_chunks, n_groups, min_len)
+    active = i_g < n_live - 1
+    c_begin = tl.minimum(i_g * per, n_chunks)
+    c_end = tl.where(active, tl.minimum(c_begin + per, n_chunks), c_begin)
+
+    o_k = tl.arange(0, K)
+    o_r = i_r * BV + tl.arange(0, BV)  # rows of the [V + K, K] stack (H_g on top of M_g)
+    o_c = tl.arange(0, C)
+    is_m = i_r * BV >= V  # a tile is all state rows or all operator rows (BV divides V)
+    o_j = o_r - V  # operator row index (meaningful where is_m)
+    # st[k, r]: zeros for the state rows, the identity (st[k, j] = [k == j]) for M.
+    st = tl.where((o_k[:, None] == o_j[None, :]) & is_m, 1.0, 0.0).to(tl.float32)
+
+    if INTERPRET:
+        c = c_begin
+        while c < c_end:
+            st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_r, o_c,
+                             w_ptr, w_ptr, u_ptr, kg_t_ptr, w_ptr, decay_ptr, w_ptr, 1.0,
+                             st_w_t, st_w_h, st_w_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
+                             st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_w_t, st_w_h, st_w_k,
+                             st_d_r, st_d_h, st_d_k, st_u_t, st_u_h, st_u_v,
+                             w_ptr, False, 0, ~is_m, False, C, IEEE, False)
+            c += 1
+    else:
+        for c in range(c_begin, c_end):
+            st = _walk_chunk(c, st, bos, length, row0, i_h, o_k, o_r, o_c,
+                             w_ptr, w_ptr, u_ptr, kg_t_ptr, w_ptr, decay_ptr, w_ptr, 1.0,
+                             st_w_t, st_w_h, st_w_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
+                             st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_w_t, st_w_h, st_w_k,
+                             st_d_r, st_d_h, st_d_k, st_u_t, st_u_h, st_u_v,
+                             w_ptr, False, 0, ~is_m, False, C, IEEE, False)
+
+    full = (o_k[:, None] < K) & (o_r[None, :] < V + K) & active
+    base_h = h_ptr + i_n.to(tl.int64) * st_h_n + i_g.to(tl.int64) * st_h_g + i_h * st_h_h
+    tl.store(base_h + (o_r[None, :] * st_h_v + o_k[:, None] * st_h_k), st, mask=full & ~is_m)
+    base_m = m_ptr + i_n.to(tl.int64) * st_m_n + i_g.to(tl.int64) * st_m_g + i_h * st_m_h
+    tl.store(base_m + (o_j[None, :] * st_m_j + o_k[:, None] * st_m_k), st, mask=full & is_m)  # M[j, k] = st[k, j]
+
+
+@triton.jit
+def _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
+               st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K: tl.constexpr, BJ: tl.constexpr):
+    """Store ``S_g`` (transposed tile ``st``) and return ``S_{g+1} = S_g M_g + H_g``
+    (transposed: ``M_g^T st + H_g^T``), fp32 ``ieee``."""
+    p_s = base_s + g * st_s_g
+    tl.store(p_s + tile_s, st)
+    tl.debug_barrier()  # the rows read back below were stored by other threads of this program
+    acc = tl.load(base_h + g * st_h_g)
+    p_m = base_m + g * st_m_g
+    for jb in range(0, K // BJ):  # a loop, not unrolled: one block live at a time
+        o_j = jb * BJ + o_b
+        s_blk = tl.load(p_s + (o_v[None, :] * st_s_v + o_j[:, None] * st_s_k))  # [BJ, BV]: st[j, v]
+        m_blk = tl.load(p_m + (o_j[None, :] * st_m_j + o_k[:, None] * st_m_k))  # [K, BJ]: M[j, k]
+        acc = tl.dot(m_blk, s_blk, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _kda_group_scan_kernel(
+    cu_ptr, s_in_ptr, s_idx_ptr, has_init_ptr, h_ptr, m_ptr, s_ptr,
+    n_groups, min_len,
+    st_in_r, st_in_h, st_in_v, st_in_k,
+    st_h_n, st_h_g, st_h_h, st_h_v, st_h_k,
+    st_m_n, st_m_g, st_m_h, st_m_j, st_m_k,
+    st_s_n, st_s_g, st_s_h, st_s_v, st_s_k,
+    st_cu, st_idx, st_has,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    BJ: tl.constexpr,
+    C: tl.constexpr,
+    LOAD_STATE: tl.constexpr,  # 0: zeros, 1: initial_state[n], 2: cache[idx[n]] if has_init[n]
+    INTERPRET: tl.constexpr,
+):
+    """The scan over groups: grid ``(V / BV, H, N)``. Reads the sequence's
+    initial state (the only kernel of the grouped walk that does: with the
+    in-place state cache, pass two's last group writes the row this read comes
+    from, and launch order puts this read first), then
+    ``S_{g+1} = S_g M_g + H_g`` in fp32 (``ieee`` products: the scan carries the
+    state across the whole sequence), writing every live group's start state."""
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_n = tl.program_id(2)
+
+    bos_raw = tl.load(cu_ptr + i_n * st_cu)
+    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
+    n_chunks = ((eos_raw - bos_raw).to(tl.int32) + C - 1) // C
+    per, n_live = _group_span(n_chunks, n_groups, min_len)
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    full = (o_k[:, None] < K) & (o_v[None, :] < V)
+    st = tl.zeros([K, BV], dtype=tl.float32)
+    if LOAD_STATE == 1:
+        p_in = s_in_ptr + i_n.to(tl.int64) * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        st = tl.load(p_in).to(tl.float32)
+    elif LOAD_STATE == 2:
+        slot = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
+        has = tl.load(has_init_ptr + i_n * st_has) != 0
+        p_in = s_in_ptr + slot * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
+
+    # The product runs in BJ-row blocks of the contraction, with both factors
+    # read from memory: S_g is the tile this program has just stored (a CTA
+    # barrier makes it visible to every thread) and M_g^T a [K, BJ] column block
+    # (mt[k, j] = M[j, k]). A whole-tile fp32 product would hold M's 64 KiB
+    # replicated across threads (the FMA dot layout) and spill to local memory.
+    o_b = tl.arange(0, BJ)
+    tile_s = o_v[None, :] * st_s_v + o_k[:, None] * st_s_k  # st[k, v] = S[v, k]
+    base_s = s_ptr + i_n.to(tl.int64) * st_s_n + i_h * st_s_h
+    base_h = h_ptr + i_n.to(tl.int64) * st_h_n + i_h * st_h_h + (o_v[None, :] * st_h_v + o_k[:, None] * st_h_k)
+    base_m = m_ptr + i_n.to(tl.int64) * st_m_n + i_h * st_m_h
+    if INTERPRET:
+        g = 0
+        while g < n_live - 1:
+            st = _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
+                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ)
+            g += 1
+    else:
+        for g in range(0, n_live - 1):
+            st = _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
+                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ)
+    tl.store(base_s + (n_live - 1).to(tl.int64) * st_s_g + tile_s, st)
 
 
 def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.device | str | None = None) -> dict:
@@ -377,8 +598,12 @@ def fused_kda_chunk(
     *,
     check_inputs: bool = True,
     config: dict | None = None,
+    groups: int | None = None,
+    min_group_chunks: int | None = None,
+    group_workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the chunk recurrence and the output projection in one launch.
+    """Run the chunk recurrence and the output projection: one launch, or three
+    with parallel chunk groups.
 
     Operands (what the prologue / ``reference.chunk_operands`` produce; one float
     dtype for all but ``decay``):
@@ -420,7 +645,30 @@ def fused_kda_chunk(
     indices and offsets back to the host; with ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
-    :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning).
+    :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning;
+    the grouped walk also reads ``BV_pass1``, ``num_warps_pass1``,
+    ``num_stages_pass1``, ``BV_scan``, ``num_warps_scan``).
+
+    Parallel chunk groups (:mod:`kda_engram.kda.groups`): ``groups=None`` lets
+    :func:`~kda_engram.kda.groups.chunk_groups` choose ``G`` from the machine fit,
+    with ``(T // 64) // N`` chunks per sequence as a static proxy (nothing is read
+    back from the device) and at least :data:`~kda_engram.kda.groups.MIN_GROUP_CHUNKS`
+    chunks per group; ``groups=G`` forces ``G`` with ``min_group_chunks=1``
+    (each sequence's chunks cut into ``ceil(chunks / G)``-chunk groups, as
+    ``reference.chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
+    group length is ``L_n = max(ceil(chunks_n / G), min_group_chunks)``, so a short
+    sequence in a ragged batch stays one group and costs no pass one. ``G = 1`` is
+    the single launch above. ``G > 1`` runs pass one (every group but each
+    sequence's last composes its local state ``H_g`` and transfer operator
+    ``M_g`` from zero), the scan (``S_{g+1} = S_g M_g + H_g`` from the initial
+    state or cache row, fp32) and pass two (every group walks from its start
+    state, writing outputs, the checkpoints in its range and, last group, the
+    final state / cache row): same results contract, no host synchronisation.
+    ``group_workspace`` (fp32, contiguous, at least
+    :func:`~kda_engram.kda.groups.group_workspace_numel` elements; layout in
+    :func:`~kda_engram.kda.groups.group_workspace_layout`) is allocated with
+    ``torch.empty`` when not given; pass one to keep it caller-owned (e.g. inside
+    a CUDA graph's pool).
 
     Returns ``(out, final_state | None)``.
     """
@@ -465,14 +713,33 @@ def fused_kda_chunk(
     if num_seqs > 65535 or H > 65535:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
 
-    cfg = chunk_config(num_seqs, H, V, device)
+    n_groups, min_len = _resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
+    if n_groups > 1:
+        if num_seqs * n_groups > 65535:
+            raise ValueError(f"groups: N x G must be at most 65535 (grid), got N={num_seqs}, G={n_groups}")
+        if n_groups * H * max(V, K) * K >= 2**31:
+            raise ValueError(f"groups: G x H x max(V, K) x K must stay below 2^31 (32-bit workspace offsets), "
+                             f"got G={n_groups}, H={H}, V={V}, K={K}")
+        layout = group_workspace_layout(n_groups, num_seqs, H, K, V)
+        need = layout["numel"][0]
+        if group_workspace is None:
+            group_workspace = torch.empty(need, dtype=torch.float32, device=device)
+        else:
+            check_tensor("group_workspace", group_workspace, dtypes=[torch.float32], device=device)
+            if not group_workspace.is_contiguous() or group_workspace.numel() < need:
+                raise ValueError(
+                    f"group_workspace: expected a contiguous fp32 tensor of at least {need} elements "
+                    f"(group_workspace_numel(G={n_groups}, N={num_seqs}, H={H}, K={K}, V={V})), got "
+                    f"{group_workspace.numel()} elements{'' if group_workspace.is_contiguous() else ', not contiguous'}"
+                )
+        flat = group_workspace.view(-1)
+        parts = {name: flat[off: off + math.prod(shape)].view(shape)
+                 for name, (off, shape) in layout.items() if name != "numel"}
+
+    cfg = chunk_config(num_seqs * n_groups, H, V, device)
     if config:
-        cfg.update(config)
-    bv = cfg["BV"]
-    if V % bv or bv < 16:
-        raise ValueError(f"config: BV must divide V={V} and be at least 16, got {bv}")
-    if bv < 32 and V >= 32 and not interpreting():
-        raise ValueError(f"config: BV={bv} is miscompiled by Triton 3.6 on the GPU (NaN outputs); use 32 or 64")
+        cfg.update({k: v for k, v in config.items() if k in ("BV", "num_warps", "num_stages")})
+    bv = _checked_tile("BV", cfg["BV"], V, V)
 
     if state_cache is not None:
         load_mode, store_mode, s_in, s_out = 2, 2, state_cache, state_cache
@@ -487,29 +754,90 @@ def fused_kda_chunk(
     st1 = lambda x: x.stride(0) if x is not None else 0  # noqa: E731
     # has_initial_state is bool; Triton reads it as bytes through a uint8 view (no copy).
     has_t = has_initial_state.view(torch.uint8) if has_initial_state is not None else cu_seqlens
+    idx_t = state_indices if state_indices is not None else cu_seqlens
     has_ckpt = checkpoint_offsets is not None
     ck_indexed = checkpoint_state_indices is not None
+    ieee = qg.dtype == torch.float32
+    interp = interpreting()
 
-    grid = (V // bv, H, num_seqs)
+    if n_groups > 1:
+        h_ws, m_ws, s_ws = parts["h"], parts["m"], parts["s"]
+        # Pass one: V state rows + K operator rows per (sequence, head, group).
+        cfg1 = chunk_config(num_seqs * (n_groups - 1), H, V + K, device)
+        cfg1 = {"BV": cfg1["BV"], "num_warps": cfg1["num_warps"], "num_stages": cfg1["num_stages"]}
+        while cfg1["BV"] > 16 and (V % cfg1["BV"] or K % cfg1["BV"]):
+            cfg1["BV"] //= 2
+        for key in ("BV", "num_warps", "num_stages"):
+            if config and f"{key}_pass1" in config:
+                cfg1[key] = config[f"{key}_pass1"]
+        bv1 = _checked_tile("BV_pass1", cfg1["BV"], V, K)
+        bvs = _checked_tile("BV_scan", (config or {}).get("BV_scan", min(32, V)), V, V)
+        _kda_group_pass_one_kernel[((V + K) // bv1, H, num_seqs * (n_groups - 1))](
+            w, u, kg_t, decay, cu_seqlens, chunk_offsets, h_ws, m_ws,
+            n_groups, min_len,
+            *w.stride()[1:], *u.stride()[1:], *kg_t.stride(), *decay.stride(),
+            *h_ws.stride(), *m_ws.stride(),
+            cu_seqlens.stride(0), chunk_offsets.stride(0),
+            K=K, V=V, BV=bv1, C=CHUNK_SIZE, IEEE=ieee, INTERPRET=interp,
+            num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
+        )
+        # The scan: the only reader of the initial state / cache row.
+        _kda_group_scan_kernel[(V // bvs, H, num_seqs)](
+            cu_seqlens, s_in_t, idx_t, has_t, h_ws, m_ws, s_ws,
+            n_groups, min_len,
+            *st4(s_in), *h_ws.stride(), *m_ws.stride(), *s_ws.stride(),
+            cu_seqlens.stride(0), st1(state_indices), st1(has_initial_state),
+            K=K, V=V, BV=bvs, BJ=min(32, K), C=CHUNK_SIZE, LOAD_STATE=load_mode, INTERPRET=interp,
+            num_warps=(config or {}).get("num_warps_scan", 8), num_stages=1,
+        )
+        # Pass two reads its start state from the scan's output.
+        walk_in, walk_in_strides, walk_load = s_ws, tuple(s_ws.stride()), 3
+    else:
+        walk_in = s_in_t
+        st_in = st4(s_in)
+        walk_in_strides, walk_load = (st_in[0], 0, *st_in[1:]), load_mode
+
+    grid = (V // bv, H, num_seqs * n_groups)
     _kda_chunk_walk_kernel[grid](
         qg, w, u, kg_t, aqk, decay, out,
         cu_seqlens, chunk_offsets,
-        s_in_t, s_out_t,
-        state_indices if state_indices is not None else cu_seqlens, has_t,
+        walk_in, s_out_t, idx_t, has_t,
         checkpoint_state if has_ckpt else dummy,
         checkpoint_offsets if has_ckpt else cu_seqlens,
         checkpoint_state_indices if ck_indexed else cu_seqlens,
-        float(scale),
+        float(scale), n_groups, min_len,
         *qg.stride()[1:], *w.stride()[1:], *u.stride()[1:],
         *kg_t.stride(), *aqk.stride()[1:], *decay.stride(), *out.stride()[1:],
-        *st4(s_in), *st4(s_out), *st4(checkpoint_state if has_ckpt else None),
+        *walk_in_strides, *st4(s_out), *st4(checkpoint_state if has_ckpt else None),
         cu_seqlens.stride(0), chunk_offsets.stride(0), st1(state_indices), st1(has_initial_state),
         st1(checkpoint_offsets), st1(checkpoint_state_indices),
         K=K, V=V, BV=bv, C=CHUNK_SIZE,
-        LOAD_STATE=load_mode, STORE_STATE=store_mode,
-        HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
-        IEEE=qg.dtype == torch.float32,
-        INTERPRET=interpreting(),
+        LOAD_STATE=walk_load, STORE_STATE=store_mode,
+        HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed, GROUPED=n_groups > 1,
+        IEEE=ieee, INTERPRET=interp,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, final_state
+
+
+def _checked_tile(name: str, bv, V: int, K: int) -> int:
+    """A row-tile width that divides both dims it tiles and compiles correctly."""
+    if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or V % bv or K % bv:
+        raise ValueError(f"config: {name} must be an int >= 16 dividing V={V} and K={K}, got {bv!r}")
+    if bv < 32 and min(V, K) >= 32 and not interpreting():
+        raise ValueError(f"config: {name}={bv} is miscompiled by Triton 3.6 on the GPU (NaN outputs); use 32 or 64")
+    return bv
+
+
+def _resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,
+                    device) -> tuple[int, int]:
+    """``(G, min_len)``: forced or from the heuristic (host-only, no device reads)."""
+    for name, val in (("groups", groups), ("min_group_chunks", min_group_chunks)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name}: expected None or an int >= 1, got {val!r}")
+    if groups is None:
+        if num_seqs == 0:
+            return 1, 1
+        n = chunk_groups((T // CHUNK_SIZE) // num_seqs, num_seqs, H, device, head_k=K, head_v=V)
+        return n, MIN_GROUP_CHUNKS if min_group_chunks is None else min_group_chunks
+    return groups, 1 if min_group_chunks is None else min_group_chunks

@@ -64,6 +64,7 @@ def chunk_kda_prefill(
     conv_state: torch.Tensor | None = None,
     conv_state_indices: torch.Tensor | None = None,
     conv_has_initial_state: torch.Tensor | None = None,
+    groups: int | None = None,
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
@@ -102,6 +103,11 @@ def chunk_kda_prefill(
     inputs per sequence, oldest first) is read at ``conv_state_indices[n]`` where
     ``conv_has_initial_state[n]`` and written back in place (see
     :func:`kda_engram.kda.prologue.fused_kda_prologue`).
+
+    ``groups`` (``None``: chosen by :func:`kda_engram.kda.groups.chunk_groups`;
+    an int forces it) cuts long sequences into parallel chunk groups joined by an
+    exact scan, see :func:`kda_engram.kda.chunk.fused_kda_chunk`; the results
+    contract does not change.
 
     ``check_inputs=True`` validates every argument, reading ``cu_seqlens`` and the
     index tensors back to the host. With ``False`` nothing synchronises (the
@@ -149,5 +155,6 @@ def chunk_kda_prefill(
         state_cache=state_cache,
         state_indices=state_indices,
         has_initial_state=has_initial_state,
+        groups=groups,
         check_inputs=False,  # validated above; the operands come from the prologue
     )
