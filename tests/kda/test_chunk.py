@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import kda_engram.kda.chunk as chunk_mod_for_guard
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, fused_kda_chunk
 from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
@@ -267,11 +268,20 @@ def test_head_dim_128_every_tile(bv):
 def test_chunk_config_fills_the_machine():
     # The interpreter pretends to have 8 compute units: 2 programs per unit = 16.
     assert chunk_config(64, 32, 128, "cpu")["BV"] == 64
-    assert chunk_config(1, 4, 128, "cpu")["BV"] == 32  # 4 heads x 4 tiles = 16 programs
+    assert chunk_config(1, 2, 128, "cpu") == {"BV": 32, "num_warps": 4, "num_stages": 2}  # 8 programs, one per unit
+    # 4 heads: BV = 32 would need 16 programs on 8 units, single-staged -- the
+    # build Triton 3.6 gets wrong on NVIDIA; BV = 64 gives 8 programs instead.
+    assert chunk_config(1, 4, 128, "cpu") == {"BV": 64, "num_warps": 4, "num_stages": 2}
     assert chunk_config(1, 1, 128, "cpu")["BV"] == 32  # never 16: miscompiled on the H200
     assert chunk_config(1, 1, 32, "cpu")["BV"] == 32
     assert chunk_config(1, 1, 16, "cpu")["BV"] == 16  # V = 16 (tests) has no other tile
-    assert chunk_config(8, 8, 32, "cpu")["BV"] == 32
+    assert chunk_config(8, 8, 32, "cpu") == {"BV": 32, "num_warps": 4, "num_stages": 2}
+    # The rule on NVIDIA: a 32-column walk is always double-staged.
+    for n in (1, 2, 3, 5, 8, 16, 64):
+        for h in (1, 2, 4, 8, 32, 96):
+            for v in (32, 64, 128):
+                cfg = chunk_config(n, h, v, "cpu")
+                assert cfg["BV"] != 32 or cfg["num_stages"] == 2, (n, h, v, cfg)
 
 
 def test_empty_batch():
@@ -452,3 +462,17 @@ def test_gpu_small_cuda_graph(gpu):
     o_e, f_e = run_chunk(ops2, new_cu, 0.1, initial_state=h0, output_final_state=True)
     assert torch.equal(out, o_e)
     assert torch.equal(final_g, f_e)
+
+
+def test_single_staged_32_column_walk_refused_on_nvidia(monkeypatch):
+    # Triton 3.6 builds this walk wrongly on NVIDIA GPUs (illegal shared-memory
+    # read on the H200); a forced config must not reach it. The check runs before
+    # any launch, so pretending to be compiled code on an sm_90 device is enough.
+    raw, cu = make_raw([130, 64], H=1, K=32, V=32, seed=11)
+    ops, _ = make_ops(raw, cu, -5.0)
+    monkeypatch.setattr(chunk_mod_for_guard, "interpreting", lambda: False)
+    monkeypatch.setattr(chunk_mod_for_guard, "arch", lambda device=None: "sm_90")
+    with pytest.raises(ValueError, match="num_stages=1"):
+        run_chunk(ops, cu, 0.2, config={"BV": 32, "num_stages": 1})
+    with pytest.raises(ValueError, match="BV=16"):
+        run_chunk(ops, cu, 0.2, config={"BV": 16})

@@ -472,12 +472,24 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     for bv in (64, 32):
         if bv > head_v or head_v % bv:
             continue
-        waves = -(-nh * (head_v // bv) // resident)
+        programs = nh * (head_v // bv)
+        if bv == 32 and not on_amd and programs > cus:
+            # On NVIDIA, Triton 3.6 compiles the 32-column walk wrongly when it is
+            # single-staged: compute-sanitizer caught an out-of-bounds shared-memory
+            # read in the grouped walk (H200, 2026-12-03, 2 x 16 programs per head
+            # at BV = 32, num_stages = 1), and the serial walk forced to the same
+            # build faulted too, while the same launches double-staged, and
+            # BV = 64 single-staged, ran clean. BV = 32 is therefore only taken where
+            # its grid fits one program per SM, i.e. double-staged.
+            continue
+        waves = -(-programs // resident)
         if best is None or waves <= best[0]:
             best = (waves, bv)
     bv = best[1] if best else min(head_v, 32)
     programs = nh * (head_v // bv)
     stages = 2 if (programs <= cus and not on_amd) else 1
+    if bv == 32 and not on_amd:
+        stages = 2  # V = 32 (tests) has no wider tile: keep the correct double-staged build
     return {"BV": bv, "num_warps": 4, "num_stages": stages}
 
 
@@ -740,6 +752,10 @@ def fused_kda_chunk(
     if config:
         cfg.update({k: v for k, v in config.items() if k in ("BV", "num_warps", "num_stages")})
     bv = _checked_tile("BV", cfg["BV"], V, V)
+    if bv == 32 and cfg["num_stages"] < 2 and not interpreting() and not arch(device).startswith("gfx"):
+        # See chunk_config: this build reads shared memory out of bounds (H200, Triton 3.6).
+        raise ValueError(f"config: BV=32 with num_stages={cfg['num_stages']} is miscompiled by Triton 3.6 on "
+                         "NVIDIA GPUs (illegal memory access); use num_stages=2 or BV=64")
 
     if state_cache is not None:
         load_mode, store_mode, s_in, s_out = 2, 2, state_cache, state_cache

@@ -78,10 +78,11 @@ MAX_GROUPS = 32
 # 64 KiB LDS). _PASS_ONE_STEP: pass one skips the output's two dots and loads
 # (qg, aqk). _SCAN_STEP: one scan step (a 64 KiB operator read + an fp32 FMA
 # product, latency-bound). _FIXED: the two extra launches and the group state
-# traffic. These are the model's estimates, to be replaced by the H200 sweep of
-# ``benchmarks/bench_kda_prefill.py --groups`` (forced G per case, printed beside
-# the heuristic's pick).
-_OVERLAP_NVIDIA = 2.0
+# traffic. _OVERLAP_NVIDIA was 2.0 in the first model, which picked G = 13 for
+# 1 x 32768 H4; the H200 sweep (chunk kernel alone, 2026-12-03, see
+# chunk_groups) measured G = 8 fastest there and G = 16 at 1 x 131072 H4, which
+# is what 1.5 (programs beyond the first on an SM overlap only partly) gives.
+_OVERLAP_NVIDIA = 1.5
 _OVERLAP_AMD = 1.0
 _PASS_ONE_STEP = 0.6
 _SCAN_STEP = 3.0
@@ -184,11 +185,15 @@ def chunk_groups(
     ragged batch only the sequences long enough are split.
 
     Model picks on an H200 (132 SMs) at K = V = 128: 1 x 131072 H4 -> 16,
-    1 x 32768 H4 -> 13, 1 x 32768 H32 -> 1 (the serial grid already uses every
-    SM once and G = 4 models only 1 % faster; whether a split pays there depends
-    on how much two programs per SM overlap, which the H200 sweep is to settle), 1 x 8192 H32/H96,
-    16 x 2048 H32, 64 x 512 H32 -> 1. H200 measurements: pending (the lead's
-    run of ``bench_kda_prefill.py --groups``).
+    1 x 32768 H4 -> 8, 1 x 32768 H32, 1 x 8192 H32/H96, 16 x 2048 H32,
+    64 x 512 H32 -> 1.
+
+    H200 sweep (``benchmarks/bench_kda_prefill.py --quick``, 2026-12-03, bf16,
+    lower_bound -5, chunk kernel alone with forced G = 1 / 4 / 8 / 16 / 32, ms):
+    1 x 32768 H4: 1.245 / 0.618 / 0.462 / 0.524 / 0.864; 1 x 131072 H4: 4.933 /
+    2.209 / 1.327 / 1.103 / 1.360; 1 x 32768 H32: 1.391 / 1.409 / 1.489 / 1.674 /
+    2.058 (the serial grid already fills the SMs: a split only adds work). The
+    model's picks are the measured optima in all three.
     """
     for name, val in (("chunks_per_seq", chunks_per_seq), ("num_seqs", num_seqs), ("num_heads", num_heads)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
