@@ -354,7 +354,6 @@ class _Run:
         return [self.block(h, i, self.decode_batch, self.engram_batches["decode"], self.caches)
                 for h, i in zip(self.decode_hidden, self.decode_ids)]
 
-
     def per_sequence(self, prefill: torch.Tensor, decode: list[torch.Tensor]) -> torch.Tensor:
         """Prefill rows and decode rows of a per-token result, regrouped sequence
         after sequence (prompt, then its decode tokens): the reference's order."""

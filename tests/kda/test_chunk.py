@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import kda_engram.kda.chunk as chunk_mod_for_guard
+import kda_engram.kda.chunk as chunk_mod
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, fused_kda_chunk
 from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
@@ -470,8 +470,8 @@ def test_single_staged_32_column_walk_refused_on_nvidia(monkeypatch):
     # any launch, so pretending to be compiled code on an sm_90 device is enough.
     raw, cu = make_raw([130, 64], H=1, K=32, V=32, seed=11)
     ops, _ = make_ops(raw, cu, -5.0)
-    monkeypatch.setattr(chunk_mod_for_guard, "interpreting", lambda: False)
-    monkeypatch.setattr(chunk_mod_for_guard, "arch", lambda device=None: "sm_90")
+    monkeypatch.setattr(chunk_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
     with pytest.raises(ValueError, match="num_stages=1"):
         run_chunk(ops, cu, 0.2, config={"BV": 32, "num_stages": 1})
     with pytest.raises(ValueError, match="BV=16"):

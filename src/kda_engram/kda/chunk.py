@@ -487,9 +487,9 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
             best = (waves, bv)
     bv = best[1] if best else min(head_v, 32)
     programs = nh * (head_v // bv)
-    stages = 2 if (programs <= cus and not on_amd) else 1
-    if bv == 32 and not on_amd:
-        stages = 2  # V = 32 (tests) has no wider tile: keep the correct double-staged build
+    # On NVIDIA a 32-column walk is always double-staged (see above); that only
+    # widens the rule for V = 32 (tests), which has no wider tile to fall back to.
+    stages = 2 if not on_amd and (programs <= cus or bv == 32) else 1
     return {"BV": bv, "num_warps": 4, "num_stages": stages}
 
 
