@@ -60,7 +60,7 @@ CASES = {
     "1x8k_H96": (1, 8192, 96),
 }
 QUICK_CASES = ["1x8k_H32", "1x32k_H32", "16x2k_H32"]
-SWEEP_WARPS = (4, 8, 16)
+SWEEP_WARPS = ((4, 4), (8, 4), (8, 8), (8, 2), (16, 4))  # (intra, solve)
 
 
 def make_case(num_seqs, length, H, device, seed=0):

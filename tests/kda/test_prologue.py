@@ -337,6 +337,10 @@ def small():
         (dict(conv_weight=torch.randn(96, 4), conv_state=torch.zeros(2, 96, 3),
               conv_state_indices=torch.tensor([0, 1]), conv_has_initial_state=torch.tensor([1, 0])),
          TypeError, "conv_has_initial_state"),
+        (dict(num_warps=3), ValueError, "num_warps"),
+        (dict(num_warps=(4,)), TypeError, "num_warps"),
+        (dict(num_warps=True), TypeError, "num_warps"),
+        (dict(num_warps=(8, 4.0)), TypeError, "num_warps"),
     ],
 )
 def test_bad_input(small, over, exc, match):

@@ -1,13 +1,13 @@
-"""``chunk_kda_prefill``: the public KDA prefill, two fused launches.
+"""``chunk_kda_prefill``: the public KDA prefill, two fused stages.
 
 1. :func:`kda_engram.kda.prologue.fused_kda_prologue` turns the raw projections
    into the per-chunk operands (L2 norms, gate, gate cumsum, the intra-chunk
-   matrices and the WY/UT ``w``/``u``), and
+   matrices and the WY/UT ``w``/``u``; two launches, split for register room), and
 2. :func:`kda_engram.kda.chunk.fused_kda_chunk` walks the chunks with the state
    on chip and writes the output (and the final state, the state-cache rows and
    the checkpoints).
 
-Everything between and around the two launches (chunk metadata, workspaces) is
+Everything between and around the launches (chunk metadata, workspaces) is
 computed on the device from static shapes, so with ``check_inputs=False`` a
 whole prefill runs with no host synchronisation and can be captured in a CUDA
 graph and replayed with new ``cu_seqlens`` contents of the same size.

@@ -1,7 +1,8 @@
-"""KDA fused prologue: one launch from raw ``q, k, v, raw_g, raw_beta`` to the
+"""KDA fused prologue: two launches from raw ``q, k, v, raw_g, raw_beta`` to the
 operands of the chunk kernel.
 
-One program per (chunk row, head) does, for its 64-token chunk:
+The first launch (``_kda_prologue_intra_kernel``, one program per (chunk row,
+head)) does, for its 64-token chunk:
 
 1. optionally the depthwise causal conv of width 4 and its SiLU on the raw q/k/v
    bands (``conv_weight``), starting from the sequence's conv-state row;
@@ -9,16 +10,24 @@ One program per (chunk row, head) does, for its 64-token chunk:
 3. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
    otherwise, see DESIGN.md), its chunk-local cumulative sum in log2 units, and
    ``beta = sigmoid(raw_beta)``;
-4. ``A_qk`` and ``A_kk`` from 16-row sub-chunk blocks and ``w = T (beta k̂ 2^g)``,
-   ``u = T (beta v)`` with ``T = (I + A_kk)^-1`` (A_kk strictly lower, rows scaled
-   by beta), plus ``qg``, ``kg_t``, ``decay``.
+4. ``A_qk`` and ``A_kk`` (A_kk strictly lower, rows scaled by beta) from 16-row
+   sub-chunk blocks, plus ``qg``, ``kg_t``, ``decay``; it writes the right-hand
+   sides ``beta k̂ 2^g`` into ``w`` and ``beta v`` into ``u``, and ``A_kk`` into an
+   fp32 workspace ``[1, T, H, 64]`` (row blocks ``J <= I`` only).
 
-The sub-chunks are processed in order, so only a few 16-row tiles stay live:
-sub-chunk ``I`` forms its row blocks ``A_IJ`` (``J <= I``), inverts its 16x16
-diagonal block ``T_II = (I + A_II)^-1`` in fp32 (recursive doubling, see
-:func:`_tri_inv`) and solves its rows of ``(I + A_kk) w = beta k̂ 2^g`` by block
-forward substitution, ``w_I = T_II (beta k̂_I 2^g_I - sum_{J<I} A_IJ w_J)`` (same
-for ``u``); ``T``'s off-diagonal blocks are never formed.
+The second launch (``_kda_prologue_solve_kernel``, same grid) turns them into
+``w = T (beta k̂ 2^g)``, ``u = T (beta v)`` with ``T = (I + A_kk)^-1``, in place:
+sub-chunk ``I`` inverts its 16x16 diagonal block ``T_II = (I + A_II)^-1`` in fp32
+(recursive doubling, see :func:`_tri_inv`) and solves its rows by block forward
+substitution, ``w_I = T_II (beta k̂_I 2^g_I - sum_{J<I} A_IJ w_J)`` (same for
+``u``); ``T``'s off-diagonal blocks are never formed.
+
+Why two launches: fused into one program the work needs far more than the 255
+registers a thread may hold (Nsight Compute on the H200: 12.5% occupancy, most
+stall cycles waiting for instruction fetch, 3.0 ms at 1 x 32k, H32). Split, each
+kernel is half the code and the pair runs 2.1 ms, although the split moves
+``A_kk`` (256 bytes per token and head, fp32) and the right-hand sides of ``w``
+and ``u`` through HBM once more.
 
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
@@ -98,7 +107,9 @@ one that writes it, after a barrier; every other program reads the raw inputs
 of earlier tokens from ``q/k/v`` themselves, which nobody writes.
 
 Memory ownership: all outputs are allocated here with ``torch.empty`` in
-PyTorch's caching allocator and returned to the caller; inputs (including the
+PyTorch's caching allocator and returned to the caller; so is the ``A_kk``
+workspace (``T * H * 256`` bytes), which is released when the call returns
+(stream-ordered, so the second launch still owns it until it finishes); inputs (including the
 strided ``raw_g`` / ``raw_beta`` column slices of a fused projection) are read
 through their strides and never copied.
 """
@@ -309,7 +320,13 @@ def _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, ch0, val, do_write, D: t
 
 
 @triton.jit
-def _kda_prologue_kernel(
+def _load_rows(ptr, t, valid, row_stride, W: tl.constexpr, col0):
+    cols = col0 + tl.arange(0, W)
+    return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _kda_prologue_intra_kernel(
     q_ptr, sq_t, sq_h, sq_c,
     k_ptr, sk_t, sk_h, sk_c,
     v_ptr, sv_t, sv_h, sv_c,
@@ -322,13 +339,17 @@ def _kda_prologue_kernel(
     cs_ptr, scs_s, scs_c, scs_w,
     csi_ptr, scsi,
     chi_ptr, schi,
-    qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr,
+    qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr, akk_ptr,
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
     USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     DOT: tl.constexpr,
 ):
+    """Launch 1 of 2: everything but the triangular solve. Writes ``qg, kg_t,
+    aqk, decay`` (final), the solve's right-hand sides ``beta k̂ 2^g`` into ``w``
+    and ``beta v`` into ``u``, and ``A_kk`` (fp32, row blocks ``J <= I`` only)
+    into the ``akk`` workspace."""
     pid = tl.program_id(0)
     h = pid % H
     r = (pid // H).to(tl.int64)
@@ -357,17 +378,17 @@ def _kda_prologue_kernel(
     dtb = tl.load(dtb_ptr + h * sdtb_h + colk * sdtb_c).to(tl.float32)
     o_qk = H * K  # token stride of qg / w
     o_v = H * V
-    o_a = H * BT
+    o_a = H * BT  # token stride of aqk / akk
     qg_h = qg_ptr + h * K
     w_h = w_ptr + h * K
     u_h = u_ptr + h * V
     aqk_h = aqk_ptr + h * BT
+    akk_h = akk_ptr + h * BT
     zero_blk = tl.zeros([BS, BS], dtype=tl.float32)
+    zk = tl.zeros([K], dtype=tl.float32)
 
-    # Sub-chunks stream in order. For each: its A_qk / A_kk row blocks, then
-    # w and u by block forward substitution, w_I = T_II (kbg_I - sum_J A_IJ w_J)
-    # (same for u), which needs only the earlier sub-chunks' w, u and column keys
-    # kf: T's off-diagonal blocks are never formed, and few tiles stay live.
+    # Sub-chunks stream in order (loads issued one sub-chunk ahead); each forms
+    # its A_qk / A_kk row blocks against the column keys kf of the earlier ones.
     # ---------------------------------------------------------------- sub-chunk 0
     t0_ = start + rows
     m0 = t0_ < eos
@@ -387,18 +408,14 @@ def _kda_prologue_kernel(
     qd0 = q0 * d0
     kd0 = k0 * d0
     _store_rows(qg_h, t0_, m0, o_qk, qd0, K, 0)
+    _store_rows(w_h, t0_, m0, o_qk, be0[:, None] * kd0, K, 0)
+    _store_rows(u_h, t0_, m0, o_v, bv0, V, 0)
     aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, EXACT_DIAG, DOT)
     _store_rows(aqk_h, t0_, m0, o_a, aq00, BS, 0)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, BS)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 2 * BS)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 3 * BS)
-    x0 = _tri_inv(ak00, BS).to(DOT)
-    w0 = _mm(x0, (be0[:, None] * kd0).to(DOT))
-    u0 = _mm(x0, bv0.to(DOT))
-    _store_rows(w_h, t0_, m0, o_qk, w0, K, 0)
-    _store_rows(u_h, t0_, m0, o_v, u0, V, 0)
-    w0 = w0.to(DOT)
-    u0 = u0.to(DOT)
+    _store_rows(akk_h, t0_, m0, o_a, ak00, BS, 0)
     kf0 = kf0.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 1
@@ -416,24 +433,18 @@ def _kda_prologue_kernel(
     kd1 = k1 * d1
     e1 = tl.exp2(b1)[None, :]
     _store_rows(qg_h, t1_, m1, o_qk, qd1 * e1, K, 0)
-    kbg1 = be1[:, None] * kd1 * e1
+    _store_rows(w_h, t1_, m1, o_qk, be1[:, None] * kd1 * e1, K, 0)
+    _store_rows(u_h, t1_, m1, o_v, bv1, V, 0)
     qd1D = qd1.to(DOT)
     kd1D = kd1.to(DOT)
-    zk = tl.zeros([K], dtype=tl.float32)
     aq10, ak10 = _off_block(qd1D, kd1D, kf0, zk, be1)
     aq11, ak11 = _diag_block(q1, k1, lc1, qd1, kd1, kf1, s1, be1, shift, two_shift, BS, EXACT_DIAG, DOT)
     _store_rows(aqk_h, t1_, m1, o_a, aq10, BS, 0)
     _store_rows(aqk_h, t1_, m1, o_a, aq11, BS, BS)
     _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 2 * BS)
     _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 3 * BS)
-    x1 = _tri_inv(ak11, BS).to(DOT)
-    a10 = ak10.to(DOT)
-    w1 = _mm(x1, (kbg1 - _mm(a10, w0)).to(DOT))
-    u1 = _mm(x1, (bv1 - _mm(a10, u0)).to(DOT))
-    _store_rows(w_h, t1_, m1, o_qk, w1, K, 0)
-    _store_rows(u_h, t1_, m1, o_v, u1, V, 0)
-    w1 = w1.to(DOT)
-    u1 = u1.to(DOT)
+    _store_rows(akk_h, t1_, m1, o_a, ak10, BS, 0)
+    _store_rows(akk_h, t1_, m1, o_a, ak11, BS, BS)
     kf1 = kf1.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 2
@@ -451,7 +462,8 @@ def _kda_prologue_kernel(
     kd2 = k2 * d2
     e2 = tl.exp2(b2)[None, :]
     _store_rows(qg_h, t2_, m2, o_qk, qd2 * e2, K, 0)
-    kbg2 = be2[:, None] * kd2 * e2
+    _store_rows(w_h, t2_, m2, o_qk, be2[:, None] * kd2 * e2, K, 0)
+    _store_rows(u_h, t2_, m2, o_v, bv2, V, 0)
     qd2D = qd2.to(DOT)
     kd2D = kd2.to(DOT)
     aq20, ak20 = _off_block(qd2D, kd2D, kf0, s1, be2)
@@ -461,15 +473,9 @@ def _kda_prologue_kernel(
     _store_rows(aqk_h, t2_, m2, o_a, aq21, BS, BS)
     _store_rows(aqk_h, t2_, m2, o_a, aq22, BS, 2 * BS)
     _store_rows(aqk_h, t2_, m2, o_a, zero_blk, BS, 3 * BS)
-    x2 = _tri_inv(ak22, BS).to(DOT)
-    a20 = ak20.to(DOT)
-    a21 = ak21.to(DOT)
-    w2 = _mm(x2, (kbg2 - _mm(a20, w0) - _mm(a21, w1)).to(DOT))
-    u2 = _mm(x2, (bv2 - _mm(a20, u0) - _mm(a21, u1)).to(DOT))
-    _store_rows(w_h, t2_, m2, o_qk, w2, K, 0)
-    _store_rows(u_h, t2_, m2, o_v, u2, V, 0)
-    w2 = w2.to(DOT)
-    u2 = u2.to(DOT)
+    _store_rows(akk_h, t2_, m2, o_a, ak20, BS, 0)
+    _store_rows(akk_h, t2_, m2, o_a, ak21, BS, BS)
+    _store_rows(akk_h, t2_, m2, o_a, ak22, BS, 2 * BS)
     kf2 = kf2.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 3
@@ -481,7 +487,8 @@ def _kda_prologue_kernel(
     kd3 = k3 * d3
     e3 = tl.exp2(b3)[None, :]
     _store_rows(qg_h, t3_, m3, o_qk, qd3 * e3, K, 0)
-    kbg3 = be3[:, None] * kd3 * e3
+    _store_rows(w_h, t3_, m3, o_qk, be3[:, None] * kd3 * e3, K, 0)
+    _store_rows(u_h, t3_, m3, o_v, bv3, V, 0)
     qd3D = qd3.to(DOT)
     kd3D = kd3.to(DOT)
     aq30, ak30 = _off_block(qd3D, kd3D, kf0, s1 + s2, be3)
@@ -492,14 +499,10 @@ def _kda_prologue_kernel(
     _store_rows(aqk_h, t3_, m3, o_a, aq31, BS, BS)
     _store_rows(aqk_h, t3_, m3, o_a, aq32, BS, 2 * BS)
     _store_rows(aqk_h, t3_, m3, o_a, aq33, BS, 3 * BS)
-    x3 = _tri_inv(ak33, BS).to(DOT)
-    a30 = ak30.to(DOT)
-    a31 = ak31.to(DOT)
-    a32 = ak32.to(DOT)
-    w3 = _mm(x3, (kbg3 - _mm(a30, w0) - _mm(a31, w1) - _mm(a32, w2)).to(DOT))
-    u3 = _mm(x3, (bv3 - _mm(a30, u0) - _mm(a31, u1) - _mm(a32, u2)).to(DOT))
-    _store_rows(w_h, t3_, m3, o_qk, w3, K, 0)
-    _store_rows(u_h, t3_, m3, o_v, u3, V, 0)
+    _store_rows(akk_h, t3_, m3, o_a, ak30, BS, 0)
+    _store_rows(akk_h, t3_, m3, o_a, ak31, BS, BS)
+    _store_rows(akk_h, t3_, m3, o_a, ak32, BS, 2 * BS)
+    _store_rows(akk_h, t3_, m3, o_a, ak33, BS, 3 * BS)
 
     # ---------------------------------------------- kg_t, decay (need g_last)
     kg_slab = kgt_ptr + (r * H + h) * (K * BT)
@@ -523,6 +526,98 @@ def _kda_prologue_kernel(
         _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, h * K, nq, do_write, K)
         _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, (H + h) * K, nk, do_write, K)
         _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, 2 * H * K + h * V, nv, do_write, V)
+
+
+@triton.jit
+def _kda_prologue_solve_kernel(
+    cu_ptr, ci_ptr, sci_r, sci_c,
+    w_ptr, u_ptr, akk_ptr,
+    H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr,
+):
+    """Launch 2 of 2: ``w = T rhs_w``, ``u = T rhs_u`` in place, ``T = (I + A_kk)^-1``,
+    by block forward substitution ``x_I = T_II (rhs_I - sum_(J<I) A_IJ x_J)``.
+
+    Each program reads and rewrites only its own chunk's rows of ``w`` / ``u``
+    (row block ``I`` is read before anything that depends on it is stored), so
+    the in-place update needs no second buffer; the solved blocks of earlier
+    sub-chunks stay in registers."""
+    pid = tl.program_id(0)
+    h = pid % H
+    r = (pid // H).to(tl.int64)
+    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    if seq < 0:
+        return
+    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    start = bos + cidx * BT
+    rows = tl.arange(0, BS)
+    o_qk = H * K
+    o_v = H * V
+    o_a = H * BT
+    w_h = w_ptr + h * K
+    u_h = u_ptr + h * V
+    akk_h = akk_ptr + h * BT
+
+    t0_ = start + rows
+    m0 = t0_ < eos
+    rw0 = _load_rows(w_h, t0_, m0, o_qk, K, 0)
+    ru0 = _load_rows(u_h, t0_, m0, o_v, V, 0)
+    a00 = _load_rows(akk_h, t0_, m0, o_a, BS, 0)
+    t1_ = t0_ + BS
+    m1 = t1_ < eos
+    rw1 = _load_rows(w_h, t1_, m1, o_qk, K, 0)
+    ru1 = _load_rows(u_h, t1_, m1, o_v, V, 0)
+    a10 = _load_rows(akk_h, t1_, m1, o_a, BS, 0).to(DOT)
+    a11 = _load_rows(akk_h, t1_, m1, o_a, BS, BS)
+
+    x0 = _tri_inv(a00, BS).to(DOT)
+    w0 = _mm(x0, rw0.to(DOT))
+    u0 = _mm(x0, ru0.to(DOT))
+    _store_rows(w_h, t0_, m0, o_qk, w0, K, 0)
+    _store_rows(u_h, t0_, m0, o_v, u0, V, 0)
+    w0 = w0.to(DOT)
+    u0 = u0.to(DOT)
+
+    t2_ = t1_ + BS
+    m2 = t2_ < eos
+    rw2 = _load_rows(w_h, t2_, m2, o_qk, K, 0)
+    ru2 = _load_rows(u_h, t2_, m2, o_v, V, 0)
+    a20 = _load_rows(akk_h, t2_, m2, o_a, BS, 0).to(DOT)
+    a21 = _load_rows(akk_h, t2_, m2, o_a, BS, BS).to(DOT)
+    a22 = _load_rows(akk_h, t2_, m2, o_a, BS, 2 * BS)
+
+    x1 = _tri_inv(a11, BS).to(DOT)
+    w1 = _mm(x1, (rw1.to(tl.float32) - _mm(a10, w0)).to(DOT))
+    u1 = _mm(x1, (ru1.to(tl.float32) - _mm(a10, u0)).to(DOT))
+    _store_rows(w_h, t1_, m1, o_qk, w1, K, 0)
+    _store_rows(u_h, t1_, m1, o_v, u1, V, 0)
+    w1 = w1.to(DOT)
+    u1 = u1.to(DOT)
+
+    t3_ = t2_ + BS
+    m3 = t3_ < eos
+    rw3 = _load_rows(w_h, t3_, m3, o_qk, K, 0)
+    ru3 = _load_rows(u_h, t3_, m3, o_v, V, 0)
+    a30 = _load_rows(akk_h, t3_, m3, o_a, BS, 0).to(DOT)
+    a31 = _load_rows(akk_h, t3_, m3, o_a, BS, BS).to(DOT)
+    a32 = _load_rows(akk_h, t3_, m3, o_a, BS, 2 * BS).to(DOT)
+    a33 = _load_rows(akk_h, t3_, m3, o_a, BS, 3 * BS)
+
+    x2 = _tri_inv(a22, BS).to(DOT)
+    w2 = _mm(x2, (rw2.to(tl.float32) - _mm(a20, w0) - _mm(a21, w1)).to(DOT))
+    u2 = _mm(x2, (ru2.to(tl.float32) - _mm(a20, u0) - _mm(a21, u1)).to(DOT))
+    _store_rows(w_h, t2_, m2, o_qk, w2, K, 0)
+    _store_rows(u_h, t2_, m2, o_v, u2, V, 0)
+    w2 = w2.to(DOT)
+    u2 = u2.to(DOT)
+
+    x3 = _tri_inv(a33, BS).to(DOT)
+    w3 = _mm(x3, (rw3.to(tl.float32) - _mm(a30, w0) - _mm(a31, w1) - _mm(a32, w2)).to(DOT))
+    u3 = _mm(x3, (ru3.to(tl.float32) - _mm(a30, u0) - _mm(a31, u1) - _mm(a32, u2)).to(DOT))
+    _store_rows(w_h, t3_, m3, o_qk, w3, K, 0)
+    _store_rows(u_h, t3_, m3, o_v, u3, V, 0)
 
 
 # --------------------------------------------------------------------------- entry
@@ -597,6 +692,26 @@ def _check_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, cu_seqlens, c
         check_tensor("conv_has_initial_state", conv_has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
 
 
+def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
+    """``(intra, solve)`` warps per program from the ``num_warps`` override: None
+    for the defaults, one int for both launches, or a pair.
+
+    Defaults from the H200 sweep at 1 x 32k, H32, K = V = 128 (ms for the whole
+    prologue): (4, 4) 2.29, (8, 4) 3.29, (8, 8) 3.31, (4, 2) 2.11, (8, 2) 3.10,
+    (16, 4) 5.10. Both kernels sit at the 255-register ceiling either way; fewer,
+    register-heavier programs lose less to spills than they gain in parallelism.
+    """
+    if num_warps is None:
+        return (4, 2) if (is_gpu(dev) and max(K, V) >= 128) else (4, 4)
+    pair = (num_warps, num_warps) if isinstance(num_warps, numbers.Integral) else num_warps
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in pair)):
+        raise TypeError(f"num_warps: expected None, an int or a pair of ints (intra, solve), got {num_warps!r}")
+    if any(int(w) not in (1, 2, 4, 8, 16) for w in pair):
+        raise ValueError(f"num_warps: expected powers of two in [1, 16], got {num_warps!r}")
+    return int(pair[0]), int(pair[1])
+
+
 def fused_kda_prologue(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -615,9 +730,9 @@ def fused_kda_prologue(
     chunk_indices: torch.Tensor | None = None,
     *,
     check_inputs: bool = True,
-    num_warps: int | None = None,
+    num_warps: int | tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the whole chunk-path prologue in one launch; returns the chunk kernel's operands.
+    """Run the whole chunk-path prologue (two launches); returns the chunk kernel's operands.
 
     Args:
         q, k: ``[1, T, H, K]`` (K = 128 in production; 16/32/64 accepted for tests),
@@ -644,7 +759,8 @@ def fused_kda_prologue(
             (on the device, no sync) when omitted.
         check_inputs: validate shapes, dtypes and index ranges. Some checks read
             device memory (a host sync); turn off for CUDA-graph capture.
-        num_warps: launch override (default 8 for K=V=128 on a GPU, else 4).
+        num_warps: launch override: one int for both launches or ``(intra, solve)``
+            (default: 4 and 2 for K = V = 128 on a GPU, else 4 and 4).
 
     Returns:
         dict with ``qg, w, u`` ``[1, T, H, K|V]``, ``kg_t [chunks, H, K, 64]``,
@@ -664,6 +780,7 @@ def fused_kda_prologue(
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, total_tokens=T)
     num_chunks = chunk_indices.shape[0]
+    intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
     out = dict(
         qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
         w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
@@ -699,11 +816,12 @@ def fused_kda_prologue(
     # int1 pointer handling out of the kernel.
     chi = conv_has_initial_state.view(torch.uint8) if has_flags else cu_seqlens
     chi_stride = conv_has_initial_state.stride(0) if has_flags else 0
-    if num_warps is None:
-        num_warps = 8 if (is_gpu(dev) and max(K, V) >= 128) else 4
-
+    # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
+    # in fp32) passes from the first launch to the second through this
+    # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
+    akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
     grid = (num_chunks * H,)
-    _kda_prologue_kernel[grid](
+    _kda_prologue_intra_kernel[grid](
         q, q.stride(1), q.stride(2), q.stride(3),
         k, k.stride(1), k.stride(2), k.stride(3),
         v, v.stride(1), v.stride(2), v.stride(3),
@@ -716,12 +834,19 @@ def fused_kda_prologue(
         cs, *cs_strides,
         csi, csi_stride,
         chi, chi_stride,
-        out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"],
+        out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
         H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
         K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
         BOUNDED=bounded, EXACT_DIAG=exact_diag,
         USE_CONV=use_conv, HAS_STATE=has_state, HAS_INIT_FLAGS=has_flags,
         DOT=dot_dtype,
-        num_warps=num_warps, num_stages=1,
+        num_warps=intra_warps, num_stages=1,
+    )
+    _kda_prologue_solve_kernel[grid](
+        cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+        out["w"], out["u"], akk,
+        H,
+        K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype,
+        num_warps=solve_warps, num_stages=1,
     )
     return out
