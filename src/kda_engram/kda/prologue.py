@@ -698,8 +698,12 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
 
     Defaults from the H200 sweep at 1 x 32k, H32, K = V = 128 (ms for the whole
     prologue): (4, 4) 2.29, (8, 4) 3.29, (8, 8) 3.31, (4, 2) 2.11, (8, 2) 3.10,
-    (16, 4) 5.10. Both kernels sit at the 255-register ceiling either way; fewer,
-    register-heavier programs lose less to spills than they gain in parallelism.
+    (16, 4) 5.10, (4, 1) 3.33, (2, 2) 4.39. Both kernels use the full 255
+    registers a thread may hold at any width, so the register file admits the
+    same number of warps per SM either way (12.5% occupancy); narrower programs
+    make that several independent programs instead of one wide one, which hides
+    more of each program's serial chain, until the spills of 2 warps (intra:
+    290) or 1 warp (solve: 432) take over.
     """
     if num_warps is None:
         return (4, 2) if (is_gpu(dev) and max(K, V) >= 128) else (4, 4)
