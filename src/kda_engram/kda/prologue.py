@@ -326,6 +326,24 @@ def _load_rows(ptr, t, valid, row_stride, W: tl.constexpr, col0):
 
 
 @triton.jit
+def _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT: tl.constexpr):
+    """The chunk of this program in both prologue launches (grid ``chunks * H``,
+    head fastest): ``(head, chunk row, sequence id, chunk index, bos, eos, first
+    token)``. ``seq < 0`` marks a padding row, which the caller must skip; for it
+    no offset is read (the loads are masked), so nothing outside
+    ``cu_seqlens`` is touched even for a batch with no sequence."""
+    pid = tl.program_id(0)
+    h = pid % H
+    r = (pid // H).to(tl.int64)
+    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
+    live = seq >= 0
+    bos = tl.load(cu_ptr + seq, mask=live, other=0).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1, mask=live, other=0).to(tl.int64)
+    return h, r, seq, cidx, bos, eos, bos + cidx * BT
+
+
+@triton.jit
 def _kda_prologue_intra_kernel(
     q_ptr, sq_t, sq_h, sq_c,
     k_ptr, sk_t, sk_h, sk_c,
@@ -350,16 +368,9 @@ def _kda_prologue_intra_kernel(
     aqk, decay`` (final), the solve's right-hand sides ``beta k̂ 2^g`` into ``w``
     and ``beta v`` into ``u``, and ``A_kk`` (fp32, row blocks ``J <= I`` only)
     into the ``akk`` workspace."""
-    pid = tl.program_id(0)
-    h = pid % H
-    r = (pid // H).to(tl.int64)
-    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    h, r, seq, cidx, bos, eos, start = _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT)
     if seq < 0:
         return
-    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    start = bos + cidx * BT
     rows = tl.arange(0, BS)
 
     # Conv-state row of this sequence (read by the first chunk, written by it too).
@@ -542,16 +553,9 @@ def _kda_prologue_solve_kernel(
     (row block ``I`` is read before anything that depends on it is stored), so
     the in-place update needs no second buffer; the solved blocks of earlier
     sub-chunks stay in registers."""
-    pid = tl.program_id(0)
-    h = pid % H
-    r = (pid // H).to(tl.int64)
-    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    h, r, seq, cidx, bos, eos, start = _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT)
     if seq < 0:
         return
-    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    start = bos + cidx * BT
     rows = tl.arange(0, BS)
     o_qk = H * K
     o_v = H * V
