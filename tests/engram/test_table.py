@@ -58,14 +58,21 @@ def test_quantize_matches_reference_and_bounds_error():
     assert bool((back.reshape(-1, 32).abs().amax(-1, keepdim=True) <= amax * (1 + 2.0**-4)).all())
 
 
-def test_fp8_decode_every_byte_exactly():
-    """The kernel's integer e4m3 decode against PyTorch's, for all 254 finite byte
-    patterns and scales from 2^-126 to 2^113."""
+def every_byte_case():
+    """All 254 finite e4m3 byte patterns (256 values = 8 scale blocks), three rows
+    of scales from 2^-126 to 2^113."""
     codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)], dtype=torch.uint8)
-    codes = torch.cat([codes, codes[:2]])  # 256 values = 8 scale blocks
+    codes = torch.cat([codes, codes[:2]])
     q = codes.reshape(1, 256).repeat(3, 1)
     s = torch.tensor([[1, 20, 100, 126, 127, 128, 200, 240], [127] * 8, [120, 121, 122, 123, 130, 131, 132, 133]], dtype=torch.uint8)
+    return q, s
+
+
+def test_fp8_decode_every_byte_exactly():
+    """The kernel's integer e4m3 decode against PyTorch's, bit for bit."""
+    q, s = every_byte_case()
     table = EngramTable([3], 256, storage="fp8", device="cpu", out_dtype=torch.float32)
+    assert table.fp8_decode == "integer"  # the CPU (interpreter) always takes the integer rebuild
     table.load_(q, s)
     got = table.lookup(torch.tensor([[0], [1], [2]]))[:, 0]
     assert torch.equal(got, dequantize_fp8_ue8m0_ref(q, s))
@@ -88,6 +95,16 @@ def test_load_prequantized_scales_in_every_format():
 
 
 # -- lookups -----------------------------------------------------------------------------
+
+
+def test_fp8_lookup_row_width_not_a_power_of_two():
+    """96 values = 3 scale blocks: the kernel pads the block axis to 4 and masks it."""
+    w = table_weight(dim=96)
+    rows = random_rows(7)
+    table = EngramTable.from_weight(w, SIZES, storage="fp8", device="cpu", out_dtype=torch.float32)
+    out = torch.full((7, 6, 96), float("nan"))
+    got = table.lookup(rows, out=out)
+    assert torch.equal(got, lookup_ref(expected_weight(w, "fp8"), rows))
 
 
 @pytest.mark.parametrize("storage", ["fp32", "fp16", "bf16", "fp8"])
@@ -309,6 +326,22 @@ def test_gpu_host_resident(gpu, storage, mode):
         torch.cuda.synchronize()
         assert torch.equal(out, dev.lookup(rows))
     assert EngramTable(sizes[:2], V41_DIM, device=gpu, host_resident=True).host_mode == "zero_copy"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_decode_paths_every_byte(gpu):
+    """On the GPU both decodes (the conversion instruction where the device has
+    it, and the integer rebuild) equal PyTorch's dequantisation bit for bit."""
+    q, s = every_byte_case()
+    expect = dequantize_fp8_ue8m0_ref(q, s)
+    table = EngramTable([3], 256, storage="fp8", device=gpu, out_dtype=torch.float32)
+    table.load_(q.to(gpu), s.to(gpu))
+    rows = torch.tensor([[0], [1], [2]], device=gpu)
+    native = torch.cuda.get_device_capability(gpu) >= (8, 9) and torch.version.hip is None
+    assert table.fp8_decode == ("native" if native else "integer")
+    for decode in (table.fp8_decode, "integer"):
+        table.fp8_decode = decode
+        assert torch.equal(table.lookup(rows)[:, 0].cpu(), expect), decode
 
 
 @pytest.mark.gpu
