@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from kda_engram.engram.gate import (
+    LOOP_WARPS,
     MAX_TOKENS_PER_PROGRAM,
     SINGLE_PASS_MAX_DIM,
     engram_post_wkv,
     launch_geometry,
+    post_wkv_launch,
     row_pieces,
     tokens_per_program,
+    warps_for,
 )
 from kda_engram.engram.reference import engram_post_wkv_ref
 
@@ -73,6 +76,16 @@ def test_launch_geometry_switches_to_two_passes_above_the_register_budget():
         launch_geometry(96, 48, None)
     with pytest.raises(ValueError, match="num_warps"):
         launch_geometry(96, None, 3)
+
+
+def test_post_wkv_launch_defaults():
+    cpu = torch.device("cpu")
+    geom, block = post_wkv_launch(10**6, 4, 5120, cpu)  # two passes: 2 warps, one token
+    assert geom["LOOP"] and geom["num_warps"] == LOOP_WARPS and block == 1
+    geom, block = post_wkv_launch(10**6, 4, 5120, cpu, num_warps=8, tokens=4)
+    assert geom["num_warps"] == 8 and block == 4
+    geom, block = post_wkv_launch(10**6, 4, 1024, cpu)  # single pass: token blocks as before
+    assert not geom["LOOP"] and geom["num_warps"] == warps_for(1024) and block == MAX_TOKENS_PER_PROGRAM
 
 
 def test_tokens_per_program_keeps_small_batches_parallel():

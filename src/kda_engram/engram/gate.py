@@ -29,11 +29,13 @@ each HBM byte once and keeping the L2 traffic behind it small:
   launch order, so the ``hc - 1`` extra reads hit L2; a program per token looping
   over streams would read it once but cut the grid by ``hc`` (64 programs for 64
   tokens on a 132-SM H200) and hold ``hc + 1`` rows of state.
-* **Token blocks** (large T): a program per (token, stream) also re-reads
-  ``q_w[h]`` and ``k_w[h]`` from L2, as many bytes as its hidden and key rows. At
-  T = 16384, dim 5120 that would put ~1.9x the HBM bytes through L2. So once the
-  grid has enough programs (:func:`tokens_per_program`), a program walks up to 8
-  consecutive tokens of its stream with ``q_w[h]*k_w[h]`` held in registers.
+* **Token blocks** (large T, single-pass path): a program per (token, stream)
+  also re-reads ``q_w[h]`` and ``k_w[h]`` from L2, as many bytes as its hidden
+  and key rows. So once the grid has enough programs (:func:`tokens_per_program`),
+  a program walks up to 8 consecutive tokens of its stream with ``q_w[h]*k_w[h]``
+  held in registers. The two-pass path re-reads them per block whatever it
+  does, and runs one token per program at ``LOOP_WARPS`` warps (measured
+  fastest, see there).
 
 Rows ``t >= num_kv_tokens`` read key = value = 0 (masked loads, never out of
 bounds), so their output is ``hidden`` bit for bit. Sums overflow fp32 only when
@@ -59,6 +61,15 @@ from kda_engram.platform import num_compute_units
 # 1024-wide blocks at 4 warps keep several programs (and their loads) in flight.
 SINGLE_PASS_MAX_DIM = 2048
 LOOP_CHUNK = 1024
+# Warps of a two-pass program of engram_post_wkv, which takes one token (token
+# blocking saves nothing there: the loop re-reads q_w*k_w per block anyway).
+# H200 sweep (2026-12-03, dim 5120, hc 4, bf16; chunk 512/1024/2048 x warps
+# 2/4/8 x tokens 1/2/4): 1024-wide blocks, 2 warps, 1 token was fastest at both
+# sizes: T = 2048 84.4 us (76% of the HBM floor) against 100.8 us for the
+# previous 4 warps and 2 tokens; T = 16384 582.5 us (88%) against 620.2 us
+# (4 warps, 8 tokens). Two warps keep twice as many programs (and their row
+# loads) resident per SM.
+LOOP_WARPS = 2
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
@@ -277,6 +288,18 @@ def _engram_post_wkv_kernel(
 # --------------------------------------------------------------------------------------
 
 
+def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None) -> tuple[dict, int]:
+    """``(constexprs and num_warps, tokens per program)`` of an ``engram_post_wkv``
+    launch: :func:`launch_geometry`, except that the two-pass path defaults to
+    ``LOOP_WARPS`` warps and one token per program (the H200 measurement at
+    ``LOOP_WARPS``)."""
+    geom = launch_geometry(dim, chunk, num_warps)
+    if geom["LOOP"]:
+        geom["num_warps"] = LOOP_WARPS if num_warps is None else num_warps
+        tokens = 1 if tokens is None else tokens
+    return geom, tokens_per_program(T * hc, device, tokens)
+
+
 def check_gate_common(hidden_states, q_weight, k_weight, token_mask, out, *, with_weights: bool = True):
     """Checks shared by the single-rank and the sharded gate (``with_weights=False``:
     the entry point takes no weights). Returns ``(T, hc, dim)``."""
@@ -329,7 +352,8 @@ def engram_post_wkv(
             reads either way, so the call is CUDA-graph capturable).
         chunk, num_warps, tokens: launch overrides for tuning (``chunk`` forces the
             two-pass path with that power-of-two block width; ``tokens`` sets the
-            tokens per program, see :func:`tokens_per_program`).
+            tokens per program, see :func:`tokens_per_program`; the two-pass path
+            defaults to ``LOOP_WARPS`` warps and one token).
 
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
@@ -347,8 +371,7 @@ def engram_post_wkv(
         return out
     # Host integers only: never read past kv's rows, whatever the caller passed.
     n_kv = kv.shape[0] if num_kv_tokens is None else max(0, min(int(num_kv_tokens), kv.shape[0]))
-    geom = launch_geometry(dim, chunk, num_warps)
-    block = tokens_per_program(T * hc, hidden_states.device, tokens)
+    geom, block = post_wkv_launch(T, hc, dim, hidden_states.device, chunk, num_warps, tokens)
     mask_arg = token_mask if token_mask is not None else hidden_states
     _engram_post_wkv_kernel[(triton.cdiv(T, block) * hc,)](
         hidden_states, kv, q_weight, k_weight, mask_arg, out,
