@@ -27,7 +27,13 @@ registers a thread may hold (Nsight Compute on the H200: 12.5% occupancy, most
 stall cycles waiting for instruction fetch, 3.0 ms at 1 x 32k, H32). Split, each
 kernel is half the code and the pair runs 2.1 ms, although the split moves
 ``A_kk`` (256 bytes per token and head, fp32) and the right-hand sides of ``w``
-and ``u`` through HBM once more.
+and ``u`` through HBM once more. Cutting the first launch further, one program per
+16-row sub-chunk that recomputes the column keys of the earlier sub-chunks
+and the gate totals of the later ones, was slower (H200, 1 x 32k H32: 4.06 ms
+at 4 warps against 2.10 ms, 2.05 against 1.08 at 1 x 128k H4): it still took
+236 registers, so the pressure comes from the ``[16, 128] x [128, 16]``
+products, whose operands Triton replicates across the warps of a program,
+not from carrying the sub-chunks.
 
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
