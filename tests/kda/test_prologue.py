@@ -127,12 +127,15 @@ def test_head_dim_128_two_heads(lower_bound):
 
 @pytest.mark.parametrize(
     "lower_bound, gate",
-    [(-5.0, "at_bound"), (-5.0, "no_decay"), (None, "no_decay"), (None, "strong"), (-20.0, "at_bound")],
+    [(-5.0, "at_bound"), (-5.0, "no_decay"), (None, "no_decay"), (None, "strong"), (-20.0, "at_bound"),
+     (-5.4, "at_bound"), (-7.0, "at_bound")],
 )
 def test_gate_extremes(lower_bound, gate):
     # at_bound: every step decays by exp(-5) (g reaches -462 over a chunk: the
     # factored products must never form 2^(+-g)); strong softplus: unbounded
-    # decays on the exact diagonal path; -20 exceeds the factored shift limit.
+    # decays on the exact diagonal path; -5.4 is the steepest bound on the
+    # factored diagonal (its unshifted factors reach 2^-125); -7 and -20 exceed
+    # it (factored, -7 lost the diagonal blocks to underflow: error 0.84).
     x, cu = make_inputs([64, 33], H=1, K=32, gate=gate)
     out = run_prologue(x, cu, lower_bound)
     ref = reference(x, cu, lower_bound)

@@ -78,9 +78,10 @@ any of its rows:
   2^-126, can underflow);
 * diagonal block, bounded gate: ``(2^(g_i - b_I) * 2^s) * (2^(b_I - g_j) * 2^-s)``
   with ``s = 8 |L| log2(e)`` (half the largest decay over 16 rows, 57.7 for
-  ``L = -5``): both factors lie in ``[2^-s, 2^s]``, inside bf16/fp32 range. For
-  ``|L| > 8`` the shifted factors would leave that margin and the kernel takes
-  the exact path below;
+  ``L = -5``): both factors lie in ``[2^-s, 2^s]``, inside bf16/fp32 range. They
+  are formed from ``2^(g_i - b_I)`` and ``k̂_j 2^(b_(I+1) - g_j)``, which must not
+  underflow first: that holds while ``2 s <= 126``, i.e. ``|L| <= 5.45``; steeper
+  bounds take the exact path below;
 * diagonal block, softplus gate (no bound): the exact, unfactored
   ``2^(g_i - g_j)`` per channel, formed element by element for ``j <= i`` only.
 
@@ -136,9 +137,11 @@ from .metadata import CHUNK_SIZE, prepare_chunk_indices
 LOG2E = math.log2(math.e)
 SUB_CHUNK = 16
 CONV_WIDTH = 4
-# Largest diagonal-block shift (log2 units) the factored path accepts: the two
-# factors stay within 2^+-96 and their masked-out products within fp32.
-MAX_DIAG_SHIFT = 96.0
+# Largest diagonal-block shift s (log2 units) the factored path accepts: its
+# unshifted factors reach 2^(-2 s) and must stay normal fp32/bf16 numbers
+# (2^-126) before the shift brings them into [2^-s, 2^s]. Past it (|L| > 5.45)
+# the diagonal blocks take the exact path.
+MAX_DIAG_SHIFT = 63.0
 _SUPPORTED_DIMS = (16, 32, 64, 128)
 
 
