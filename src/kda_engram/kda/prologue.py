@@ -33,7 +33,14 @@ and the gate totals of the later ones, was slower (H200, 1 x 32k H32: 4.06 ms
 at 4 warps against 2.10 ms, 2.05 against 1.08 at 1 x 128k H4): it still took
 236 registers, so the pressure comes from the ``[16, 128] x [128, 16]``
 products, whose operands Triton replicates across the warps of a program,
-not from carrying the sub-chunks.
+not from carrying the sub-chunks. Wider products do not rescue one launch
+either: a bounded-gate kernel forming ``A_qk`` / ``A_kk`` on the whole chunk as
+four ``[64, K] x [K, 64]`` products (one per column sub-chunk, anchored at the
+sub-chunk midpoints) and then solving after a barrier ran 3.36 ms at 8 warps
+(255 registers, 60 spills; 2.34 ms without the solve), and slicing its
+channels into 16-64 wide passes to cut the live tiles ran 4.1-6.8 ms (CK 16 at
+8 warps: no spills, 5.65 ms): the per-sub-chunk selects, broadcasts and
+reshapes of the gate factors cost more than the registers they save.
 
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
