@@ -44,6 +44,10 @@ from kda_engram.engram.gate import (
 
 # Block width of the partials kernel's loops (sums and copies need no full row).
 PARTIALS_MAX_CHUNK = 2048
+# Tokens per partials program, at most. H200 (2026-12-03, T = 16384, dim 5120,
+# hc 4, bf16), us for tokens 1 / 2 / 4 / 8 (8 was the shared default): P = 2
+# 248 / 257 / 254 / 289, P = 4 151 / 138 / 125 / 142, P = 8 77 / 71 / 72 / 74.
+PARTIALS_MAX_TOKENS = 4
 
 
 def pair_elems(dtype: torch.dtype) -> int:
@@ -218,7 +222,12 @@ def _engram_gate_finish_kernel(
         acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
         for start in tl.range(0, DIM, CHUNK):
             offs = start + tl.arange(0, CHUNK)
-            hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=offs < DIM, other=0.0).to(tl.float32)
+            # evict_last: the second pass re-reads this row, which should still be
+            # in L2. H200 (T = 16384, dim 5120, hc 4, default 1024-wide blocks at
+            # 4 warps): 449 -> 379 us at P = 4, 424 -> 386 us at P = 8. The same
+            # hint in engram_post_wkv's two-pass loop changed nothing (582 vs 580 us).
+            hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=offs < DIM, other=0.0,
+                             eviction_policy="evict_last").to(tl.float32)
             acc_hidden += hidden * hidden
         gate = _signed_sqrt_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
         if HAS_MASK:
@@ -283,7 +292,8 @@ def engram_gate_partials(
     send_f32 = _f32_view("out", out)
     size = kv_local.element_size()
     chunk = min(triton.next_power_of_2(width), PARTIALS_MAX_CHUNK)
-    block = tokens_per_program(T * (hc + 1), hidden_states.device, tokens)
+    block = tokens if tokens is not None else min(PARTIALS_MAX_TOKENS, tokens_per_program(T * (hc + 1), hidden_states.device))
+    block = tokens_per_program(T * (hc + 1), hidden_states.device, block)  # validates an override
     _engram_gate_partials_kernel[(triton.cdiv(T, block) * (hc + 1),)](
         hidden_states, kv_local, q_weight, k_weight, out, send_f32,
         T,
