@@ -25,6 +25,11 @@ each HBM byte once and keeping the L2 traffic behind it small:
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
   bounds registers for any dim at the price of an L2 re-read of hidden.
+* **Late-value single pass** (``SINGLE_PASS_MAX_DIM < dim <= LATE_VALUE_MAX_DIM``
+  and enough rows to fill the GPU, see there): the row pieces of the single pass,
+  but only hidden is held (in its load dtype) while the key is summed; the value
+  is loaded once the gate is known. Nothing is read twice, and on the H200 this
+  beats the two passes at dim 2560 for T >= 2048.
 * The value row is shared by the ``hc`` programs of a token. They are adjacent in
   launch order, so the ``hc - 1`` extra reads hit L2; a program per token looping
   over streams would read it once but cut the grid by ``hc`` (64 programs for 64
@@ -70,6 +75,21 @@ LOOP_CHUNK = 1024
 # (4 warps, 8 tokens). Two warps keep twice as many programs (and their row
 # loads) resident per SM.
 LOOP_WARPS = 2
+# Large batches at SINGLE_PASS_MAX_DIM < dim <= LATE_VALUE_MAX_DIM take neither
+# path above: one pass that keeps only hidden in registers (its load dtype) and
+# loads the value row after the gate, so nothing is read twice and the live set
+# is a third of the register-resident row's. H200 (2026-12-03, hc 4, bf16,
+# 2/4/8/16 warps x 1/2/4 tokens; best 2 warps, 1 token), against the two-pass
+# default in the same process: dim 2560 T = 16384 294.3 vs 366.3 us (88% vs 70%
+# of the HBM floor; 281.7 us, 91%, in a later bench_engram_gate run), T = 2048
+# 46.7 (4 warps) vs 57.6 us. At dim 5120 the sweep had it ahead (T = 16384
+# 551.7 vs 585.3 us, T = 2048 79.8 vs 84.6) but the bench run after it printed
+# 594.0 and 85.6 us, more than the gap: inconclusive, so 5120 keeps the two
+# passes (580-585 us in every run). At T = 64 it lost (29.8 vs 21.0 us at dim
+# 5120: two dependent round trips per row and too few programs to hide them),
+# so it needs at least PROGRAMS_PER_CU rows per compute unit.
+LATE_VALUE_MAX_DIM = 4096
+LATE_VALUE_WARPS = 2
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
@@ -169,23 +189,31 @@ def _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, N: tl.constexpr, DIM: 
 
 
 @triton.jit
+def _value_piece(value_row, kv_stride_d, start, kv_ok, N: tl.constexpr, DIM: tl.constexpr):
+    """Columns ``[start, start + N)`` of a token's value row, fp32."""
+    offs = start + tl.arange(0, N)
+    return tl.load(value_row + offs * kv_stride_d, mask=(offs < DIM) & kv_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _stream_piece(
-    hidden_row, key_row, value_row, qk,
+    hidden_row, key_row, qk,
     hidden_stride_d, kv_stride_d,
     start, token_ok, kv_ok,
     N: tl.constexpr, DIM: tl.constexpr,
 ):
     """Load columns ``[start, start + N)`` of one (token, stream) and return the
-    hidden and value blocks (fp32, kept for the output) and the piece's three sums."""
+    hidden block (in its load dtype, kept for the output) and the piece's three
+    sums (fp32)."""
     offs = start + tl.arange(0, N)
     valid = offs < DIM
-    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
+    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0)
     key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
-    value = tl.load(value_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
-    hidden_sq = tl.sum(hidden * hidden, axis=0)
+    hidden_f = hidden.to(tl.float32)
+    hidden_sq = tl.sum(hidden_f * hidden_f, axis=0)
     key_sq = tl.sum(key * key, axis=0)
-    dot = tl.sum(hidden * qk * key, axis=0)
-    return hidden, value, hidden_sq, key_sq, dot
+    dot = tl.sum(hidden_f * qk * key, axis=0)
+    return hidden, hidden_sq, key_sq, dot
 
 
 @triton.jit
@@ -193,7 +221,7 @@ def _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, N:
     offs = start + tl.arange(0, N)
     tl.store(
         out_row + offs * out_stride_d,
-        (hidden + gate * value).to(out_row.dtype.element_ty),
+        (hidden.to(tl.float32) + gate * value).to(out_row.dtype.element_ty),
         mask=(offs < DIM) & token_ok,
     )
 
@@ -210,7 +238,7 @@ def _engram_post_wkv_kernel(
     inv_dim, dim_scale, eps, clamp_value,
     DIM: tl.constexpr, HC: tl.constexpr, TOKENS: tl.constexpr,
     HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    LATE_VALUE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Grid ``cdiv(T, TOKENS) * HC``: program ``(b, h)`` gates stream ``h`` of tokens
     ``[b*TOKENS, (b+1)*TOKENS)`` one after the other, loading ``q_w[h]*k_w[h]`` once
@@ -238,13 +266,17 @@ def _engram_post_wkv_kernel(
             active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
 
         if not LOOP:
-            hidden0, value0, hidden_sq, key_sq, dot = _stream_piece(
-                hidden_row, key_row, value_row, qk0, hidden_stride_d, kv_stride_d,
+            if not LATE_VALUE:  # issued with the row loads: its latency overlaps theirs
+                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
+                if TAIL > 0:
+                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
+            hidden0, hidden_sq, key_sq, dot = _stream_piece(
+                hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
                 0, token_ok, kv_ok, HEAD, DIM,
             )
             if TAIL > 0:
-                hidden1, value1, hidden_sq1, key_sq1, dot1 = _stream_piece(
-                    hidden_row, key_row, value_row, qk1, hidden_stride_d, kv_stride_d,
+                hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
+                    hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
                     HEAD, token_ok, kv_ok, TAIL, DIM,
                 )
                 hidden_sq += hidden_sq1
@@ -253,6 +285,10 @@ def _engram_post_wkv_kernel(
             gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
             if HAS_MASK:
                 gate = tl.where(active, gate, 0.0)
+            if LATE_VALUE:  # only now: the key block is dead and the value takes its registers
+                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
+                if TAIL > 0:
+                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
             _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
             if TAIL > 0:
                 _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
@@ -290,12 +326,20 @@ def _engram_post_wkv_kernel(
 
 def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None) -> tuple[dict, int]:
     """``(constexprs and num_warps, tokens per program)`` of an ``engram_post_wkv``
-    launch: :func:`launch_geometry`, except that the two-pass path defaults to
-    ``LOOP_WARPS`` warps and one token per program (the H200 measurement at
-    ``LOOP_WARPS``)."""
+    launch: :func:`launch_geometry`, except that dims past ``SINGLE_PASS_MAX_DIM``
+    take the late-value single pass when the batch is large enough (see
+    ``LATE_VALUE_MAX_DIM``; ``LATE_VALUE_WARPS`` warps, one token) and otherwise
+    the two passes at ``LOOP_WARPS`` warps and one token (the H200 measurements
+    there)."""
     geom = launch_geometry(dim, chunk, num_warps)
+    geom["LATE_VALUE"] = False
     if geom["LOOP"]:
-        geom["num_warps"] = LOOP_WARPS if num_warps is None else num_warps
+        late = (chunk is None and dim <= LATE_VALUE_MAX_DIM
+                and T * hc >= PROGRAMS_PER_CU * num_compute_units(device))
+        if late:
+            head, tail = row_pieces(dim)
+            geom.update(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False, LATE_VALUE=True)
+        geom["num_warps"] = (LATE_VALUE_WARPS if late else LOOP_WARPS) if num_warps is None else num_warps
         tokens = 1 if tokens is None else tokens
     return geom, tokens_per_program(T * hc, device, tokens)
 
@@ -352,8 +396,8 @@ def engram_post_wkv(
             reads either way, so the call is CUDA-graph capturable).
         chunk, num_warps, tokens: launch overrides for tuning (``chunk`` forces the
             two-pass path with that power-of-two block width; ``tokens`` sets the
-            tokens per program, see :func:`tokens_per_program`; the two-pass path
-            defaults to ``LOOP_WARPS`` warps and one token).
+            tokens per program, see :func:`tokens_per_program`; the two-pass and
+            late-value paths default to one token, see :func:`post_wkv_launch`).
 
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
