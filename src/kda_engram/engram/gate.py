@@ -20,8 +20,8 @@ each HBM byte once and keeping the L2 traffic behind it small:
   ``TAIL``: dim 5120 = 4096 + 1024 and 2560 = 2048 + 512 carry no masked lanes,
   where one ``next_power_of_2(dim)`` block would hold 8192 (37% idle registers).
   Any dim works (257 = 256 + a 16-lane masked tail).
-* **Chunked two passes** (larger dims, the model's 2560 and 5120 among them, see
-  ``SINGLE_PASS_MAX_DIM`` for the H200 measurement; or forced with ``chunk=``): pass one
+* **Chunked two passes** (larger dims: the model's 5120, and 2560 on small batches,
+  see ``SINGLE_PASS_MAX_DIM`` for the H200 measurement; or forced with ``chunk=``): pass one
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
   bounds registers for any dim at the price of an L2 re-read of hidden.
@@ -266,19 +266,21 @@ def _engram_post_wkv_kernel(
             active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
 
         if not LOOP:
-            if not LATE_VALUE:  # issued with the row loads: its latency overlaps theirs
-                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
-                if TAIL > 0:
-                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
+            # Without LATE_VALUE each piece's value row is loaded with its hidden
+            # and key rows, so its latency overlaps theirs.
             hidden0, hidden_sq, key_sq, dot = _stream_piece(
                 hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
                 0, token_ok, kv_ok, HEAD, DIM,
             )
+            if not LATE_VALUE:
+                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
             if TAIL > 0:
                 hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
                     hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
                     HEAD, token_ok, kv_ok, TAIL, DIM,
                 )
+                if not LATE_VALUE:
+                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
                 hidden_sq += hidden_sq1
                 key_sq += key_sq1
                 dot += dot1
