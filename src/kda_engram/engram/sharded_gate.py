@@ -292,8 +292,10 @@ def engram_gate_partials(
     send_f32 = _f32_view("out", out)
     size = kv_local.element_size()
     chunk = min(triton.next_power_of_2(width), PARTIALS_MAX_CHUNK)
-    block = tokens if tokens is not None else min(PARTIALS_MAX_TOKENS, tokens_per_program(T * (hc + 1), hidden_states.device))
-    block = tokens_per_program(T * (hc + 1), hidden_states.device, block)  # validates an override
+    if tokens is None:
+        block = min(PARTIALS_MAX_TOKENS, tokens_per_program(T * (hc + 1), hidden_states.device))
+    else:
+        block = tokens_per_program(T * (hc + 1), hidden_states.device, tokens)  # validates the override
     _engram_gate_partials_kernel[(triton.cdiv(T, block) * (hc + 1),)](
         hidden_states, kv_local, q_weight, k_weight, out, send_f32,
         T,
