@@ -243,16 +243,17 @@ def print_rows(rows: list[dict]) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _timed(fn, iters: int, device: torch.device, repeats: int = 5) -> float:
-    """Median ms per call over ``repeats`` blocks of ``iters`` calls, timed on the host
-    between device synchronisations. A fixed count on every rank: do_bench picks its
-    own count per process, which would desynchronise the collectives."""
+def block_times_ms(fn, iters: int, device: torch.device, repeats: int = 5, warmup: int = 5) -> list[float]:
+    """This rank's ms per call in each of ``repeats`` blocks of ``iters`` calls (after
+    ``warmup`` calls), timed on the host between a barrier and device
+    synchronisations. A fixed count on every rank: do_bench picks its own count per
+    process, which would desynchronise the collectives."""
     import time
 
     import torch.distributed as dist
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(5):
+    for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
@@ -263,7 +264,12 @@ def _timed(fn, iters: int, device: torch.device, repeats: int = 5) -> float:
             fn()
         sync()
         samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return statistics.median(samples)
+    return samples
+
+
+def _timed(fn, iters: int, device: torch.device, repeats: int = 5) -> float:
+    """Median ms per call of this rank (:func:`block_times_ms`)."""
+    return statistics.median(block_times_ms(fn, iters, device, repeats))
 
 
 def _distributed_worker(rank, world_size, port, cases, in_dim, backend, results_path):

@@ -34,7 +34,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,6 +44,9 @@ except ImportError:  # run from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, under torchrun too
+from bench_engram_gate import block_times_ms  # noqa: E402
 
 from kda_engram.engram.module import Engram
 from kda_engram.engram.sharded_gate import send_width
@@ -92,19 +94,7 @@ def slowest_rank_median_ms(samples: list[float], device: torch.device) -> float:
 def time_calls(fn, device: torch.device, iters: int, repeats: int) -> float:
     """ms per call, the slowest rank's, median over ``repeats`` blocks of ``iters`` calls
     (after ``repeats`` warm-up calls)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(repeats):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3 / iters)
-    return slowest_rank_median_ms(samples, device)
+    return slowest_rank_median_ms(block_times_ms(fn, iters, device, repeats, warmup=repeats), device)
 
 
 def ranks_identical(tp: TensorParallelGroup, x: torch.Tensor) -> bool:
