@@ -49,9 +49,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
                  "_engram_gate_finish_kernel", "_engram_gather_kernel", "_ngram_hash_kernel", "_next_history_kernel",
                  "_history_copy_kernel", "_history_checkpoint_kernel"):
         assert name in compiled, f"{name} was never launched by the driver"
-    geoms = {(r["constexprs"].get("LOOP"), r["constexprs"].get("LATE_VALUE")) for r in rows
+    geoms = {(r["constexprs"].get("LOOP"), r["constexprs"].get("HEAD")) for r in rows
              if r["kernel"] == "_engram_post_wkv_kernel"}
-    assert {(False, False), (True, False), (False, True)} <= geoms, geoms
+    assert {(True, 16), (False, 4096), (False, 2048), (False, 1024)} <= geoms, geoms
     assert {r["constexprs"].get("NATIVE_FP8") for r in rows if r["kernel"] == "_engram_gather_kernel"} >= {True, False}
     assert all(r["registers"] > 0 for r in rows)
 
@@ -160,9 +160,9 @@ def _drive(calls):
         run.prefill()
         run.resume()
         run.decode()
-        # Gate geometries the demo's batch does not reach: two passes (dim 5120),
-        # the late-value pass (dim 2560, a large batch), the register row (dim 1024).
-        for T, dim in ((64, 5120), (4096, 2560), (64, 1024)):
+        # Gate geometries the demo's batch may not reach: the wide single pass
+        # (dims 5120 and 2560), two passes (dim 6144), the register row (dim 1024).
+        for T, dim in ((64, 5120), (4096, 2560), (64, 6144), (64, 1024)):
             hidden = torch.zeros(T, 4, dim, dtype=dt)
             kv = torch.zeros(T, 5 * dim, dtype=dt)
             w = torch.ones(4, dim, dtype=dt)

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from kda_engram.engram.gate import (
-    LATE_VALUE_MAX_DIM,
-    LATE_VALUE_WARPS,
     LOOP_WARPS,
     MAX_TOKENS_PER_PROGRAM,
     PROGRAMS_PER_CU,
@@ -22,6 +20,8 @@ from kda_engram.engram.gate import (
     row_pieces,
     tokens_per_program,
     warps_for,
+    WIDE_ROW_MAX_DIM,
+    wide_row_warps,
 )
 from kda_engram.engram.reference import engram_post_wkv_ref
 from kda_engram.platform import num_compute_units
@@ -84,18 +84,20 @@ def test_launch_geometry_switches_to_two_passes_above_the_register_budget():
 
 def test_post_wkv_launch_defaults():
     cpu = torch.device("cpu")
-    units = num_compute_units(cpu)
-    big = PROGRAMS_PER_CU * units  # rows (tokens x streams) from which the late-value pass pays
-    geom, block = post_wkv_launch(big // 4, 4, 2560, cpu)  # late-value single pass: 2 warps, one token
-    assert not geom["LOOP"] and geom["LATE_VALUE"] and (geom["HEAD"], geom["TAIL"]) == (2048, 512)
-    assert geom["num_warps"] == LATE_VALUE_WARPS and block == 1
-    geom, block = post_wkv_launch(big // 4 - 1, 4, 2560, cpu)  # too few rows: two passes, 2 warps, one token
-    assert geom["LOOP"] and not geom["LATE_VALUE"] and geom["num_warps"] == LOOP_WARPS and block == 1
-    for T, dim, chunk in ((10**6, LATE_VALUE_MAX_DIM + 1, None), (10**6, 5120, None), (10**6, 2560, 1024)):
+    for T in (1, 64, 10**6):  # wide single pass at any batch size: one token per program
+        geom, block = post_wkv_launch(T, 4, 5120, cpu)
+        assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (4096, 1024)
+        assert geom["num_warps"] == wide_row_warps(5120) == 4 and block == 1
+    geom, block = post_wkv_launch(10**6, 4, 2560, cpu)
+    assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (2048, 512) and geom["num_warps"] == 2
+    assert wide_row_warps(2048 + 1024) == 4  # dim 2600: 3 warps' worth, rounded up to a power of two
+    for T, dim, chunk in ((10**6, WIDE_ROW_MAX_DIM + 1, None), (64, 7168, None), (10**6, 2560, 1024)):
         geom, block = post_wkv_launch(T, 4, dim, cpu, chunk=chunk)  # too wide, or forced: two passes
-        assert geom["LOOP"] and not geom["LATE_VALUE"] and geom["num_warps"] == LOOP_WARPS and block == 1
+        assert geom["LOOP"] and geom["num_warps"] == LOOP_WARPS and block == 1
     geom, block = post_wkv_launch(10**6, 4, 2560, cpu, num_warps=8, tokens=4)
-    assert geom["LATE_VALUE"] and geom["num_warps"] == 8 and block == 4
+    assert not geom["LOOP"] and geom["num_warps"] == 8 and block == 4
+    with pytest.raises(ValueError, match="num_warps"):
+        post_wkv_launch(64, 4, 5120, cpu, num_warps=3)
     geom, block = post_wkv_launch(10**6, 4, 1024, cpu)  # single pass: token blocks as before
     assert not geom["LOOP"] and geom["num_warps"] == warps_for(1024) and block == MAX_TOKENS_PER_PROGRAM
 
@@ -128,12 +130,11 @@ def test_matches_reference_fp32(dim, hc):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dim, tokens", [(2560, None), (2600, 3)])
-def test_late_value_path_matches_reference(dtype, dim, tokens):
-    # Enough rows for the late-value single pass (hidden held, value loaded after
-    # the gate); 2600 = 2048 + a masked 1024-lane tail; a mask and short kv.
-    hc = 4
-    T = PROGRAMS_PER_CU * num_compute_units(torch.device("cpu")) // hc + 5
-    assert post_wkv_launch(T, hc, dim, torch.device("cpu"))[0]["LATE_VALUE"]
+def test_wide_row_path_matches_reference(dtype, dim, tokens):
+    # The wide single pass (row pieces in registers on few warps); 2600 = 2048 + a
+    # masked 1024-lane tail walked 3 tokens per program; a mask and short kv.
+    hc, T = 4, 11
+    assert not post_wkv_launch(T, hc, dim, torch.device("cpu"))[0]["LOOP"]
     hidden, kv, q, k = make_inputs(T, hc, dim, dtype=dtype, seed=dim)
     mask = torch.rand(T, generator=torch.Generator().manual_seed(2)) > 0.3
     out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 4, tokens=tokens)

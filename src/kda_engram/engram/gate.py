@@ -20,16 +20,15 @@ each HBM byte once and keeping the L2 traffic behind it small:
   ``TAIL``: dim 5120 = 4096 + 1024 and 2560 = 2048 + 512 carry no masked lanes,
   where one ``next_power_of_2(dim)`` block would hold 8192 (37% idle registers).
   Any dim works (257 = 256 + a 16-lane masked tail).
-* **Chunked two passes** (larger dims: the model's 5120, and 2560 on small batches,
-  see ``SINGLE_PASS_MAX_DIM`` for the H200 measurement; or forced with ``chunk=``): pass one
+* **Wide single pass** (``SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM``, the
+  model's 5120 among them): the same register-resident row, one token per program,
+  on as few warps as hold about ``WIDE_ROW_ELEMS_PER_THREAD`` elements of a row per
+  thread (4 warps at dim 5120, 2 at 2560). Each HBM byte is read once and the
+  program has one load round trip, which also makes it the fastest at T = 64.
+* **Chunked two passes** (dims past ``WIDE_ROW_MAX_DIM``, or forced with ``chunk=``): pass one
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
   bounds registers for any dim at the price of an L2 re-read of hidden.
-* **Late-value single pass** (``SINGLE_PASS_MAX_DIM < dim <= LATE_VALUE_MAX_DIM``
-  and enough rows to fill the GPU, see there): the row pieces of the single pass,
-  but only hidden is held (in its load dtype) while the key is summed; the value
-  is loaded once the gate is known. Nothing is read twice, and on the H200 this
-  beats the two passes at dim 2560 for T >= 2048.
 * The value row is shared by the ``hc`` programs of a token. They are adjacent in
   launch order, so the ``hc - 1`` extra reads hit L2; a program per token looping
   over streams would read it once but cut the grid by ``hc`` (64 programs for 64
@@ -57,39 +56,35 @@ import triton.language as tl
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.platform import num_compute_units
 
-# Above this dim the kernel streams the row in LOOP_CHUNK-wide blocks (two
-# passes, the second re-reading hidden from L2) instead of holding it in
-# registers. Measured on an H200 (2026-12-02, T = 16384, dim 5120, hc 4, bf16):
-# the register-resident row took 0.853 ms (60% of the HBM floor), the two-pass
-# loop 0.811 ms with 2048-wide blocks and 0.619 ms (83%) with 1024-wide ones: a
-# whole 5120 row per program needs 16 warps and few programs fit an SM, while
-# 1024-wide blocks at 4 warps keep several programs (and their loads) in flight.
+# Up to this dim a program holds its row in registers at warps_for(row lanes)
+# warps and may walk several tokens (the original path, unchanged since its
+# 2026-12-02 measurement).
 SINGLE_PASS_MAX_DIM = 2048
+# Past SINGLE_PASS_MAX_DIM, up to WIDE_ROW_MAX_DIM, the row stays in registers but
+# on fewer warps: about WIDE_ROW_ELEMS_PER_THREAD elements of a row per thread,
+# one token per program. H200 (2026-12-03, hc 4, bf16; do_bench medians over 3-5
+# shuffled rounds in one process, .dbg/gate_exp.py), us and fraction of the HBM
+# floor, against the two passes (1024-wide blocks, 2 warps, the previous default)
+# and the late-value pass (value loaded after the gate, the previous default at
+# dim 2560) and torch.compile of the reference:
+#
+#   T, dim       wide row          two passes       late value       torch.compile
+#   16384, 5120  562.6 (92%, w4)   584.9 (88%)      576.1 (w4)       886.3
+#   2048, 5120   81.5 (79%, w4)    84.1 (77%)       82.4 (w4)        119.9
+#   64, 5120     6.8 (w4)          7.8              6.9 (w2)         25.2
+#   16384, 2560  279.2 (93%, w2)   289.3 (c512 w1)  284.3 (w2)       1001.7
+#
+# (w = warps.) 16 warps at dim 5120, the first register-resident try, ran 60% of
+# the floor at T = 16384: one program's row loads per SM are not enough in flight.
+WIDE_ROW_MAX_DIM = 5120
+WIDE_ROW_ELEMS_PER_THREAD = 40
+# Past WIDE_ROW_MAX_DIM (or with chunk=) the kernel streams the row in CHUNK-wide
+# blocks, two passes, the second re-reading hidden and reading value from L2.
+# H200 sweep at dim 5120 (2026-12-03; chunk 512/1024/2048 x warps 2/4/8 x tokens
+# 1/2/4): 1024-wide blocks, 2 warps, one token per program was fastest; token
+# blocking saves nothing there (the loop re-reads q_w*k_w per block anyway).
 LOOP_CHUNK = 1024
-# Warps of a two-pass program of engram_post_wkv, which takes one token (token
-# blocking saves nothing there: the loop re-reads q_w*k_w per block anyway).
-# H200 sweep (2026-12-03, dim 5120, hc 4, bf16; chunk 512/1024/2048 x warps
-# 2/4/8 x tokens 1/2/4): 1024-wide blocks, 2 warps, 1 token was fastest at both
-# sizes: T = 2048 84.4 us (76% of the HBM floor) against 100.8 us for the
-# previous 4 warps and 2 tokens; T = 16384 582.5 us (88%) against 620.2 us
-# (4 warps, 8 tokens). Two warps keep twice as many programs (and their row
-# loads) resident per SM.
 LOOP_WARPS = 2
-# Large batches at SINGLE_PASS_MAX_DIM < dim <= LATE_VALUE_MAX_DIM take neither
-# path above: one pass that keeps only hidden in registers (its load dtype) and
-# loads the value row after the gate, so nothing is read twice and the live set
-# is a third of the register-resident row's. H200 (2026-12-03, hc 4, bf16,
-# 2/4/8/16 warps x 1/2/4 tokens; best 2 warps, 1 token), against the two-pass
-# default in the same process: dim 2560 T = 16384 294.3 vs 366.3 us (88% vs 70%
-# of the HBM floor; 281.7 us, 91%, in a later bench_engram_gate run), T = 2048
-# 46.7 (4 warps) vs 57.6 us. At dim 5120 the sweep had it ahead (T = 16384
-# 551.7 vs 585.3 us, T = 2048 79.8 vs 84.6) but the bench run after it printed
-# 594.0 and 85.6 us, more than the gap: inconclusive, so 5120 keeps the two
-# passes (580-585 us in every run). At T = 64 it lost (29.8 vs 21.0 us at dim
-# 5120: two dependent round trips per row and too few programs to hide them),
-# so it needs at least PROGRAMS_PER_CU rows per compute unit.
-LATE_VALUE_MAX_DIM = 4096
-LATE_VALUE_WARPS = 2
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
@@ -238,7 +233,7 @@ def _engram_post_wkv_kernel(
     inv_dim, dim_scale, eps, clamp_value,
     DIM: tl.constexpr, HC: tl.constexpr, TOKENS: tl.constexpr,
     HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
-    LATE_VALUE: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """Grid ``cdiv(T, TOKENS) * HC``: program ``(b, h)`` gates stream ``h`` of tokens
     ``[b*TOKENS, (b+1)*TOKENS)`` one after the other, loading ``q_w[h]*k_w[h]`` once
@@ -266,31 +261,25 @@ def _engram_post_wkv_kernel(
             active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
 
         if not LOOP:
-            # Without LATE_VALUE each piece's value row is loaded with its hidden
-            # and key rows, so its latency overlaps theirs.
+            # Each piece's value row is loaded with its hidden and key rows, so
+            # the program has a single load round trip.
             hidden0, hidden_sq, key_sq, dot = _stream_piece(
                 hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
                 0, token_ok, kv_ok, HEAD, DIM,
             )
-            if not LATE_VALUE:
-                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
+            value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
             if TAIL > 0:
                 hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
                     hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
                     HEAD, token_ok, kv_ok, TAIL, DIM,
                 )
-                if not LATE_VALUE:
-                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
+                value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
                 hidden_sq += hidden_sq1
                 key_sq += key_sq1
                 dot += dot1
             gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
             if HAS_MASK:
                 gate = tl.where(active, gate, 0.0)
-            if LATE_VALUE:  # only now: the key block is dead and the value takes its registers
-                value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
-                if TAIL > 0:
-                    value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
             _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
             if TAIL > 0:
                 _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
@@ -326,22 +315,28 @@ def _engram_post_wkv_kernel(
 # --------------------------------------------------------------------------------------
 
 
+def wide_row_warps(lanes: int) -> int:
+    """Warps of a wide single-pass program holding ``lanes`` row elements per
+    operand: the power of two that keeps about ``WIDE_ROW_ELEMS_PER_THREAD`` per thread."""
+    return triton.next_power_of_2(triton.cdiv(lanes, 32 * WIDE_ROW_ELEMS_PER_THREAD))
+
+
 def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None) -> tuple[dict, int]:
     """``(constexprs and num_warps, tokens per program)`` of an ``engram_post_wkv``
-    launch: :func:`launch_geometry`, except that dims past ``SINGLE_PASS_MAX_DIM``
-    take the late-value single pass when the batch is large enough (see
-    ``LATE_VALUE_MAX_DIM``; ``LATE_VALUE_WARPS`` warps, one token) and otherwise
-    the two passes at ``LOOP_WARPS`` warps and one token (the H200 measurements
-    there)."""
+    launch: :func:`launch_geometry` up to ``SINGLE_PASS_MAX_DIM``; the wide single
+    pass (:func:`wide_row_warps` warps, one token) up to ``WIDE_ROW_MAX_DIM``; the
+    two passes at ``LOOP_WARPS`` warps and one token past it or with ``chunk``
+    (the H200 measurements at those constants)."""
+    if chunk is None and SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM:
+        head, tail = row_pieces(dim)
+        geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
+        if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
+            raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
+        geom["num_warps"] = wide_row_warps(head + tail) if num_warps is None else num_warps
+        return geom, tokens_per_program(T * hc, device, 1 if tokens is None else tokens)
     geom = launch_geometry(dim, chunk, num_warps)
-    geom["LATE_VALUE"] = False
     if geom["LOOP"]:
-        late = (chunk is None and dim <= LATE_VALUE_MAX_DIM
-                and T * hc >= PROGRAMS_PER_CU * num_compute_units(device))
-        if late:
-            head, tail = row_pieces(dim)
-            geom.update(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False, LATE_VALUE=True)
-        geom["num_warps"] = (LATE_VALUE_WARPS if late else LOOP_WARPS) if num_warps is None else num_warps
+        geom["num_warps"] = LOOP_WARPS if num_warps is None else num_warps
         tokens = 1 if tokens is None else tokens
     return geom, tokens_per_program(T * hc, device, tokens)
 
@@ -398,8 +393,8 @@ def engram_post_wkv(
             reads either way, so the call is CUDA-graph capturable).
         chunk, num_warps, tokens: launch overrides for tuning (``chunk`` forces the
             two-pass path with that power-of-two block width; ``tokens`` sets the
-            tokens per program, see :func:`tokens_per_program`; the two-pass and
-            late-value paths default to one token, see :func:`post_wkv_launch`).
+            tokens per program, see :func:`tokens_per_program`; dims past
+            ``SINGLE_PASS_MAX_DIM`` default to one token, see :func:`post_wkv_launch`).
 
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
