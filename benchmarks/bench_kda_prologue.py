@@ -3,6 +3,7 @@
     python benchmarks/bench_kda_prologue.py                  # all ANCHORS cases, with the fla peer
     python benchmarks/bench_kda_prologue.py --cases 1x32k_H32 --sweep
     python benchmarks/bench_kda_prologue.py --no-peer --json out.json
+    python benchmarks/bench_kda_prologue.py --conv state     # the serving layer's path
 
 Inputs (the ANCHORS.md setting): bf16 q, k, v, raw gate ``[1, T, H, 128]`` and raw
 beta ``[1, T, H]``; fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``;
@@ -24,6 +25,12 @@ keyword arguments each one accepts; when that fails the row says why
 (``peer_note``) and carries no peer time. It is not exactly the same contract
 (fla's A_qk carries ``scale``, its kg is token-major), so no values are compared;
 ``max_abs_diff`` is ours against the fp32 reference on the first 1024 tokens.
+
+``--conv weight`` runs the depthwise conv + SiLU on the q/k/v bands first, and
+``--conv state`` also starts every sequence from a conv-state row and writes it
+back, as ``KimiDeltaAttention`` prefills. These rows have no peer (fla's pieces
+do not include the conv) and no reference diff; their floor adds the
+conv weight and the conv-state rows read and written.
 """
 
 from __future__ import annotations
@@ -81,12 +88,36 @@ def make_case(num_seqs, length, H, device, seed=0):
     return x, cu
 
 
-def hbm_bytes(num_seqs, length, H, itemsize=2):
+def conv_inputs(x, num_seqs, H, conv, device, seed=1):
+    """The conv arguments of ``fused_kda_prologue`` for ``conv`` in (None, "weight",
+    "state"): a ``[2HK + HV, 4]`` weight, and with "state" one bf16 conv-state row
+    per sequence, every sequence starting from its row."""
+    if conv is None:
+        return {}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    channels = H * (2 * K + V)
+    args = dict(conv_weight=(0.5 * torch.randn(channels, 4, generator=gen, device=device)).to(x["q"].dtype))
+    if conv == "state":
+        args.update(
+            conv_state=torch.randn(num_seqs, channels, 3, generator=gen, device=device).to(x["q"].dtype),
+            conv_state_indices=torch.arange(num_seqs, dtype=torch.int32, device=device),
+            conv_has_initial_state=torch.ones(num_seqs, dtype=torch.bool, device=device),
+        )
+    return args
+
+
+def hbm_bytes(num_seqs, length, H, itemsize=2, conv=None):
     T = num_seqs * length
     chunks = num_seqs * (-(-length // CHUNK_SIZE))
     read = T * H * (2 * K + V + K + 1) * itemsize  # q, k, v, raw_g, raw_beta
     write = T * H * (2 * K + V + CHUNK_SIZE) * itemsize  # qg, w, u, aqk
     write += chunks * H * K * (CHUNK_SIZE * itemsize + 4)  # kg_t, decay
+    channels = H * (2 * K + V)
+    if conv is not None:
+        read += channels * 4 * itemsize  # conv weight
+    if conv == "state":
+        read += num_seqs * channels * 3 * itemsize  # conv-state rows, read and written back
+        write += num_seqs * channels * 3 * itemsize
     return read + write
 
 
@@ -174,16 +205,20 @@ def reference_diff(x, cu, out, tokens=1024):
     return max((out[m][:, :n].float() - ref[m]).abs().max().item() for m in ("qg", "w", "u", "aqk"))
 
 
-def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
+def run(cases=None, peers=True, quick=False, sweep=False, conv=None) -> list[dict]:
     """Time every case; rows ``{case, ours_ms, peer_ms, ratio, hbm_floor_ms,
     floor_fraction, max_abs_diff, ...}`` (``ratio`` = peer_ms / ours_ms, > 1 means
-    ours is faster; ``floor_fraction`` = hbm_floor_ms / ours_ms)."""
+    ours is faster; ``floor_fraction`` = hbm_floor_ms / ours_ms). ``conv``: None,
+    "weight" or "state" (see the module docstring)."""
+    if conv not in (None, "weight", "state"):
+        raise ValueError(f"conv: expected None, 'weight' or 'state', got {conv!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_prologue needs a GPU")
     device = torch.device("cuda")
     names = list(cases) if cases else (QUICK_CASES if quick else list(CASES))
     bw = copy_bandwidth(device)
-    make_peer, peer_note = load_peer() if peers else (None, "peer disabled")
+    make_peer, peer_note = load_peer() if (peers and conv is None) else (
+        None, "peer disabled" if conv is None else "no peer for the conv path")
     rows = []
     with torch.inference_mode():
         for name in names:
@@ -191,17 +226,18 @@ def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
             x, cu = make_case(num_seqs, length, H, device)
             T = num_seqs * length
             ci = prepare_chunk_indices(cu, CHUNK_SIZE, total_tokens=T)
+            conv_args = conv_inputs(x, num_seqs, H, conv, device)
 
             def ours(num_warps=None):
                 return fused_kda_prologue(**x, scale=K ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu,
-                                          chunk_indices=ci, check_inputs=False, num_warps=num_warps)
+                                          chunk_indices=ci, check_inputs=False, num_warps=num_warps, **conv_args)
 
             out = ours()
             torch.cuda.synchronize()
-            row = dict(case=name, tokens=T, heads=H, ours_ms=bench(ours))
+            row = dict(case=name if conv is None else f"{name}+conv_{conv}", tokens=T, heads=H, ours_ms=bench(ours))
             if sweep:
                 row["sweep_ms"] = {f"num_warps={w}": bench(lambda w=w: ours(w)) for w in SWEEP_WARPS}
-            row["max_abs_diff"] = reference_diff(x, cu, out)
+            row["max_abs_diff"] = reference_diff(x, cu, out) if conv is None else None
             del out
             row["peer"], row["peer_ms"], row["peer_note"] = None, None, peer_note
             if make_peer is not None:
@@ -213,7 +249,7 @@ def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
                     row["peer"] = "fla pieces"
                 except Exception as exc:  # an fla version whose internals differ
                     row["peer_note"] = f"fla pieces failed: {type(exc).__name__}: {exc}"[:300]
-            nbytes = hbm_bytes(num_seqs, length, H)
+            nbytes = hbm_bytes(num_seqs, length, H, conv=conv)
             row["hbm_bytes"] = nbytes
             row["hbm_floor_ms"] = nbytes / bw * 1e3
             row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
@@ -235,20 +271,21 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_CASES)}")
     parser.add_argument("--no-peer", action="store_true", help="skip the fla pieces")
     parser.add_argument("--sweep", action="store_true", help=f"also time num_warps in {SWEEP_WARPS}")
+    parser.add_argument("--conv", choices=("weight", "state"), help="conv (and conv state) on")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda_prologue needs a GPU")
         return 2
-    rows = run(args.cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep)
+    rows = run(args.cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep, conv=args.conv)
     if rows:
         print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {rows[0]['copy_gbps']:.0f} GB/s (read + write)")
-    head = f"{'case':<12} {'ours ms':>9} {'peer ms':>9} {'ratio':>6} {'floor ms':>9} {'of floor':>8} {'max|d|':>9}"
+    head = f"{'case':<22} {'ours ms':>9} {'peer ms':>9} {'ratio':>6} {'floor ms':>9} {'of floor':>8} {'max|d|':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['case']:<12} {r['ours_ms']:>9.3f} {_fmt(r['peer_ms'], '9.3f'):>9} {_fmt(r['ratio'], '6.2f'):>6} "
-              f"{r['hbm_floor_ms']:>9.3f} {r['floor_fraction']:>8.0%} {r['max_abs_diff']:>9.2e}")
+        print(f"{r['case']:<22} {r['ours_ms']:>9.3f} {_fmt(r['peer_ms'], '9.3f'):>9} {_fmt(r['ratio'], '6.2f'):>6} "
+              f"{r['hbm_floor_ms']:>9.3f} {r['floor_fraction']:>8.0%} {_fmt(r['max_abs_diff'], '9.2e'):>9}")
         if "sweep_ms" in r:
             print("             sweep: " + ", ".join(f"{k}: {v:.3f}" for k, v in r["sweep_ms"].items()))
     notes = {r["peer_note"] for r in rows}

@@ -1,20 +1,29 @@
-"""Decode-time short convolution of KDA: one token per sequence, conv window in place.
+"""The short convolution of KDA: prefill, decode step and checkpoint copy.
 
 KDA runs a depthwise causal convolution of width ``W = 4`` (then SiLU) over the
-raw q, k and v bands of its input projection. Prefill fuses it into the prologue
-(:func:`kda_engram.kda.prologue.fused_kda_prologue`); this module has the two
-small pieces around it that serving needs:
+raw q, k and v bands of its input projection. Three kernels serve it:
 
+* :func:`conv_prefill_bands` -- the prefill: every token of a varlen batch,
+  starting each sequence from its conv-state row and writing the row back.
+  :func:`kda_engram.kda.prologue.fused_kda_prologue` runs it first when given a
+  conv weight (it validates the arguments; this function does not).
 * :func:`kda_conv_decode` -- one decode step: channel ``c`` of sequence ``b``
   computes ``y = silu(sum_{w<W-1} weight[c, w] * window[w] + weight[c, W-1] * x)``
   and shifts ``x`` into its window (``[slots, C, W-1]``, the last ``W-1`` *raw*
-  inputs, oldest first -- the prologue's conv-state layout), in place.
+  inputs, oldest first -- the conv-state layout of all three), in place.
 * :func:`kda_conv_checkpoint` -- prefix caching: copy the conv window *at* token
   offset ``p`` of a prefill (the raw inputs of tokens ``p-W+1 .. p-1``) out of the
   projection into a conv-state row, so a later prefill resumes at ``p`` exactly
   (together with the recurrent-state checkpoint the chunk kernel writes).
 
-Machine fit: both are pure copies plus a few FMAs per channel (12 KiB of state
+Why the prefill conv is a launch of its own: fused into the prologue's first
+launch (which already holds 255 registers per thread) the four shifted taps of
+three bands tripled that kernel's time (H200, 1 x 32k, H32, bf16: 6.70 ms with
+the conv against 2.11 without; 7.8 ms with the conv state, 14.0 before its taps
+were moved behind a branch). A separate streaming pass reads each input once
+(the shifted taps hit L1/L2) and writes the bands once in the input dtype.
+
+Machine fit of the decode and checkpoint kernels: pure copies plus a few FMAs per channel (12 KiB of state
 and 6 KiB of input per sequence at 16 heads x 128, bf16), far below every
 other cost of a decode step; the kernels exist so that the step stays on the
 device (no host sync, CUDA-graph capturable) and never copies its strided input
@@ -37,10 +46,180 @@ import triton
 import triton.language as tl
 
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from .metadata import CHUNK_SIZE
 
 __all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "conv_checkpoint_reference"]
 
 BLOCK_C = 256
+# Rows per block of the prefill conv: the W taps' int64 address tiles of a
+# [64, 128] block took all 255 registers (sm_90) and spilled.
+CONV_ROW_BLOCK = 16
+CONV_PREFILL_WARPS = 4
+
+
+@triton.jit
+def _conv_prefill_band(
+    x_ptr, sx_t, sx_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+    ch0, t0, bos, eos, state_ok, write_state,
+    BT: tl.constexpr, RB: tl.constexpr, D: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+):
+    """One head of one band: the conv outputs of tokens ``[t0, t0 + BT)`` (those
+    before ``eos``), ``D`` channels from ``ch0``, and (``write_state``) the new window
+    of those channels in the conv-state row ``cs_row``. Rows before ``bos`` occur
+    only when ``t0 == bos`` (W - 1 <= RB)."""
+    cols = tl.arange(0, D)
+    for blk in tl.static_range(BT // RB):
+        # RB-row blocks keep the int64 address tiles of the W taps small.
+        tb = t0 + blk * RB + tl.arange(0, RB)
+        live = tb < eos
+        acc = tl.zeros([RB, D], dtype=tl.float32)
+        for s in tl.static_range(W):
+            pos = tb - (W - 1) + s
+            xv = tl.load(x_ptr + pos[:, None] * sx_t + cols[None, :] * sx_c, mask=(live & (pos >= bos))[:, None],
+                         other=0.0).to(tl.float32)
+            acc += xv * tl.load(w_ptr + (ch0 + cols) * sw_c + s * sw_w).to(tl.float32)[None, :]
+        if HAS_STATE:
+            # Taps before bos read the old window: only in the first block of a
+            # sequence's first chunk. Kept out of the loop above, whose loads then
+            # issue together (inside it, the branch serialised them: 2x the time).
+            if blk == 0:
+                if state_ok:
+                    for s in tl.static_range(W - 1):
+                        pos = tb - (W - 1) + s
+                        sv = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (pos - bos + W - 1)[:, None] * scs_w,
+                                     mask=(live & (pos < bos))[:, None], other=0.0).to(tl.float32)
+                        acc += sv * tl.load(w_ptr + (ch0 + cols) * sw_c + s * sw_w).to(tl.float32)[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(o_ptr + tb[:, None] * so_t + (ch0 + cols)[None, :] * so_c, y.to(o_ptr.dtype.element_ty),
+                 mask=live[:, None])
+    if HAS_STATE:
+        if write_state:
+            slot_w = tl.arange(0, WP)
+            src = eos - (W - 1) + slot_w  # token that lands in window slot slot_w
+            keep = slot_w < W - 1
+            from_x = keep & (src >= bos)
+            nx = tl.load(x_ptr + src[:, None] * sx_t + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
+            # A sequence shorter than the window keeps the old window's tail: slot slot_w + length.
+            from_old = keep & (src < bos) & state_ok
+            old = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (slot_w + (eos - bos))[:, None] * scs_w,
+                          mask=from_old[:, None], other=0.0)
+            window = tl.where(from_x[:, None], nx.to(tl.float32), old.to(tl.float32))
+            # Every read of this row slice (the taps above, the old window) completes
+            # before any thread of the program overwrites it.
+            tl.debug_barrier()
+            tl.store(cs_row + (ch0 + cols)[None, :] * scs_c + slot_w[:, None] * scs_w,
+                     window.to(cs_row.dtype.element_ty), mask=keep[:, None])
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    q_ptr, sq_t, sq_h, sq_c,
+    k_ptr, sk_t, sk_h, sk_c,
+    v_ptr, sv_t, sv_h, sv_c,
+    w_ptr, sw_c, sw_w,
+    cs_ptr, scs_s, scs_c, scs_w,
+    csi_ptr, scsi,
+    chi_ptr, schi,
+    cu_ptr, ci_ptr, sci_r, sci_c,
+    o_ptr, so_t, so_c,
+    H,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
+    WP: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+):
+    """Grid ``(chunk rows, H)``: program ``(r, h)`` convolves
+    the ``BT`` tokens of chunk row ``r`` (the prologue's chunk metadata) for head
+    ``h`` of the q, k and v bands. The program of a sequence's first chunk also
+    owns the conv-state row's slice of those channels: it reads the old window for
+    the first ``W - 1`` taps and, after a barrier, writes the new one (the
+    sequence's last ``W - 1`` raw inputs; for sequences shorter than that, shifted
+    in after the old window)."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    if seq < 0:
+        return
+    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    t0 = bos + cidx * BT
+    cs_row = cs_ptr
+    state_ok = cidx < 0  # False unless this program reads an initial window
+    write_state = cidx < 0
+    if HAS_STATE:
+        slot = tl.load(csi_ptr + seq * scsi).to(tl.int64)
+        cs_row = cs_ptr + tl.maximum(slot, 0) * scs_s
+        write_state = (cidx == 0) & (slot >= 0)
+        if HAS_INIT_FLAGS:
+            state_ok = write_state & (tl.load(chi_ptr + seq * schi) != 0)
+    _conv_prefill_band(q_ptr + h * sq_h, sq_t, sq_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                       h * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
+    _conv_prefill_band(k_ptr + h * sk_h, sk_t, sk_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                       (H + h) * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
+    _conv_prefill_band(v_ptr + h * sv_h, sv_t, sv_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                       2 * H * K + h * V, t0, bos, eos, state_ok, write_state, BT, RB, V, W, WP, HAS_STATE)
+
+
+def conv_prefill_bands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    conv_weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    conv_has_initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU of a varlen prefill, one launch; no input checks
+    (the caller, :func:`~kda_engram.kda.prologue.fused_kda_prologue`, validates).
+
+    Args:
+        q, k: ``[1, T, H, K]`` raw bands, v: ``[1, T, H, V]``, one float dtype, any
+            strides (band views of the fused projection are read in place).
+        conv_weight: ``[2 H K + H V, W]``, channels q band, k band, v band, within a
+            band ``h * K + c`` (torch's depthwise ``conv1d`` weight squeezed).
+        cu_seqlens: ``[N+1]``; chunk_indices: ``[rows, 2]`` from
+            :func:`~kda_engram.kda.metadata.prepare_chunk_indices` (64-token rows).
+        conv_state: optional ``[slots, C, W - 1]``, updated in place: sequence ``n``
+            starts from row ``conv_state_indices[n]`` where ``conv_has_initial_state[n]``
+            (zeros otherwise, or when the flags are None) and that row ends as the
+            sequence's last ``W - 1`` raw inputs; a negative index: no row.
+
+    Returns the convolved ``(q, k, v)``: views of one new ``[1, T, C]`` buffer in
+    the input dtype (``torch.empty``; the convolution is summed in fp32 and rounded
+    once, as a separate conv kernel's output would be).
+    """
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    C = H * (2 * K + V)
+    W = conv_weight.shape[1]
+    buf = torch.empty(1, T, C, dtype=q.dtype, device=q.device)
+    bands = (buf[..., : H * K].view(1, T, H, K), buf[..., H * K : 2 * H * K].view(1, T, H, K),
+             buf[..., 2 * H * K :].view(1, T, H, V))
+    rows = chunk_indices.shape[0]
+    if rows == 0 or H == 0 or T == 0:
+        return bands
+    has_state = conv_state is not None
+    has_flags = has_state and conv_has_initial_state is not None
+    _conv_prefill_kernel[(rows, H)](
+        q, q.stride(1), q.stride(2), q.stride(3),
+        k, k.stride(1), k.stride(2), k.stride(3),
+        v, v.stride(1), v.stride(2), v.stride(3),
+        conv_weight, conv_weight.stride(0), conv_weight.stride(1),
+        conv_state if has_state else q, *(conv_state.stride() if has_state else (0, 0, 0)),
+        conv_state_indices if has_state else cu_seqlens, conv_state_indices.stride(0) if has_state else 0,
+        # A bool tensor is read as bytes (no int1 pointers in the kernel).
+        conv_has_initial_state.view(torch.uint8) if has_flags else cu_seqlens,
+        conv_has_initial_state.stride(0) if has_flags else 0,
+        cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+        buf, buf.stride(1), buf.stride(2),
+        H,
+        K=K, V=V, BT=CHUNK_SIZE, RB=CONV_ROW_BLOCK, W=W, WP=triton.next_power_of_2(W - 1),
+        HAS_STATE=has_state, HAS_INIT_FLAGS=has_flags,
+        num_warps=CONV_PREFILL_WARPS,
+    )
+    return bands
 
 
 @triton.jit
@@ -148,8 +327,8 @@ def kda_conv_decode(
             nothing written -- a padding row of a captured batch).
         out: optional ``[B, C]`` output (any float dtype, any strides).
         out_dtype: dtype of a new ``out`` (default ``x.dtype``). The KDA layer asks
-            for fp32: the prefill path keeps the conv output in fp32 before the L2
-            norms, so decode then rounds no differently.
+            for fp32 (a decode step costs nothing more for it), where the prefill
+            rounds its conv output to the input dtype once.
         check_inputs: shapes, dtypes, devices and the index range / distinctness
             (the last reads the indices back: a host sync). ``False`` launches one
             kernel and nothing else (CUDA-graph capturable).

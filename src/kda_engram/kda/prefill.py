@@ -97,8 +97,8 @@ def chunk_kda_prefill(
     kernel writes). The operand workspaces are ``torch.empty`` of the caching
     allocator, released when the call returns.
 
-    ``conv_weight`` (``[2HK + HV, 4]``) turns on the prologue's fused depthwise
-    causal conv + SiLU: ``q``, ``k``, ``v`` are then the raw bands of the QKV
+    ``conv_weight`` (``[2HK + HV, 4]``) turns on the prologue's depthwise causal
+    conv + SiLU (a launch of its own before the prologue's two): ``q``, ``k``, ``v`` are then the raw bands of the QKV
     projection and ``conv_state`` ``[slots, 2HK + HV, 3]`` (the last three raw
     inputs per sequence, oldest first) is read at ``conv_state_indices[n]`` where
     ``conv_has_initial_state[n]`` and written back in place (see

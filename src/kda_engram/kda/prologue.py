@@ -1,16 +1,19 @@
 """KDA fused prologue: two launches from raw ``q, k, v, raw_g, raw_beta`` to the
 operands of the chunk kernel.
 
+With a conv weight, a launch before them (:func:`~kda_engram.kda.conv.conv_prefill_bands`)
+applies the depthwise causal conv of width 4 and its SiLU to the raw q/k/v bands,
+starting from each sequence's conv-state row, and writes the convolved bands
+(input dtype) to a workspace the two launches read like raw inputs.
+
 The first launch (``_kda_prologue_intra_kernel``, one program per (chunk row,
 head)) does, for its 64-token chunk:
 
-1. optionally the depthwise causal conv of width 4 and its SiLU on the raw q/k/v
-   bands (``conv_weight``), starting from the sequence's conv-state row;
-2. the L2 norms of ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``);
-3. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
+1. the L2 norms of ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``);
+2. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
    otherwise, see DESIGN.md), its chunk-local cumulative sum in log2 units, and
    ``beta = sigmoid(raw_beta)``;
-4. ``A_qk`` and ``A_kk`` (A_kk strictly lower, rows scaled by beta) from 16-row
+3. ``A_qk`` and ``A_kk`` (A_kk strictly lower, rows scaled by beta) from 16-row
    sub-chunk blocks, plus ``qg``, ``kg_t``, ``decay``; it writes the right-hand
    sides ``beta k̂ 2^g`` into ``w`` and ``beta v`` into ``u``, and ``A_kk`` into an
    fp32 workspace ``[1, T, H, 64]`` (row blocks ``J <= I`` only).
@@ -113,17 +116,25 @@ the index is non-negative, else zeros. After the launch the row holds the
 sequence's last three raw inputs (shifted in after the old window for sequences
 shorter than three tokens; zeros when there was no initial state). A negative
 index means no row: never read, never written. Zero-length sequences have no
-chunk, so their row is left untouched.
+chunk, so their row is left untouched. The conv is summed in fp32 and its
+output rounded once to the input dtype (exact for fp32 inputs) before the norms.
 
 Why the conv state needs no staging copy: the only program that reads sequence
 ``n``'s row (its first chunk's program, for its head's channels) is also the
 one that writes it, after a barrier; every other program reads the raw inputs
 of earlier tokens from ``q/k/v`` themselves, which nobody writes.
 
+Why the conv is not fused into the first launch (it was until 2026-12-03): that
+kernel already holds 255 registers per thread, and the four shifted taps of
+three bands tripled its time (H200, 1 x 32k, H32, bf16: 6.70 ms against 2.11 ms
+without the conv; 14.0 ms with the conv state). The separate pass moves the
+three bands through HBM once more (read and written in the input dtype).
+
 Memory ownership: all outputs are allocated here with ``torch.empty`` in
-PyTorch's caching allocator and returned to the caller; so is the ``A_kk``
-workspace (``T * H * 256`` bytes), which is released when the call returns
-(stream-ordered, so the second launch still owns it until it finishes); inputs (including the
+PyTorch's caching allocator and returned to the caller; so are the ``A_kk``
+workspace (``T * H * 256`` bytes) and, with the conv, the convolved bands
+(``T * H * (2K + V)`` elements), both released when the call returns
+(stream-ordered, so the launches still own them until they finish); inputs (including the
 strided ``raw_g`` / ``raw_beta`` column slices of a fused projection) are read
 through their strides and never copied.
 """
@@ -139,6 +150,7 @@ import triton.language as tl
 
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
 from ..platform import is_gpu
+from .conv import conv_prefill_bands
 from .metadata import CHUNK_SIZE, prepare_chunk_indices
 
 LOG2E = math.log2(math.e)
@@ -156,57 +168,21 @@ _SUPPORTED_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
-def _band_block(
-    x_ptr, sx_t, sx_h, sx_c, h, t, valid, bos,
-    cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, ch0,
-    BS: tl.constexpr, D: tl.constexpr, USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr,
-):
-    """Rows ``t`` (int64 ``[BS]``) of one band for head ``h``, ``[BS, D]``, zero on
-    invalid rows: the raw values (input dtype), or with ``USE_CONV`` the causal
-    depthwise conv + SiLU (fp32)."""
-    cols = tl.arange(0, D)
-    base = x_ptr + h * sx_h + cols[None, :] * sx_c
-    if USE_CONV:
-        acc = tl.zeros([BS, D], dtype=tl.float32)
-        for s in tl.static_range(4):
-            pos = t - 3 + s
-            xv = tl.load(base + pos[:, None] * sx_t, mask=(valid & (pos >= bos))[:, None], other=0.0).to(tl.float32)
-            if HAS_STATE:
-                # Taps before the sequence start read the conv-state window:
-                # slot pos - bos + 3 in [0, 3) (first chunk, first rows only).
-                from_state = valid & (pos < bos) & state_ok
-                sv = tl.load(
-                    cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + (pos - bos + 3)[:, None] * scs_w,
-                    mask=from_state[:, None],
-                    other=0.0,
-                )
-                xv += sv.to(tl.float32)
-            acc += xv * tl.load(cw_ptr + (ch0 + cols) * scw_c + s * scw_w).to(tl.float32)[None, :]
-        out = acc * tl.sigmoid(acc)
-        return tl.where(valid[:, None], out, 0.0)
-    else:
-        return tl.load(base + t[:, None] * sx_t, mask=valid[:, None], other=0.0)
-
-
-@triton.jit
 def _load_block(
     q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
     g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h,
-    h, H, t, valid, bos,
-    cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok,
-    BS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr,
+    h, t, valid,
+    K: tl.constexpr, V: tl.constexpr,
 ):
     """The memory reads of one 16-row sub-chunk (issued one sub-chunk ahead of its
-    use, so they overlap the previous sub-chunk's arithmetic): ``q, k, v`` (after
-    the conv when on), the raw gate and the raw beta; zero on invalid rows."""
-    qr = _band_block(q_ptr, sq_t, sq_h, sq_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
-                     state_ok, h * K, BS, K, USE_CONV, HAS_STATE)
-    kr = _band_block(k_ptr, sk_t, sk_h, sk_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
-                     state_ok, (H + h) * K, BS, K, USE_CONV, HAS_STATE)
-    vr = _band_block(v_ptr, sv_t, sv_h, sv_c, h, t, valid, bos, cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w,
-                     state_ok, 2 * H * K + h * V, BS, V, USE_CONV, HAS_STATE)
-    cols = tl.arange(0, K)
-    xr = tl.load(g_ptr + t[:, None] * sg_t + h * sg_h + cols[None, :] * sg_c, mask=valid[:, None], other=0.0)
+    use, so they overlap the previous sub-chunk's arithmetic): ``q, k, v``, the raw
+    gate and the raw beta, in their load dtypes; zero on invalid rows."""
+    ck = tl.arange(0, K)
+    cv = tl.arange(0, V)
+    qr = tl.load(q_ptr + h * sq_h + t[:, None] * sq_t + ck[None, :] * sq_c, mask=valid[:, None], other=0.0)
+    kr = tl.load(k_ptr + h * sk_h + t[:, None] * sk_t + ck[None, :] * sk_c, mask=valid[:, None], other=0.0)
+    vr = tl.load(v_ptr + h * sv_h + t[:, None] * sv_t + cv[None, :] * sv_c, mask=valid[:, None], other=0.0)
+    xr = tl.load(g_ptr + h * sg_h + t[:, None] * sg_t + ck[None, :] * sg_c, mask=valid[:, None], other=0.0)
     rb = tl.load(b_ptr + t * sb_t + h * sb_h, mask=valid, other=0.0)
     return qr, kr, vr, xr, rb
 
@@ -311,31 +287,6 @@ def _store_kg(ptr, kg, j0, BS: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _conv_writeback_load(x_ptr, sx_t, sx_h, sx_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w, ch0, old_ok, do_write,
-                         D: tl.constexpr):
-    """New conv window of one band (last three raw inputs), fp32 ``[4, D]`` (slot 3 unused)."""
-    p = tl.arange(0, 4)
-    cols = tl.arange(0, D)
-    pos = eos - 3 + p
-    live = (p < 3) & do_write
-    from_x = live & (pos >= bos)
-    xv = tl.load(x_ptr + pos[:, None] * sx_t + h * sx_h + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
-    # Sequences shorter than 3 tokens keep the tail of the old window: slot p + len.
-    from_old = live & (pos < bos) & old_ok
-    ov = tl.load(cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + (p + (eos - bos))[:, None] * scs_w,
-                 mask=from_old[:, None], other=0.0)
-    return tl.where(from_x[:, None], xv.to(tl.float32), ov.to(tl.float32))
-
-
-@triton.jit
-def _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, ch0, val, do_write, D: tl.constexpr):
-    p = tl.arange(0, 4)
-    cols = tl.arange(0, D)
-    tl.store(cs_ptr + cs_row + (ch0 + cols)[None, :] * scs_c + p[:, None] * scs_w,
-             val.to(cs_ptr.dtype.element_ty), mask=((p < 3) & do_write)[:, None])
-
-
-@triton.jit
 def _load_rows(ptr, t, valid, row_stride, W: tl.constexpr, col0):
     cols = col0 + tl.arange(0, W)
     return tl.load(ptr + t[:, None] * row_stride + cols[None, :], mask=valid[:, None], other=0.0)
@@ -369,15 +320,10 @@ def _kda_prologue_intra_kernel(
     alog_ptr, salog,
     dtb_ptr, sdtb_h, sdtb_c,
     cu_ptr, ci_ptr, sci_r, sci_c,
-    cw_ptr, scw_c, scw_w,
-    cs_ptr, scs_s, scs_c, scs_w,
-    csi_ptr, scsi,
-    chi_ptr, schi,
     qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr, akk_ptr,
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    USE_CONV: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     DOT: tl.constexpr,
 ):
     """Launch 1 of 2: everything but the triangular solve. Writes ``qg, kg_t,
@@ -388,17 +334,6 @@ def _kda_prologue_intra_kernel(
     if seq < 0:
         return
     rows = tl.arange(0, BS)
-
-    # Conv-state row of this sequence (read by the first chunk, written by it too).
-    cs_row = r * 0
-    state_ok = cidx < 0  # False: no initial conv window
-    do_write = cidx < 0
-    if HAS_STATE:
-        slot = tl.load(csi_ptr + seq * scsi).to(tl.int64)
-        cs_row = tl.maximum(slot, 0) * scs_s
-        do_write = (cidx == 0) & (slot >= 0)
-        if HAS_INIT_FLAGS:
-            state_ok = do_write & (tl.load(chi_ptr + seq * schi) != 0)
 
     colk = tl.arange(0, K)
     alog = tl.exp(tl.load(alog_ptr + h * salog).to(tl.float32))
@@ -421,14 +356,12 @@ def _kda_prologue_intra_kernel(
     m0 = t0_ < eos
     qr0, kr0, vr0, xr0, rb0 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t0_, m0, bos,
-        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t0_, m0, K, V)
     t1_ = t0_ + BS
     m1 = t1_ < eos
     qr1, kr1, vr1, xr1, rb1 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t1_, m1, bos,
-        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V)
     q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED)
     d0 = tl.exp2(lc0)
     kf0 = k0 * tl.exp2(s0[None, :] - lc0)
@@ -450,8 +383,7 @@ def _kda_prologue_intra_kernel(
     m2 = t2_ < eos
     qr2, kr2, vr2, xr2, rb2 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t2_, m2, bos,
-        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V)
     q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED)
     b1 = s0  # cumulative gate just before sub-chunk 1
     d1 = tl.exp2(lc1)
@@ -479,8 +411,7 @@ def _kda_prologue_intra_kernel(
     m3 = t3_ < eos
     qr3, kr3, vr3, xr3, rb3 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, H, t3_, m3, bos,
-        cw_ptr, scw_c, scw_w, cs_ptr, cs_row, scs_c, scs_w, state_ok, BS, K, V, USE_CONV, HAS_STATE)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V)
     q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED)
     b2 = s0 + s1
     d2 = tl.exp2(lc2)
@@ -538,21 +469,6 @@ def _kda_prologue_intra_kernel(
     _store_kg(kg_slab, kf1.to(tl.float32) * tl.exp2(s2 + s3)[None, :], BS, BS, K, BT)
     _store_kg(kg_slab, kf0.to(tl.float32) * tl.exp2(s1 + s2 + s3)[None, :], 0, BS, K, BT)
     tl.store(decay_ptr + (r * H + h) * K + colk, tl.exp2(b3 + s3))
-
-    # ------------------------------------------------ conv-state write-back
-    if HAS_STATE:
-        nq = _conv_writeback_load(q_ptr, sq_t, sq_h, sq_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
-                                  h * K, state_ok, do_write, K)
-        nk = _conv_writeback_load(k_ptr, sk_t, sk_h, sk_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
-                                  (H + h) * K, state_ok, do_write, K)
-        nv = _conv_writeback_load(v_ptr, sv_t, sv_h, sv_c, h, bos, eos, cs_ptr, cs_row, scs_c, scs_w,
-                                  2 * H * K + h * V, state_ok, do_write, V)
-        # Every read of this row by this program (the conv taps of sub-chunk 0
-        # and the three loads above) completes before any thread overwrites it.
-        tl.debug_barrier()
-        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, h * K, nq, do_write, K)
-        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, (H + h) * K, nk, do_write, K)
-        _conv_writeback_store(cs_ptr, cs_row, scs_c, scs_w, 2 * H * K + h * V, nv, do_write, V)
 
 
 @triton.jit
@@ -827,19 +743,11 @@ def fused_kda_prologue(
         sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
     else:
         sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
-    use_conv = conv_weight is not None
-    has_state = use_conv and conv_state is not None
-    has_flags = has_state and conv_has_initial_state is not None
-    cw = conv_weight if use_conv else q
-    cw_strides = (conv_weight.stride(0), conv_weight.stride(1)) if use_conv else (0, 0)
-    cs = conv_state if has_state else q
-    cs_strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2)) if has_state else (0, 0, 0)
-    csi = conv_state_indices if has_state else cu_seqlens
-    csi_stride = conv_state_indices.stride(0) if has_state else 0
-    # A bool tensor is read as bytes: the view costs nothing and keeps Triton's
-    # int1 pointer handling out of the kernel.
-    chi = conv_has_initial_state.view(torch.uint8) if has_flags else cu_seqlens
-    chi_stride = conv_has_initial_state.stride(0) if has_flags else 0
+    if conv_weight is not None:
+        # The conv runs as a launch of its own (see kda/conv.py for the measured
+        # reason); the rest of the prologue reads its bands like raw inputs.
+        q, k, v = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
+                                     conv_state_indices, conv_has_initial_state)
     # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
     # in fp32) passes from the first launch to the second through this
     # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
@@ -854,15 +762,10 @@ def fused_kda_prologue(
         A_log, A_log.stride(0),
         dt_bias, sdtb_h, sdtb_c,
         cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
-        cw, *cw_strides,
-        cs, *cs_strides,
-        csi, csi_stride,
-        chi, chi_stride,
         out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
         H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
         K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
         BOUNDED=bounded, EXACT_DIAG=exact_diag,
-        USE_CONV=use_conv, HAS_STATE=has_state, HAS_INIT_FLAGS=has_flags,
         DOT=dot_dtype,
         num_warps=intra_warps, num_stages=1,
     )

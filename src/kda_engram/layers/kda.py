@@ -8,8 +8,8 @@ Per token (hidden ``x``), per head ``h`` of this rank:
    whose up projection ``f_b_proj`` / ``g_b_proj`` follows the fused matmul);
 2. the width-4 causal depthwise conv + SiLU on ``q, k, v`` with a per-sequence
    conv window cache ``[slots, 2HK + HV, 3]`` (the last three raw inputs);
-3. KDA itself: prefill sequences through ``chunk_kda_prefill`` (prologue with the
-   fused conv, chunk kernel with the paged state cache and checkpoints), decode
+3. KDA itself: prefill sequences through ``chunk_kda_prefill`` (conv launch and
+   prologue, chunk kernel with the paged state cache and checkpoints), decode
    rows through ``kda_decode`` after the decode conv step, in the same call;
 4. the output gate ``RMSNorm(o) * o_norm.weight * sigmoid(g_out)`` per head and the
    output projection (row-parallel: an all-reduce under tensor parallelism).
