@@ -1,6 +1,6 @@
-"""The decode-time short conv step and the conv-window checkpoint (kda/conv.py)
-against their plain-PyTorch references, and against the prologue's fused conv:
-a prefill that continues with decode steps equals one longer prefill."""
+"""The short conv of KDA (kda/conv.py): the prefill launch, the decode step and the
+conv-window checkpoint against plain-PyTorch references; a prefill that continues
+with decode steps equals one longer prefill."""
 
 import pytest
 import torch
@@ -8,9 +8,11 @@ import torch
 from kda_engram.kda.conv import (
     conv_checkpoint_reference,
     conv_decode_reference,
+    conv_prefill_bands,
     kda_conv_checkpoint,
     kda_conv_decode,
 )
+from kda_engram.kda.metadata import prepare_chunk_indices
 
 
 def gen(seed):
@@ -40,6 +42,59 @@ def test_decode_step_matches_reference(x_dtype, state_dtype):
     kda_conv_decode(x, w, before.clone(), idx, out=buf[:, ::2])
     torch.testing.assert_close(buf[:, ::2].double(), want_out, rtol=tol, atol=tol)
     assert (buf[:, 1::2] == 0).all()
+
+
+def prefill_reference(x, cu, w, state, idx, has_init):
+    """Depthwise causal conv + SiLU per sequence (fp64): ``(out [T, C], new state)``.
+    Each sequence starts from its state row when flagged (zeros otherwise); its
+    row then holds the last W - 1 inputs of [old window | sequence]."""
+    C, W = w.shape
+    out = torch.zeros(x.shape[0], C, dtype=torch.float64)
+    new_state = state.clone()
+    for n in range(len(cu) - 1):
+        a, b = int(cu[n]), int(cu[n + 1])
+        row = int(idx[n])
+        if b == a:  # no token: no output, the row is not touched
+            continue
+        window = state[row].double() if (row >= 0 and bool(has_init[n])) else torch.zeros(C, W - 1, dtype=torch.float64)
+        xs = torch.cat([window, x[a:b].double().t()], 1)  # [C, W - 1 + len]
+        y = torch.nn.functional.conv1d(xs[None], w.double()[:, None, :], groups=C)[0]
+        out[a:b] = torch.nn.functional.silu(y).t()
+        if row >= 0:
+            new_state[row] = xs[:, -(W - 1):].to(state.dtype)
+    return out, new_state
+
+
+@pytest.mark.parametrize("W", [2, 4])
+def test_prefill_conv_matches_reference(W):
+    # Lengths around the window (1, 2, 3), a zero-length sequence (its row untouched),
+    # one past a chunk (70), a negative row and a sequence that starts from zeros.
+    H, K, V = 2, 16, 32
+    lens = [1, 70, 0, 2, 3, 40]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    T, C = int(cu[-1]), H * (2 * K + V)
+    proj = torch.randn(T, C + 7, generator=gen(7))  # the bands are strided views of a wider projection
+    q = proj[:, :H * K].view(1, T, H, K)
+    k = proj[:, H * K:2 * H * K].view(1, T, H, K)
+    v = proj[:, 2 * H * K:C].view(1, T, H, V)
+    w = torch.randn(C, W, generator=gen(8))
+    state = torch.randn(8, C, W - 1, generator=gen(9))
+    idx = torch.tensor([3, 0, 5, -1, 7, 1])
+    has_init = torch.tensor([True, True, True, True, True, False])
+    want_out, want_state = prefill_reference(proj[:, :C], cu, w, state, idx, has_init)
+    before = state.clone()
+    ci = prepare_chunk_indices(cu, total_tokens=T)
+    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci, state, idx, has_init)
+    got = torch.cat([qc.reshape(T, H * K), kc.reshape(T, H * K), vc.reshape(T, H * V)], 1)
+    torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=0)
+    for r in (2, 4, 5, 6):  # no sequence's row, the zero-length one's, the negative one's
+        assert torch.equal(state[r], before[r])
+    # Without a conv state every sequence starts from zeros.
+    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci)
+    want_out, _ = prefill_reference(proj[:, :C], cu, w, before.clone(), idx, torch.zeros(6, dtype=torch.bool))
+    got = torch.cat([qc.reshape(T, H * K), kc.reshape(T, H * K), vc.reshape(T, H * V)], 1)
+    torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_steps_continue_a_prefill_conv():
