@@ -49,7 +49,7 @@ DEVICE = "cuda"
 POST_WKV_CASES = [(64, 5120), (2048, 5120), (16384, 5120), (16384, 2560)]
 ANCHOR_COMPILE_MS = {(64, 5120): 0.0152, (2048, 5120): 0.0923, (16384, 5120): 0.633, (16384, 2560): 0.815}
 SHARDED_CASES = [(T, 5120, P) for T in (2048, 16384) for P in (2, 4, 8)]
-SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)]
+SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)] + [(2048, 5120, P) for P in (4, 8)]
 # Launch variants of engram_post_wkv measured (not quick) to check the default choice.
 VARIANT_CASE = (16384, 5120)
 VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(chunk=512),
