@@ -17,20 +17,23 @@ raw q, k and v bands of its input projection. Three kernels serve it:
   (together with the recurrent-state checkpoint the chunk kernel writes).
 
 Why the prefill conv is a launch of its own: fused into the prologue's first
-launch (which already holds 255 registers per thread) the four shifted taps of
-three bands tripled that kernel's time (H200, 1 x 32k, H32, bf16: 6.70 ms with
-the conv against 2.11 without; 7.8 ms with the conv state, 14.0 before its taps
-were moved behind a branch). A separate streaming pass reads each input once
-(the shifted taps hit L1/L2) and writes the bands once in the input dtype.
+launch, which already holds 255 registers per thread, the four shifted taps of
+three bands tripled that kernel's time. H200, 1 x 32k tokens, H32, bf16, whole
+prologue: 2.11 ms without the conv; fused, 6.74 ms with the conv weight and
+14.0 ms with the conv state; with this launch first, 3.11 and 3.59 ms. This
+launch alone takes 0.99 ms (1.36 ms with the state) against its 0.38 ms floor
+(the bands read and written once; the shifted taps hit L1/L2), so it is the
+part of the conv path left to speed up.
 
-Machine fit of the decode and checkpoint kernels: pure copies plus a few FMAs per channel (12 KiB of state
-and 6 KiB of input per sequence at 16 heads x 128, bf16), far below every
-other cost of a decode step; the kernels exist so that the step stays on the
-device (no host sync, CUDA-graph capturable) and never copies its strided input
-(the band view of the fused projection), not for speed. Each program owns a
-``BLOCK_C`` slice of one sequence's channels, so programs never share a window
-row and need no synchronisation: the row is read before it is written by the
-same program.
+Machine fit of the decode and checkpoint kernels: pure copies plus a few FMAs
+per channel (12 KiB of state and 6 KiB of input per sequence at 16 heads x 128,
+bf16), far below every other cost of a decode step; they exist so that the step
+stays on the device (no host sync, CUDA-graph capturable) and never copies its
+strided input (the band view of the fused projection), not for speed. Each
+program owns a ``BLOCK_C`` slice of one sequence's channels, so programs never
+share a window row and need no synchronisation: the row is read before it is
+written by the same program (in the prefill, by the program of the sequence's
+first chunk, for one head's channels).
 
 Memory ownership: ``conv_state`` is the caller's cache, updated in place; a
 negative index names no row (never read: the window is zeros; never written).
@@ -68,6 +71,7 @@ def _conv_prefill_band(
     before ``eos``), ``D`` channels from ``ch0``, and (``write_state``) the new window
     of those channels in the conv-state row ``cs_row``. Rows before ``bos`` occur
     only when ``t0 == bos`` (W - 1 <= RB)."""
+    tl.static_assert(W - 1 <= RB, "the taps before bos must fall in the first row block")
     cols = tl.arange(0, D)
     for blk in tl.static_range(BT // RB):
         # RB-row blocks keep the int64 address tiles of the W taps small.
