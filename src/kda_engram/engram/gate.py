@@ -151,10 +151,14 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None) -> dict:
             raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
         geom = dict(HEAD=16, TAIL=0, CHUNK=chunk, LOOP=True)
         lanes = chunk
-    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
-        raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
+    _check_num_warps(num_warps)
     geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
     return geom
+
+
+def _check_num_warps(num_warps: int | None) -> None:
+    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
+        raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
 
 
 # --------------------------------------------------------------------------------------
@@ -330,8 +334,7 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
     if chunk is None and SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM:
         head, tail = row_pieces(dim)
         geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
-        if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
-            raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
+        _check_num_warps(num_warps)
         geom["num_warps"] = wide_row_warps(head + tail) if num_warps is None else num_warps
         return geom, tokens_per_program(T * hc, device, 1 if tokens is None else tokens)
     geom = launch_geometry(dim, chunk, num_warps)

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
-from .metadata import CHUNK_SIZE
+from .metadata import CHUNK_SIZE, chunk_row
 
 __all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "conv_checkpoint_reference"]
 
@@ -140,13 +140,9 @@ def _conv_prefill_kernel(
     in after the old window)."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    seq, cidx, bos, eos, t0 = chunk_row(cu_ptr, ci_ptr, sci_r, sci_c, r, BT)
     if seq < 0:
         return
-    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    t0 = bos + cidx * BT
     cs_row = cs_ptr
     state_ok = cidx < 0  # False unless this program reads an initial window
     write_state = cidx < 0

@@ -14,6 +14,8 @@ the real chunks carry sequence id -1 for the kernels to skip.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 CHUNK_SIZE = 64
 
@@ -77,3 +79,18 @@ def prepare_chunk_indices(
     chunk = row - chunk_offsets[seq_clamped.long()] if num_seqs > 0 else row
     out = torch.stack([seq, chunk.to(torch.int32)], dim=1)
     return torch.where(valid[:, None], out, torch.full_like(out, -1))
+
+
+@triton.jit
+def chunk_row(cu_ptr, ci_ptr, sci_r, sci_c, r, BT: tl.constexpr):
+    """Device side of :func:`prepare_chunk_indices` for the kernels: row ``r``
+    (int64) of ``chunk_indices`` as ``(sequence id, chunk index, bos, eos, first
+    token)``. ``seq < 0`` marks a padding row, which the caller must skip; for it
+    no offset is read (the loads are masked), so nothing outside ``cu_seqlens``
+    is touched even for a batch with no sequence."""
+    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
+    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
+    live = seq >= 0
+    bos = tl.load(cu_ptr + seq, mask=live, other=0).to(tl.int64)
+    eos = tl.load(cu_ptr + seq + 1, mask=live, other=0).to(tl.int64)
+    return seq, cidx, bos, eos, bos + cidx * BT

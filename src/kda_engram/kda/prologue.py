@@ -152,7 +152,7 @@ import triton.language as tl
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
 from ..platform import is_gpu
 from .conv import conv_prefill_bands
-from .metadata import CHUNK_SIZE, prepare_chunk_indices
+from .metadata import CHUNK_SIZE, chunk_row, prepare_chunk_indices
 
 LOG2E = math.log2(math.e)
 SUB_CHUNK = 16
@@ -297,18 +297,13 @@ def _load_rows(ptr, t, valid, row_stride, W: tl.constexpr, col0):
 def _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT: tl.constexpr):
     """The chunk of this program in both prologue launches (grid ``chunks * H``,
     head fastest): ``(head, chunk row, sequence id, chunk index, bos, eos, first
-    token)``. ``seq < 0`` marks a padding row, which the caller must skip; for it
-    no offset is read (the loads are masked), so nothing outside
-    ``cu_seqlens`` is touched even for a batch with no sequence."""
+    token)``; see :func:`~kda_engram.kda.metadata.chunk_row` (``seq < 0``: a
+    padding row, to skip)."""
     pid = tl.program_id(0)
     h = pid % H
     r = (pid // H).to(tl.int64)
-    seq = tl.load(ci_ptr + r * sci_r).to(tl.int32)
-    cidx = tl.load(ci_ptr + r * sci_r + sci_c).to(tl.int64)
-    live = seq >= 0
-    bos = tl.load(cu_ptr + seq, mask=live, other=0).to(tl.int64)
-    eos = tl.load(cu_ptr + seq + 1, mask=live, other=0).to(tl.int64)
-    return h, r, seq, cidx, bos, eos, bos + cidx * BT
+    seq, cidx, bos, eos, start = chunk_row(cu_ptr, ci_ptr, sci_r, sci_c, r, BT)
+    return h, r, seq, cidx, bos, eos, start
 
 
 @triton.jit
