@@ -88,9 +88,10 @@ def test_fp16_matches_the_single_rank_kernel(dim, P):
     torch.testing.assert_close(out, single, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("max_chunk, tokens", [(2048, 3), (16, 2)])
+@pytest.mark.parametrize("max_chunk, tokens", [(2048, 3), (16, 2), (64, 8)])
 def test_token_blocked_partials(monkeypatch, max_chunk, tokens):
-    # max_chunk 16 < width 24: the per-chunk q*k reload path; 2048: q*k loaded once.
+    # max_chunk 16 < width 24: two blocks per row; 2048: one. 3 tokens round up to a
+    # tile of 4 and 8 pass T = 7: the tile's rows past T are masked.
     import kda_engram.engram.sharded_gate as sharded_gate
 
     monkeypatch.setattr(sharded_gate, "PARTIALS_MAX_CHUNK", max_chunk)

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.engram.gate import (
+    _check_num_warps,
     _load_qk,
     _signed_sqrt_gate,
     _store_piece,
@@ -42,12 +43,15 @@ from kda_engram.engram.gate import (
     tokens_per_program,
 )
 
-# Block width of the partials kernel's loops (sums and copies need no full row).
+# Elements per operand of a partials tile, at most (sums and copies need no full row).
 PARTIALS_MAX_CHUNK = 2048
-# Tokens per partials program, at most. H200 (2026-12-03, T = 16384, dim 5120,
-# hc 4, bf16), us for tokens 1 / 2 / 4 / 8 (8 was the shared default): P = 2
-# 248 / 257 / 254 / 289, P = 4 151 / 138 / 125 / 142, P = 8 77 / 71 / 72 / 74.
-PARTIALS_MAX_TOKENS = 4
+# Tokens per partials program, at most, loaded as one [TOKENS, CHUNK] tile. H200
+# (2026-12-03, dim 5120, hc 4, bf16; one process, shuffled rounds), us, against the
+# previous kernel that walked its tokens one at a time (4 at most): T = 16384,
+# P = 4: tile of 2 / 4 / 8 tokens 145.0 / 116.0 / 112.4, walk of 4 / 1 125.1 / 151.3;
+# P = 8: tile 83.8 / 68.3 / 62.5, walk 72.0 / 77.0. T = 2048, P = 8: tile of 1 / 4
+# 14.4 / 15.0 (tokens_per_program picks 4 there), walk of 4 / 1 20.3 / 14.0.
+PARTIALS_MAX_TOKENS = 8
 
 
 def pair_elems(dtype: torch.dtype) -> int:
@@ -101,46 +105,38 @@ def _engram_gate_partials_kernel(
     """Grid ``cdiv(T, TOKENS) * (HC + 1)``: program ``(b, j)`` writes stream ``j``'s
     pair (``j < HC``) or copies the value slice (``j == HC``) for tokens
     ``[b*TOKENS, (b+1)*TOKENS)``. Sums and copies are single passes over ``WIDTH`` in
-    ``CHUNK`` blocks (no full row in registers); when one chunk covers the slice,
-    ``q_w[j]*k_w[j]`` is loaded once per program rather than once per token."""
+    ``CHUNK`` blocks (no full row in registers), the tokens as one ``[TOKENS, CHUNK]``
+    tile: their loads are in flight together and ``q_w[j]*k_w[j]`` is read once per
+    block for all of them."""
     pid = tl.program_id(0)
     block = pid // (HC + 1)
     j = pid % (HC + 1)
+    q_row = q_weight + j * q_stride_h + dim_start * q_stride_d
+    k_row = k_weight + j * k_stride_h + dim_start * k_stride_d
+    tokens = (block * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
+    token_ok = tokens < num_tokens
     if j == HC:
-        for i in tl.range(0, TOKENS):
-            token = (block * TOKENS + i).to(tl.int64)
-            token_ok = token < num_tokens
-            for start in tl.range(0, WIDTH, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                valid = (offs < WIDTH) & token_ok
-                value = tl.load(kv + token * kv_stride_t + (HC * WIDTH + offs) * kv_stride_d, mask=valid)
-                tl.store(send + token * send_stride_t + offs, value, mask=valid)
+        for start in tl.range(0, WIDTH, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            valid = token_ok[:, None] & (offs < WIDTH)[None, :]
+            value = tl.load(kv + tokens[:, None] * kv_stride_t + (HC * WIDTH + offs)[None, :] * kv_stride_d, mask=valid)
+            tl.store(send + tokens[:, None] * send_stride_t + offs[None, :], value, mask=valid)
     else:
-        q_row = q_weight + j * q_stride_h
-        k_row = k_weight + j * k_stride_h
-        if CHUNK >= WIDTH:
-            qk_once = _load_qk(q_row + dim_start * q_stride_d, k_row + dim_start * k_stride_d, q_stride_d, k_stride_d, 0, CHUNK, WIDTH)
-        for i in tl.range(0, TOKENS):
-            token = (block * TOKENS + i).to(tl.int64)
-            token_ok = token < num_tokens
-            hidden_row = hidden_states + token * hidden_stride_t + j * hidden_stride_h + dim_start * hidden_stride_d
-            key_row = kv + token * kv_stride_t + (j * WIDTH) * kv_stride_d
-            acc_key = tl.zeros([CHUNK], dtype=tl.float32)
-            acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
-            for start in tl.range(0, WIDTH, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                valid = (offs < WIDTH) & token_ok
-                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
-                key = tl.load(key_row + offs * kv_stride_d, mask=valid, other=0.0).to(tl.float32)
-                if CHUNK >= WIDTH:
-                    qk = qk_once
-                else:
-                    qk = _load_qk(q_row + dim_start * q_stride_d, k_row + dim_start * k_stride_d, q_stride_d, k_stride_d, start, CHUNK, WIDTH)
-                acc_key += key * key
-                acc_dot += hidden * qk * key
-            pair = send_f32 + token * send_f32_stride_t + PAIR_OFFSET + 2 * j
-            tl.store(pair, tl.sum(acc_key, axis=0), mask=token_ok)
-            tl.store(pair + 1, tl.sum(acc_dot, axis=0), mask=token_ok)
+        hidden_rows = hidden_states + tokens[:, None] * hidden_stride_t + j * hidden_stride_h + dim_start * hidden_stride_d
+        key_rows = kv + tokens[:, None] * kv_stride_t + (j * WIDTH) * kv_stride_d
+        acc_key = tl.zeros([TOKENS, CHUNK], dtype=tl.float32)
+        acc_dot = tl.zeros([TOKENS, CHUNK], dtype=tl.float32)
+        for start in tl.range(0, WIDTH, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            valid = token_ok[:, None] & (offs < WIDTH)[None, :]
+            hidden = tl.load(hidden_rows + offs[None, :] * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
+            key = tl.load(key_rows + offs[None, :] * kv_stride_d, mask=valid, other=0.0).to(tl.float32)
+            qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, WIDTH)
+            acc_key += key * key
+            acc_dot += hidden * qk[None, :] * key
+        pair = send_f32 + tokens * send_f32_stride_t + PAIR_OFFSET + 2 * j
+        tl.store(pair, tl.sum(acc_key, axis=1), mask=token_ok)
+        tl.store(pair + 1, tl.sum(acc_dot, axis=1), mask=token_ok)
 
 
 @triton.jit
@@ -251,6 +247,8 @@ def engram_gate_partials(
     out: torch.Tensor | None = None,
     check_inputs: bool = True,
     tokens: int | None = None,
+    chunk: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Pack this rank's value slice and per-stream gate partial sums.
 
@@ -263,8 +261,10 @@ def engram_gate_partials(
         out: optional ``send`` buffer ``[T, width + pair_elems*hc]`` in kv's dtype with a
             unit last stride (``torch.empty`` when omitted).
         check_inputs: validate on the host (no device reads: capturable either way).
-        tokens: tokens per program (tuning; see
-            :func:`kda_engram.engram.gate.tokens_per_program`).
+        tokens, chunk, num_warps: launch overrides for tuning: tokens per program
+            (see :func:`kda_engram.engram.gate.tokens_per_program`; rounded up to a
+            power of two, the tile's rows), the block width (a power of two >= 16)
+            and warps.
 
     Returns:
         ``send [T, width + pair_elems*hc]`` in kv's dtype: the value slice (copied
@@ -291,11 +291,18 @@ def engram_gate_partials(
         return out
     send_f32 = _f32_view("out", out)
     size = kv_local.element_size()
-    chunk = min(triton.next_power_of_2(width), PARTIALS_MAX_CHUNK)
     if tokens is None:
         block = min(PARTIALS_MAX_TOKENS, tokens_per_program(T * (hc + 1), hidden_states.device))
     else:
         block = tokens_per_program(T * (hc + 1), hidden_states.device, tokens)  # validates the override
+    block = triton.next_power_of_2(block)
+    if chunk is None:
+        # A tile holds at most PARTIALS_MAX_CHUNK elements per operand.
+        chunk = min(triton.next_power_of_2(width), max(16, PARTIALS_MAX_CHUNK // block))
+    elif chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
+    _check_num_warps(num_warps)
+    lanes = chunk * block
     _engram_gate_partials_kernel[(triton.cdiv(T, block) * (hc + 1),)](
         hidden_states, kv_local, q_weight, k_weight, out, send_f32,
         T,
@@ -305,7 +312,7 @@ def engram_gate_partials(
         out.stride(0), send_f32.stride(0),
         rank * width,
         WIDTH=width, HC=hc, PAIR_OFFSET=width * size // 4, CHUNK=chunk, TOKENS=block,
-        num_warps=4 if chunk <= 1024 else 8,
+        num_warps=num_warps if num_warps is not None else (4 if lanes <= 1024 else 8),
     )
     return out
 
@@ -357,6 +364,10 @@ def engram_gate_finish(
     if T == 0:
         return out
     gathered_f32 = _f32_view("gathered", gathered)
+    # Two passes past SINGLE_PASS_MAX_DIM (not engram_post_wkv's wide single pass):
+    # H200 (2026-12-03, dim 5120, hc 4, bf16), us for two passes (1024-wide blocks,
+    # 4 warps) vs the wide row at 4 / 2 warps: T = 2048 P = 4 54.4 vs 56.5 / 57.2;
+    # T = 16384 P = 4 379.8 vs 387.4 / 394.2, P = 8 384.5 vs 423.8 / 400.1.
     geom = launch_geometry(dim, chunk, num_warps)
     mask_arg = token_mask if token_mask is not None else hidden_states
     _engram_gate_finish_kernel[(T * hc,)](
