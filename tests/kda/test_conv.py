@@ -65,8 +65,17 @@ def prefill_reference(x, cu, w, state, idx, has_init):
     return out, new_state
 
 
-@pytest.mark.parametrize("W", [2, 4])
-def test_prefill_conv_matches_reference(W):
+PREFILL_LAUNCHES = [
+    {},  # the defaults
+    dict(row_block=16, num_warps=8),
+    dict(row_block=64, num_warps=4),  # one block per chunk
+    dict(row_block=4, num_warps=2),  # the taps before bos fill the first block (W = 4)
+]
+
+
+@pytest.mark.parametrize("launch", PREFILL_LAUNCHES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("W", [2, 3, 4])
+def test_prefill_conv_matches_reference(W, launch):
     # Lengths around the window (1, 2, 3), a zero-length sequence (its row untouched),
     # one past a chunk (70), a negative row and a sequence that starts from zeros.
     H, K, V = 2, 16, 32
@@ -84,17 +93,28 @@ def test_prefill_conv_matches_reference(W):
     want_out, want_state = prefill_reference(proj[:, :C], cu, w, state, idx, has_init)
     before = state.clone()
     ci = prepare_chunk_indices(cu, total_tokens=T)
-    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci, state, idx, has_init)
+    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci, state, idx, has_init, **launch)
     got = torch.cat([qc.reshape(T, H * K), kc.reshape(T, H * K), vc.reshape(T, H * V)], 1)
     torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, want_state, rtol=0, atol=0)
     for r in (2, 4, 5, 6):  # no sequence's row, the zero-length one's, the negative one's
         assert torch.equal(state[r], before[r])
     # Without a conv state every sequence starts from zeros.
-    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci)
+    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci, **launch)
     want_out, _ = prefill_reference(proj[:, :C], cu, w, before.clone(), idx, torch.zeros(6, dtype=torch.bool))
     got = torch.cat([qc.reshape(T, H * K), kc.reshape(T, H * K), vc.reshape(T, H * V)], 1)
     torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_conv_rejects_a_row_block_that_misses_the_window():
+    T, H, K = 8, 1, 16
+    x = torch.randn(1, T, H, K)
+    cu = torch.tensor([0, T])
+    ci = prepare_chunk_indices(cu, total_tokens=T)
+    w = torch.randn(3 * H * K, 4)
+    for bad in (2, 24, 128):  # below W - 1 = 3, not a power of two, past the 64-row chunk
+        with pytest.raises(ValueError, match="row_block"):
+            conv_prefill_bands(x, x, x, w, cu, ci, row_block=bad)
 
 
 def test_decode_steps_continue_a_prefill_conv():

@@ -20,10 +20,11 @@ Why the prefill conv is a launch of its own: fused into the prologue's first
 launch, which already holds 255 registers per thread, the four shifted taps of
 three bands tripled that kernel's time. H200, 1 x 32k tokens, H32, bf16, whole
 prologue: 2.11 ms without the conv; fused, 6.74 ms with the conv weight and
-14.0 ms with the conv state; with this launch first, 3.11 and 3.59 ms. This
-launch alone takes 0.99 ms (1.36 ms with the state) against its 0.38 ms floor
-(the bands read and written once; the shifted taps hit L1/L2), so it is the
-part of the conv path left to speed up.
+14.0 ms with the conv state; with this launch first, 3.11 and 3.59 ms. One
+program per (chunk, head, band) then took this launch from 0.95 to 0.59 ms
+without the state and from 1.35 to 0.72 ms with it, against its 0.38 ms floor
+(the bands read and written once; the shifted taps hit L1); the table at
+``CONV_ROW_BLOCK`` has the variants measured.
 
 Machine fit of the decode and checkpoint kernels: pure copies plus a few FMAs
 per channel (12 KiB of state and 6 KiB of input per sequence at 16 heads x 128,
@@ -54,9 +55,19 @@ from .metadata import CHUNK_SIZE, chunk_row
 __all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "conv_checkpoint_reference"]
 
 BLOCK_C = 256
-# Rows per block of the prefill conv: the W taps' int64 address tiles of a
-# [64, 128] block took all 255 registers (sm_90) and spilled.
+# Launch geometry of the prefill conv: one program per (chunk, head, band), rows in
+# blocks of CONV_ROW_BLOCK (CONV_STATE_ROW_BLOCK with a conv state), 4 warps.
+# H200 (2026-12-03, 1 x 32k tokens, H32, K = V = 128, bf16; one process, shuffled
+# rounds), us and fraction of the 0.38 ms floor, without / with the conv state:
+#   one program per (chunk, head), 3 bands, 16-row blocks   952 (40%) / 1348 (28%)
+#   per band, 16-row blocks                                 588 (65%) /  784 (49%)
+#   per band, 8-row blocks                                  682 (56%) /  717 (53%)
+#   per band, 16 rows on 8 warps / 32 rows on 8 warps      1707 / 959, 1892 / 1273
+#   per band, the W taps as one [rows, 4, D] load          579 (66%, 8 rows) / 882
+#     (the state branch of that form spilled: 255 registers)
+# 64 x 512 tokens: the same order within 4%.
 CONV_ROW_BLOCK = 16
+CONV_STATE_ROW_BLOCK = 8
 CONV_PREFILL_WARPS = 4
 
 
@@ -70,42 +81,50 @@ def _conv_prefill_band(
     """One head of one band: the conv outputs of tokens ``[t0, t0 + BT)`` (those
     before ``eos``), ``D`` channels from ``ch0``, and (``write_state``) the new window
     of those channels in the conv-state row ``cs_row``. Rows before ``bos`` occur
-    only when ``t0 == bos`` (W - 1 <= RB)."""
+    only when ``t0 == bos`` (W - 1 <= RB).
+
+    Addresses are int64 bases at token ``t0`` plus int32 tiles of local rows
+    (``-(W-1) <= row < BT``), half the registers of int64 tiles; one ``[RB, D]``
+    load per tap (the shifted rows hit L1)."""
     tl.static_assert(W - 1 <= RB, "the taps before bos must fall in the first row block")
     cols = tl.arange(0, D)
+    x_base = x_ptr + t0 * sx_t
+    o_base = o_ptr + t0 * so_t + ch0 * so_c
+    w_base = w_ptr + ch0 * sw_c
+    first = (bos - t0).to(tl.int32)  # local row of bos (<= 0)
+    stop = (tl.minimum(eos - t0, BT)).to(tl.int32)  # local rows >= stop are not this chunk's
     for blk in tl.static_range(BT // RB):
-        # RB-row blocks keep the int64 address tiles of the W taps small.
-        tb = t0 + blk * RB + tl.arange(0, RB)
-        live = tb < eos
+        rows = blk * RB + tl.arange(0, RB)
+        live = rows < stop
         acc = tl.zeros([RB, D], dtype=tl.float32)
         for s in tl.static_range(W):
-            pos = tb - (W - 1) + s
-            xv = tl.load(x_ptr + pos[:, None] * sx_t + cols[None, :] * sx_c, mask=(live & (pos >= bos))[:, None],
+            pos = rows - (W - 1) + s
+            xv = tl.load(x_base + pos[:, None] * sx_t + cols[None, :] * sx_c, mask=(live & (pos >= first))[:, None],
                          other=0.0).to(tl.float32)
-            acc += xv * tl.load(w_ptr + (ch0 + cols) * sw_c + s * sw_w).to(tl.float32)[None, :]
+            acc += xv * tl.load(w_base + cols * sw_c + s * sw_w).to(tl.float32)[None, :]
         if HAS_STATE:
             # Taps before bos read the old window: only in the first block of a
-            # sequence's first chunk. Kept out of the loop above, whose loads then
-            # issue together (inside it, the branch serialised them: 2x the time).
+            # sequence's first chunk. Kept out of the loads above, which then
+            # issue together (inside that loop, the branch serialised them: 2x the time).
             if blk == 0:
                 if state_ok:
                     for s in tl.static_range(W - 1):
-                        pos = tb - (W - 1) + s
-                        sv = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (pos - bos + W - 1)[:, None] * scs_w,
-                                     mask=(live & (pos < bos))[:, None], other=0.0).to(tl.float32)
-                        acc += sv * tl.load(w_ptr + (ch0 + cols) * sw_c + s * sw_w).to(tl.float32)[None, :]
+                        pos = rows - (W - 1) + s
+                        sv = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (pos - first + W - 1)[:, None] * scs_w,
+                                     mask=(live & (pos < first))[:, None], other=0.0).to(tl.float32)
+                        acc += sv * tl.load(w_base + cols * sw_c + s * sw_w).to(tl.float32)[None, :]
         y = acc * tl.sigmoid(acc)
-        tl.store(o_ptr + tb[:, None] * so_t + (ch0 + cols)[None, :] * so_c, y.to(o_ptr.dtype.element_ty),
+        tl.store(o_base + rows[:, None] * so_t + cols[None, :] * so_c, y.to(o_ptr.dtype.element_ty),
                  mask=live[:, None])
     if HAS_STATE:
         if write_state:
             slot_w = tl.arange(0, WP)
-            src = eos - (W - 1) + slot_w  # token that lands in window slot slot_w
+            src = (eos - t0).to(tl.int32) - (W - 1) + slot_w  # local row that lands in window slot slot_w
             keep = slot_w < W - 1
-            from_x = keep & (src >= bos)
-            nx = tl.load(x_ptr + src[:, None] * sx_t + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
+            from_x = keep & (src >= first)
+            nx = tl.load(x_base + src[:, None] * sx_t + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
             # A sequence shorter than the window keeps the old window's tail: slot slot_w + length.
-            from_old = keep & (src < bos) & state_ok
+            from_old = keep & (src < first) & state_ok
             old = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (slot_w + (eos - bos))[:, None] * scs_w,
                           mask=from_old[:, None], other=0.0)
             window = tl.where(from_x[:, None], nx.to(tl.float32), old.to(tl.float32))
@@ -131,15 +150,15 @@ def _conv_prefill_kernel(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, RB: tl.constexpr, W: tl.constexpr,
     WP: tl.constexpr, HAS_STATE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
 ):
-    """Grid ``(chunk rows, H)``: program ``(r, h)`` convolves
-    the ``BT`` tokens of chunk row ``r`` (the prologue's chunk metadata) for head
-    ``h`` of the q, k and v bands. The program of a sequence's first chunk also
-    owns the conv-state row's slice of those channels: it reads the old window for
-    the first ``W - 1`` taps and, after a barrier, writes the new one (the
-    sequence's last ``W - 1`` raw inputs; for sequences shorter than that, shifted
-    in after the old window)."""
+    """Grid ``(chunk rows, H, 3)``: program ``(r, h, b)`` convolves the ``BT`` tokens
+    of chunk row ``r`` (the prologue's chunk metadata) for head ``h`` of band ``b``
+    (q, k, v). The program of a sequence's first chunk also owns the conv-state
+    row's slice of those channels: it reads the old window for the first ``W - 1``
+    taps and, after a barrier, writes the new one (the sequence's last ``W - 1`` raw
+    inputs; for sequences shorter than that, shifted in after the old window)."""
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    band = tl.program_id(2)
     seq, cidx, bos, eos, t0 = chunk_row(cu_ptr, ci_ptr, sci_r, sci_c, r, BT)
     if seq < 0:
         return
@@ -152,12 +171,15 @@ def _conv_prefill_kernel(
         write_state = (cidx == 0) & (slot >= 0)
         if HAS_INIT_FLAGS:
             state_ok = write_state & (tl.load(chi_ptr + seq * schi) != 0)
-    _conv_prefill_band(q_ptr + h * sq_h, sq_t, sq_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
-                       h * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
-    _conv_prefill_band(k_ptr + h * sk_h, sk_t, sk_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
-                       (H + h) * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
-    _conv_prefill_band(v_ptr + h * sv_h, sv_t, sv_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
-                       2 * H * K + h * V, t0, bos, eos, state_ok, write_state, BT, RB, V, W, WP, HAS_STATE)
+    if band == 0:
+        _conv_prefill_band(q_ptr + h * sq_h, sq_t, sq_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                           h * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
+    elif band == 1:
+        _conv_prefill_band(k_ptr + h * sk_h, sk_t, sk_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                           (H + h) * K, t0, bos, eos, state_ok, write_state, BT, RB, K, W, WP, HAS_STATE)
+    else:
+        _conv_prefill_band(v_ptr + h * sv_h, sv_t, sv_c, o_ptr, so_t, so_c, w_ptr, sw_c, sw_w, cs_row, scs_c, scs_w,
+                           2 * H * K + h * V, t0, bos, eos, state_ok, write_state, BT, RB, V, W, WP, HAS_STATE)
 
 
 def conv_prefill_bands(
@@ -170,6 +192,9 @@ def conv_prefill_bands(
     conv_state: torch.Tensor | None = None,
     conv_state_indices: torch.Tensor | None = None,
     conv_has_initial_state: torch.Tensor | None = None,
+    *,
+    row_block: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU of a varlen prefill, one launch; no input checks
     (the caller, :func:`~kda_engram.kda.prologue.fused_kda_prologue`, validates).
@@ -185,6 +210,10 @@ def conv_prefill_bands(
             starts from row ``conv_state_indices[n]`` where ``conv_has_initial_state[n]``
             (zeros otherwise, or when the flags are None) and that row ends as the
             sequence's last ``W - 1`` raw inputs; a negative index: no row.
+        row_block, num_warps: launch overrides for tuning: rows per register block
+            (a power of two dividing 64, at least ``W - 1``; default
+            ``CONV_STATE_ROW_BLOCK`` with a conv state, ``CONV_ROW_BLOCK`` without)
+            and warps (``CONV_PREFILL_WARPS``).
 
     Returns the convolved ``(q, k, v)``: views of one new ``[1, T, C]`` buffer in
     the input dtype (``torch.empty``; the convolution is summed in fp32 and rounded
@@ -202,7 +231,11 @@ def conv_prefill_bands(
         return bands
     has_state = conv_state is not None
     has_flags = has_state and conv_has_initial_state is not None
-    _conv_prefill_kernel[(rows, H)](
+    if row_block is None:
+        row_block = max(CONV_STATE_ROW_BLOCK if has_state else CONV_ROW_BLOCK, triton.next_power_of_2(W - 1))
+    if row_block < W - 1 or row_block & (row_block - 1) or CHUNK_SIZE % row_block:
+        raise ValueError(f"row_block: expected a power of two dividing {CHUNK_SIZE} and >= W - 1 = {W - 1}, got {row_block}")
+    _conv_prefill_kernel[(rows, H, 3)](
         q, q.stride(1), q.stride(2), q.stride(3),
         k, k.stride(1), k.stride(2), k.stride(3),
         v, v.stride(1), v.stride(2), v.stride(3),
@@ -215,9 +248,9 @@ def conv_prefill_bands(
         cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
         buf, buf.stride(1), buf.stride(2),
         H,
-        K=K, V=V, BT=CHUNK_SIZE, RB=CONV_ROW_BLOCK, W=W, WP=triton.next_power_of_2(W - 1),
+        K=K, V=V, BT=CHUNK_SIZE, RB=row_block, W=W, WP=triton.next_power_of_2(W - 1),
         HAS_STATE=has_state, HAS_INIT_FLAGS=has_flags,
-        num_warps=CONV_PREFILL_WARPS,
+        num_warps=CONV_PREFILL_WARPS if num_warps is None else num_warps,
     )
     return bands
 
