@@ -8,10 +8,18 @@ L2 flushed between runs), bf16, hc = 4:
    ratio (peer ms / ours ms, > 1 is faster) and the fraction of the HBM floor. The
    floor is the bytes that must move (hidden read, kv read, out write) divided by
    the copy bandwidth measured here (a 1 GiB device-to-device copy, read + write).
+   Each row also gives both sides replayed from a CUDA graph (``_bench_graph``).
 2. The dim-sharded gate, P = 2, 4, 8 ranks simulated on one GPU: one rank's
    ``engram_gate_partials`` plus ``engram_gate_finish`` on a gathered buffer built by
    concatenating every rank's send, against one ``engram_post_wkv`` at the same T
-   (the "peer" of these rows). Its floor counts the bytes of both kernels.
+   (the "peer" of these rows). Its floor counts the bytes of both kernels. Each
+   row also times both sides replayed from a CUDA graph.
+
+Why the graph column: ``do_bench`` times an eager loop, and when a kernel takes
+less than the host needs to launch it (T = 64, and the sharded kernels at
+T = 2048), host time falls between the timing events: the same unchanged
+``engram_post_wkv`` at T = 64 measured 0.0087 and 0.0452 ms in two runs of one day.
+An engine replays these launches from CUDA graphs.
 3. The bytes per token each TP scheme all-gathers at dim 5120, hc 4, P = 2, 4, 8.
 
 ``python benchmarks/bench_engram_gate.py [--quick] [--no-peers] [--json PATH]``;
@@ -60,6 +68,41 @@ def _bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _bench_graph(fn, iters: int = 200, repeats: int = 5) -> float:
+    """ms per call of ``fn`` replayed from a CUDA graph, as an engine runs it: one
+    graph of ``iters`` x (L2 flush, ``fn``) minus one of ``iters`` flushes alone,
+    median over ``repeats`` replays. Unlike ``do_bench``'s eager loop, no host time
+    (argument handling, launch) can fall between a kernel's timing events: at a
+    few tens of microseconds per kernel the eager loop measures the host."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    per = []
+    for g in graphs:
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        per.append(statistics.median(times))
+    return max(per[0] - per[1], 0.0)
 
 
 def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
@@ -158,19 +201,22 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
         ours = lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False)  # noqa: E731
         ours_ms = _bench(ours)
         ours_by_T[(T, dim)] = ours_ms
-        peer_ms, diff, name = None, None, peer_name
+        graph_ms = _bench_graph(ours)
+        peer_ms, peer_graph_ms, diff, name = None, None, None, peer_name
         if compiled is not None:
             try:
                 want = compiled(hidden, kv, q, k)
                 peer_ms = _bench(lambda: compiled(hidden, kv, q, k))
                 ours()
                 diff = (out.float() - want.float()).abs().max().item()
+                peer_graph_ms = _bench_graph(lambda: compiled(hidden, kv, q, k))
             except Exception as exc:  # report, do not crash
                 name = f"torch.compile failed: {type(exc).__name__}: {exc}"
         rows.append(
             _row(
                 f"post_wkv T={T} d={dim}", ours_ms, peer_ms, name, floor(post_wkv_bytes(T, dim)),
                 max_abs_diff=diff, anchor_compile_ms=ANCHOR_COMPILE_MS.get((T, dim)), copy_gbs=bw,
+                graph_ms=graph_ms, peer_graph_ms=peer_graph_ms,
             )
         )
         if not quick and (T, dim) == VARIANT_CASE:
@@ -196,6 +242,10 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
             lambda: engram_gate_partials(hidden, locals_[0], q, k, rank=0, tp_size=P, out=send0, check_inputs=False)
         )
         finish_ms = _bench(lambda: engram_gate_finish(hidden, gathered, tp_size=P, eps=EPS, out=out, check_inputs=False))
+        graph_ms = _bench_graph(lambda: (
+            engram_gate_partials(hidden, locals_[0], q, k, rank=0, tp_size=P, out=send0, check_inputs=False),
+            engram_gate_finish(hidden, gathered, tp_size=P, eps=EPS, out=out, check_inputs=False)))
+        single_graph_ms = _bench_graph(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False))
         single = engram_post_wkv(hidden, kv, q, k, eps=EPS)
         diff = (out.float() - single.float()).abs().max().item()
         if (T, dim) in ours_by_T:
@@ -207,6 +257,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
             _row(
                 f"sharded P={P} T={T} d={dim}", partials_ms + finish_ms, single_ms, "engram_post_wkv (1 rank)",
                 floor(sharded_bytes(T, dim, P)), max_abs_diff=diff, partials_ms=partials_ms, finish_ms=finish_ms,
+                graph_ms=graph_ms, peer_graph_ms=single_graph_ms,
                 **exchanged_bytes_per_token(dim, HC, P),
             )
         )
@@ -228,6 +279,13 @@ def print_rows(rows: list[dict]) -> None:
         )
         if r.get("partials_ms") is not None:
             print(f"{'':<36}   partials {r['partials_ms']:.4f} + finish {r['finish_ms']:.4f} ms")
+        if r.get("graph_ms") is not None:
+            line = f"{'':<36}   CUDA graph: {r['graph_ms']:.4f} ms"
+            if r.get("peer_graph_ms") is not None:
+                line += f" vs {r['peer_graph_ms']:.4f} ms ({r['peer_graph_ms'] / max(r['graph_ms'], 1e-9):.2f}x)"
+            if r.get("hbm_floor_ms"):
+                line += f", {r['hbm_floor_ms'] / max(r['graph_ms'], 1e-9):.0%} of floor"
+            print(line)
         if r.get("anchor_compile_ms") is not None:
             print(f"{'':<36}   ANCHORS torch.compile: {r['anchor_compile_ms']:.4f} ms")
     print("\nbytes all-gathered per token (dim 5120, hc 4, bf16):")
