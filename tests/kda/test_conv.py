@@ -106,7 +106,7 @@ def test_prefill_conv_matches_reference(W, launch):
     torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_conv_rejects_a_row_block_that_misses_the_window():
+def test_prefill_conv_rejects_bad_launch_geometry():
     T, H, K = 8, 1, 16
     x = torch.randn(1, T, H, K)
     cu = torch.tensor([0, T])
@@ -115,6 +115,10 @@ def test_prefill_conv_rejects_a_row_block_that_misses_the_window():
     for bad in (2, 24, 128):  # below W - 1 = 3, not a power of two, past the 64-row chunk
         with pytest.raises(ValueError, match="row_block"):
             conv_prefill_bands(x, x, x, w, cu, ci, row_block=bad)
+    # In-chunk offsets are 32-bit: a token stride past 2**31 / 68 is refused, not wrapped.
+    huge = torch.empty_strided((1, T, H, K), (0, 2**31 // 60, K, 1), device="meta")  # no storage needed
+    with pytest.raises(ValueError, match="k: token stride"):
+        conv_prefill_bands(x, huge, x, w, cu, ci)
 
 
 def test_decode_steps_continue_a_prefill_conv():

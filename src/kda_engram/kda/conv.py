@@ -84,8 +84,9 @@ def _conv_prefill_band(
     only when ``t0 == bos`` (W - 1 <= RB).
 
     Addresses are int64 bases at token ``t0`` plus int32 tiles of local rows
-    (``-(W-1) <= row < BT``), half the registers of int64 tiles; one ``[RB, D]``
-    load per tap (the shifted rows hit L1)."""
+    (``-(W-1) <= row < BT``), half the registers of int64 tiles (the launcher
+    checks that ``(BT + W) * stride`` fits); one ``[RB, D]`` load per tap (the
+    shifted rows hit L1)."""
     tl.static_assert(W - 1 <= RB, "the taps before bos must fall in the first row block")
     cols = tl.arange(0, D)
     x_base = x_ptr + t0 * sx_t
@@ -119,12 +120,14 @@ def _conv_prefill_band(
     if HAS_STATE:
         if write_state:
             slot_w = tl.arange(0, WP)
-            src = (eos - t0).to(tl.int32) - (W - 1) + slot_w  # local row that lands in window slot slot_w
+            # Local row that lands in window slot slot_w: up to the sequence's length
+            # past t0, so its address tile is int64 (unlike the chunk's rows above).
+            src = (eos - t0) - (W - 1) + slot_w
             keep = slot_w < W - 1
-            from_x = keep & (src >= first)
+            from_x = keep & (src >= bos - t0)
             nx = tl.load(x_base + src[:, None] * sx_t + cols[None, :] * sx_c, mask=from_x[:, None], other=0.0)
             # A sequence shorter than the window keeps the old window's tail: slot slot_w + length.
-            from_old = keep & (src < first) & state_ok
+            from_old = keep & (src < bos - t0) & state_ok
             old = tl.load(cs_row + (ch0 + cols)[None, :] * scs_c + (slot_w + (eos - bos))[:, None] * scs_w,
                           mask=from_old[:, None], other=0.0)
             window = tl.where(from_x[:, None], nx.to(tl.float32), old.to(tl.float32))
@@ -235,6 +238,11 @@ def conv_prefill_bands(
         row_block = max(CONV_STATE_ROW_BLOCK if has_state else CONV_ROW_BLOCK, triton.next_power_of_2(W - 1))
     if row_block < W - 1 or row_block & (row_block - 1) or CHUNK_SIZE % row_block:
         raise ValueError(f"row_block: expected a power of two dividing {CHUNK_SIZE} and >= W - 1 = {W - 1}, got {row_block}")
+    for name, stride in (("q", q.stride(1)), ("k", k.stride(1)), ("v", v.stride(1)), ("the output", C)):
+        # The kernel's int32 offsets within a chunk: (64 + W) rows of this stride.
+        if (CHUNK_SIZE + W) * abs(stride) >= 2**31:
+            raise ValueError(f"{name}: token stride {stride} too large for the conv's 32-bit in-chunk offsets; "
+                             f"expected below {2**31 // (CHUNK_SIZE + W)}")
     _conv_prefill_kernel[(rows, H, 3)](
         q, q.stride(1), q.stride(2), q.stride(3),
         k, k.stride(1), k.stride(2), k.stride(3),
