@@ -120,16 +120,17 @@ chunk, so their row is left untouched. The conv is summed in fp32 and its
 output rounded once to the input dtype (exact for fp32 inputs) before the norms.
 
 Why the conv state needs no staging copy: the only program that reads sequence
-``n``'s row (its first chunk's program, for its head's channels) is also the
-one that writes it, after a barrier; every other program reads the raw inputs
+``n``'s row (its first chunk's program, for one band of one head's channels) is
+also the one that writes it, after a barrier; every other program reads the raw inputs
 of earlier tokens from ``q/k/v`` themselves, which nobody writes.
 
 Why the conv is not fused into the first launch (it was until 2026-12-03): that
 kernel already holds 255 registers per thread, and the four shifted taps of
 three bands tripled its time (H200, 1 x 32k, H32, bf16, whole prologue: 2.11 ms
 without the conv; fused, 6.74 ms with the conv and 14.0 ms with the conv state;
-with the separate launch, 3.11 and 3.59 ms). The separate pass moves the three
-bands through HBM once more (read and written in the input dtype).
+with the separate launch, 3.11 and 3.59 ms; with one program per band of it,
+2.67 and 2.91 ms). The separate pass moves the three bands through HBM once more
+(read and written in the input dtype).
 
 Memory ownership: all outputs are allocated here with ``torch.empty`` in
 PyTorch's caching allocator and returned to the caller; so are the ``A_kk``
