@@ -104,6 +104,20 @@ def test_token_blocked_partials(monkeypatch, max_chunk, tokens):
     torch.testing.assert_close(gathered, plain, rtol=1e-6, atol=1e-6)
 
 
+def test_partials_launch_overrides_write_the_same_rows():
+    # A 16-wide block (three per 48-column slice) on one warp, and 4-token tiles of
+    # T = 5 (the second tile has one live row), against the default launch.
+    T, hc, dim, P = 5, 2, 96, 2
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=11)
+    local = shard_kv_by_dim(kv, hc, P)[1]
+    want = engram_gate_partials(hidden, local, q, k, rank=1, tp_size=P)
+    got = engram_gate_partials(hidden, local, q, k, rank=1, tp_size=P, chunk=16, num_warps=1, tokens=4)
+    width = dim // P
+    assert torch.equal(got[:, :width], want[:, :width])
+    torch.testing.assert_close(got[:, width:].contiguous().view(torch.float32),
+                               want[:, width:].contiguous().view(torch.float32), rtol=1e-6, atol=1e-6)
+
+
 def test_two_pass_finish_matches():
     T, hc, dim, P = 3, 2, 264, 4
     hidden, kv, q, k = make_inputs(T, hc, dim, seed=5)
@@ -174,6 +188,10 @@ def test_bad_input_raises_clear_errors():
         engram_gate_partials(hidden, local, q[:, :48], k, rank=0, tp_size=2)
     with pytest.raises(ValueError, match=r"hidden_states: expected shape \[\*, \*, \*\]"):
         engram_gate_partials(hidden[0], local, q, k, rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="chunk: expected a power of two >= 16, got 24"):
+        engram_gate_partials(hidden, local, q, k, rank=0, tp_size=2, chunk=24)
+    with pytest.raises(ValueError, match="num_warps: expected a power of two in"):
+        engram_gate_partials(hidden, local, q, k, rank=0, tp_size=2, num_warps=3)
     _, gathered = sharded(hidden, kv, q, k, 2)
     with pytest.raises(ValueError, match=r"gathered: expected shape .* = \[8, 52\], got \[4, 52\]"):
         engram_gate_finish(hidden, gathered[:4], tp_size=2, eps=EPS)
