@@ -138,10 +138,11 @@ def tokens_per_program(num_rows: int, device: torch.device, tokens: int | None =
     return block
 
 
-def launch_geometry(dim: int, chunk: int | None, num_warps: int | None) -> dict:
-    """Constexprs of a gate kernel that must keep a ``dim`` row (single pass) or
-    stream it in ``chunk``-wide blocks (two passes)."""
-    if chunk is None and dim <= SINGLE_PASS_MAX_DIM:
+def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
+                    max_row_dim: int = SINGLE_PASS_MAX_DIM) -> dict:
+    """Constexprs of a gate kernel that must keep a ``dim`` row (single pass, up to
+    ``max_row_dim``) or stream it in ``chunk``-wide blocks (two passes)."""
+    if chunk is None and dim <= max_row_dim:
         head, tail = row_pieces(dim)
         geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
         lanes = head + tail
@@ -331,15 +332,10 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
     pass (:func:`wide_row_warps` warps, one token) up to ``WIDE_ROW_MAX_DIM``; the
     two passes at ``LOOP_WARPS`` warps and one token past it or with ``chunk``
     (the H200 measurements at those constants)."""
-    if chunk is None and SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM:
-        head, tail = row_pieces(dim)
-        geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
-        _check_num_warps(num_warps)
-        geom["num_warps"] = wide_row_warps(head + tail) if num_warps is None else num_warps
-        return geom, tokens_per_program(T * hc, device, 1 if tokens is None else tokens)
-    geom = launch_geometry(dim, chunk, num_warps)
-    if geom["LOOP"]:
-        geom["num_warps"] = LOOP_WARPS if num_warps is None else num_warps
+    geom = launch_geometry(dim, chunk, num_warps, WIDE_ROW_MAX_DIM)
+    if geom["LOOP"] or dim > SINGLE_PASS_MAX_DIM:
+        if num_warps is None:
+            geom["num_warps"] = LOOP_WARPS if geom["LOOP"] else wide_row_warps(geom["HEAD"] + geom["TAIL"])
         tokens = 1 if tokens is None else tokens
     return geom, tokens_per_program(T * hc, device, tokens)
 
