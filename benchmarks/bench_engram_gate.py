@@ -8,7 +8,7 @@ L2 flushed between runs), bf16, hc = 4:
    ratio (peer ms / ours ms, > 1 is faster) and the fraction of the HBM floor. The
    floor is the bytes that must move (hidden read, kv read, out write) divided by
    the copy bandwidth measured here (a 1 GiB device-to-device copy, read + write).
-   Each row also gives both sides replayed from a CUDA graph (``_bench_graph``).
+   Each row also gives both sides replayed from a CUDA graph (``cuda_graph_ms``).
 2. The dim-sharded gate, P = 2, 4, 8 ranks simulated on one GPU: one rank's
    ``engram_gate_partials`` plus ``engram_gate_finish`` on a gathered buffer built by
    concatenating every rank's send, against one ``engram_post_wkv`` at the same T
@@ -44,6 +44,7 @@ try:  # a source checkout without an install
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from kda_engram.bench import cuda_graph_ms
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.reference import _gate_from_sums, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
@@ -68,41 +69,6 @@ def _bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _bench_graph(fn, iters: int = 200, repeats: int = 5) -> float:
-    """ms per call of ``fn`` replayed from a CUDA graph, as an engine runs it: one
-    graph of ``iters`` x (L2 flush, ``fn``) minus one of ``iters`` flushes alone,
-    median over ``repeats`` replays. Unlike ``do_bench``'s eager loop, no host time
-    (argument handling, launch) can fall between a kernel's timing events: at a
-    few tens of microseconds per kernel the eager loop measures the host."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        graphs.append(g)
-    per = []
-    for g in graphs:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        per.append(statistics.median(times))
-    return max(per[0] - per[1], 0.0)
 
 
 def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
@@ -201,7 +167,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
         ours = lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False)  # noqa: E731
         ours_ms = _bench(ours)
         ours_by_T[(T, dim)] = ours_ms
-        graph_ms = _bench_graph(ours)
+        graph_ms = cuda_graph_ms(ours)
         peer_ms, peer_graph_ms, diff, name = None, None, None, peer_name
         if compiled is not None:
             try:
@@ -209,7 +175,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
                 peer_ms = _bench(lambda: compiled(hidden, kv, q, k))
                 ours()
                 diff = (out.float() - want.float()).abs().max().item()
-                peer_graph_ms = _bench_graph(lambda: compiled(hidden, kv, q, k))
+                peer_graph_ms = cuda_graph_ms(lambda: compiled(hidden, kv, q, k))
             except Exception as exc:  # report, do not crash
                 name = f"torch.compile failed: {type(exc).__name__}: {exc}"
         rows.append(
@@ -242,10 +208,10 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
             lambda: engram_gate_partials(hidden, locals_[0], q, k, rank=0, tp_size=P, out=send0, check_inputs=False)
         )
         finish_ms = _bench(lambda: engram_gate_finish(hidden, gathered, tp_size=P, eps=EPS, out=out, check_inputs=False))
-        graph_ms = _bench_graph(lambda: (
+        graph_ms = cuda_graph_ms(lambda: (
             engram_gate_partials(hidden, locals_[0], q, k, rank=0, tp_size=P, out=send0, check_inputs=False),
             engram_gate_finish(hidden, gathered, tp_size=P, eps=EPS, out=out, check_inputs=False)))
-        single_graph_ms = _bench_graph(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False))
+        single_graph_ms = cuda_graph_ms(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False))
         single = engram_post_wkv(hidden, kv, q, k, eps=EPS)
         diff = (out.float() - single.float()).abs().max().item()
         if (T, dim) in ours_by_T:
