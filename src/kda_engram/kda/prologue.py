@@ -45,6 +45,26 @@ channels into 16-64 wide passes to cut the live tiles ran 4.1-6.8 ms (CK 16 at
 8 warps: no spills, 5.65 ms): the per-sub-chunk selects, broadcasts and
 reshapes of the gate factors cost more than the registers they save.
 
+Where the 2.1 ms go (H200, 1 x 32k H32, torch.profiler, 2026-12-03): the first
+launch 1.51 ms, the solve 0.60 ms. Nsight Compute (1 x 8k H32): both kernels at
+255 registers and 12.5% occupancy (2 warps per scheduler), issuing an instruction
+every 3.0 (first launch) and 3.5 (solve) cycles; the first launch's shared-memory
+accesses (the layout changes around its products) are 37% bank-conflict
+wavefronts. Three changes that looked like they would help and did not (same
+process, shuffled rounds, whole prologue at 1 x 32k H32; the 64 x 512 H32 and
+1 x 128k H4 rows moved the same way):
+
+* ``u``'s right-hand side ``beta v`` formed by the solve from ``v`` and the raw
+  beta (the first launch then never touches ``v``: 512 bytes less HBM traffic
+  per token and head), with ``w`` and ``u`` solved by two programs per chunk
+  instead of one: 2.56 ms against 2.09 (the first launch still took 255
+  registers, and each half of the solve runs the whole serial chain of four
+  16x16 inverses and block substitutions for half the work); 2.32 ms with
+  those solve programs on 4 warps capped at 128 registers;
+* the first launch capped at 168 registers by ``maxnreg`` (632 bytes of spills
+  per thread, 3 programs per SM instead of 2): 2.92 ms;
+* the first launch on 8 warps capped at 128 registers: 3.73 ms.
+
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
 of ``a * log2(e)`` (``g <= 0``, non-increasing within a chunk):
