@@ -61,9 +61,10 @@ process, shuffled rounds, whole prologue at 1 x 32k H32; the 64 x 512 H32 and
   registers, and each half of the solve runs the whole serial chain of four
   16x16 inverses and block substitutions for half the work); 2.32 ms with
   those solve programs on 4 warps capped at 128 registers;
-* the first launch capped at 168 registers by ``maxnreg`` (632 bytes of spills
-  per thread, 3 programs per SM instead of 2): 2.92 ms;
-* the first launch on 8 warps capped at 128 registers: 3.73 ms.
+* on top of that change, the first launch capped at 168 registers by
+  ``maxnreg`` (632 bytes of spills per thread, 3 programs per SM instead of
+  2): 2.92 ms against its 2.56;
+* and on 8 warps capped at 128 registers: 3.73 ms.
 
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
