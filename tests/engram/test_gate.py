@@ -14,10 +14,14 @@ from kda_engram.engram.gate import (
     MAX_TOKENS_PER_PROGRAM,
     PROGRAMS_PER_CU,
     SINGLE_PASS_MAX_DIM,
+    SMALL_GRID_ROWS_PER_CU,
+    SMALL_GRID_WARPS,
+    WIDE_ROW_HINTS_MAX_ROWS_PER_CU,
     engram_post_wkv,
     launch_geometry,
     post_wkv_launch,
     row_pieces,
+    small_grid_chunk,
     tokens_per_program,
     warps_for,
     WIDE_ROW_MAX_DIM,
@@ -82,12 +86,33 @@ def test_launch_geometry_switches_to_two_passes_above_the_register_budget():
         launch_geometry(96, None, 3)
 
 
+HINTED, PLAIN = ("evict_last", "evict_first"), ("", "")
+
+
 def test_post_wkv_launch_defaults():
-    cpu = torch.device("cpu")
-    for T in (1, 64, 10**6):  # wide single pass at any batch size: one token per program
-        geom, block = post_wkv_launch(T, 4, 5120, cpu)
+    cpu = torch.device("cpu")  # the interpreter's 8 compute units
+    cus = num_compute_units(cpu)
+    small = SMALL_GRID_ROWS_PER_CU * cus // 4  # tokens at hc = 4
+    for T, dim in ((1, 5120), (small, 5120), (small, 2560), (small, 2600)):  # small grid: hinted two passes
+        geom, block = post_wkv_launch(T, 4, dim, cpu)
+        assert geom["LOOP"] and geom["CHUNK"] == small_grid_chunk(dim) and block == 1
+        assert geom["num_warps"] == SMALL_GRID_WARPS and (geom["KEEP"], geom["LAST_USE"]) == HINTED
+    assert [small_grid_chunk(d) for d in (5120, 2600, 2560, 2049)] == [2048, 1024, 1024, 1024]
+    hinted_up_to = WIDE_ROW_HINTS_MAX_ROWS_PER_CU * cus // 4
+    for T, hints in ((small + 1, HINTED), (hinted_up_to, HINTED), (hinted_up_to + 1, PLAIN), (10**6, PLAIN)):
+        geom, block = post_wkv_launch(T, 4, 5120, cpu)  # wide single pass: one token per program
         assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (4096, 1024)
         assert geom["num_warps"] == wide_row_warps(5120) == 4 and block == 1
+        assert (geom["KEEP"], geom["LAST_USE"]) == hints
+    # l2_hints overrides only the hints; any other override leaves both choices to the caller.
+    assert (post_wkv_launch(1, 4, 5120, cpu, l2_hints=False)[0]["KEEP"], post_wkv_launch(1, 4, 5120, cpu)[0]["LOOP"]) == ("", True)
+    assert post_wkv_launch(10**6, 4, 5120, cpu, l2_hints=True)[0]["LAST_USE"] == "evict_first"
+    geom, _ = post_wkv_launch(1, 4, 5120, cpu, tokens=1)
+    assert not geom["LOOP"] and geom["KEEP"] == ""
+    for T in (1, 10**6):  # past the wide-row dims and at or below the single-pass ones: neither
+        for dim in (WIDE_ROW_MAX_DIM + 1, SINGLE_PASS_MAX_DIM):
+            geom, _ = post_wkv_launch(T, 4, dim, cpu)
+            assert (geom["KEEP"], geom["LAST_USE"]) == PLAIN and geom["LOOP"] == (dim > WIDE_ROW_MAX_DIM)
     geom, block = post_wkv_launch(10**6, 4, 2560, cpu)
     assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (2048, 512) and geom["num_warps"] == 2
     assert wide_row_warps(2048 + 1024) == 4  # dim 2600: 3 warps' worth, rounded up to a power of two
@@ -140,6 +165,25 @@ def test_wide_row_path_matches_reference(dtype, dim, tokens):
     out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 4, tokens=tokens)
     assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=T - 4), dtype)
     assert torch.equal(out[T - 4 :], hidden[T - 4 :]) and torch.equal(out[~mask], hidden[~mask])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [2560, 2600])
+def test_small_grid_path_matches_reference(dtype, dim):
+    # The small-grid launch (hinted two passes of half-row blocks; 2600 = two full
+    # 1024-wide blocks and a masked one), with a mask and short kv; the hints change
+    # no arithmetic, so the unhinted launch of the same blocks is bit-identical.
+    hc, T = 4, 5
+    geom, _ = post_wkv_launch(T, hc, dim, torch.device("cpu"))
+    assert geom["LOOP"] and geom["KEEP"] == "evict_last"
+    hidden, kv, q, k = make_inputs(T, hc, dim, dtype=dtype, seed=dim + 1)
+    mask = torch.tensor([True, False, True, True, True])
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 1)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=T - 1), dtype)
+    assert torch.equal(out[T - 1 :], hidden[T - 1 :]) and torch.equal(out[1], hidden[1])
+    plain = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 1,
+                            chunk=geom["CHUNK"], num_warps=geom["num_warps"], l2_hints=False)
+    assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize("dim, hc", [(96, 4), (257, 2)])
@@ -331,6 +375,26 @@ def test_gpu_fp32_tight(gpu, dim, chunk, tokens):
     hidden, kv, q, k = make_inputs(T, hc, dim, device=gpu, seed=dim)
     out = engram_post_wkv(hidden, kv, q, k, eps=EPS, chunk=chunk, tokens=tokens)
     assert_matches(out, ref64(hidden, kv, q, k), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [2560, 2600, 5120])
+@pytest.mark.parametrize("T", [1, 64, 128, 300])
+def test_gpu_small_grid_and_hinted_rows(gpu, dim, T):
+    # T <= 128 at hc 4: the small-grid launch; 300: the hinted wide row. Hints on or
+    # off, the same blocks give the same bits.
+    hc = 4
+    hidden, kv, q, k = make_inputs(T, hc, dim, dtype=torch.bfloat16, device=gpu, seed=dim + T)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(T)).to(gpu) > 0.2
+    n_kv = max(T - 7, 0)
+    geom, _ = post_wkv_launch(T, hc, dim, gpu)
+    assert geom["KEEP"] == "evict_last" and geom["LOOP"] == (T * hc <= SMALL_GRID_ROWS_PER_CU * num_compute_units(gpu))
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=n_kv)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=n_kv), torch.bfloat16)
+    assert torch.equal(out[n_kv:], hidden[n_kv:]) and torch.equal(out[~mask], hidden[~mask])
+    launch = dict(chunk=geom["CHUNK"], num_warps=geom["num_warps"]) if geom["LOOP"] else dict(tokens=1)
+    assert torch.equal(out, engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=n_kv,
+                                            l2_hints=False, **launch))
 
 
 @pytest.mark.gpu

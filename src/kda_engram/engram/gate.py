@@ -25,6 +25,13 @@ each HBM byte once and keeping the L2 traffic behind it small:
   on as few warps as hold about ``WIDE_ROW_ELEMS_PER_THREAD`` elements of a row per
   thread (4 warps at dim 5120, 2 at 2560). Each HBM byte is read once and the
   program has one load round trip, which also makes it the fastest at T = 64.
+* **Small grids** (wide-row dims, at most ``SMALL_GRID_ROWS_PER_CU`` programs per
+  compute unit: T <= 128 at hc = 4 on the H200): two passes of half-row-wide blocks
+  on 8 warps, the first pass's loads marked ``evict_last`` so the second re-reads
+  hidden and value from L2. With two programs per SM the row-in-registers program
+  has too few loads in flight; at dim 5120, T = 64 this runs 4.85 us against 6.01
+  (``torch.compile``: 5.12). The wide single pass keeps the hints on its value row
+  (shared by the ``hc`` programs of a token) up to 64 programs per SM.
 * **Chunked two passes** (dims past ``WIDE_ROW_MAX_DIM``, or forced with ``chunk=``): pass one
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
@@ -85,6 +92,43 @@ WIDE_ROW_ELEMS_PER_THREAD = 40
 # blocking saves nothing there (the loop re-reads q_w*k_w per block anyway).
 LOOP_CHUNK = 1024
 LOOP_WARPS = 2
+# L2 eviction hints ("evict_last" on the loads whose lines are read again: the
+# weights, the value row the hc programs of a token share, pass one's rows;
+# "evict_first" on a row's last read) and the small-grid launch, for dims past
+# SINGLE_PASS_MAX_DIM, chosen by programs (T * hc) per compute unit:
+#
+# * up to SMALL_GRID_ROWS_PER_CU: two passes of small_grid_chunk(dim)-wide blocks
+#   (the largest power of two <= dim / 2) on SMALL_GRID_WARPS warps, hinted;
+# * up to WIDE_ROW_HINTS_MAX_ROWS_PER_CU: the wide single pass, hinted;
+# * past it: the wide single pass without hints. There a hinted value row stays
+#   in L2 long after its last reader and crowds out the rows still to be read.
+#
+# H200 (2026-12-04, hc 4, bf16, CUDA-graph replay with an L2 flush per call, medians
+# of 3 shuffled rounds in one process, .dbg/gate_sweep.py), us:
+#
+#   dim, T       2 passes hinted    wide, hinted   wide    torch.compile
+#   5120, 64     4.85 (c2048 w8)    5.95           6.01    5.12
+#   5120, 128    7.31 (c2048 w8)    7.32           7.79    9.86
+#   5120, 256    15.37 (c2048 w8)   13.20          14.34
+#   5120, 512                       23.23          25.10
+#   5120, 1024                      41.88          43.26
+#   5120, 2048                      77.37          78.02
+#   5120, 16384                     567.82         559.81
+#   2560, 64     3.40 (c1024 w8)    4.82           4.90    3.65
+#   2560, 128    4.53 (c1024 w8)    5.59           5.77    6.49
+#   2560, 256    6.77 (c1024 w4)    7.10           7.51
+#   2560, 512                       12.61          13.57
+#   2560, 2048                      40.13          41.71
+#   2560, 16384                     280.59         275.81
+#
+# (c = block width, w = warps; 4 warps ran 5.27 / 7.47 us at dim 5120, T = 64 / 128, and
+# 8 warps 7.19 us at dim 2560, T = 256, where the hinted wide row is chosen: 0.33 us
+# left there for one rule across both dims.)
+# 132 SMs: T = 128 is 3.9 programs per SM, T = 2048 62 and T = 16384 496; where
+# the hints turn from gain to loss between 62 and 496 was not measured.
+SMALL_GRID_ROWS_PER_CU = 4
+SMALL_GRID_WARPS = 8
+WIDE_ROW_HINTS_MAX_ROWS_PER_CU = 64
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
@@ -179,20 +223,24 @@ def _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_val
 
 
 @triton.jit
-def _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, N: tl.constexpr, DIM: tl.constexpr):
-    """``q_w[h] * k_w[h]`` over columns ``[start, start + N)``, fp32 (exact for bf16/fp16)."""
+def _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, N: tl.constexpr, DIM: tl.constexpr,
+             POLICY: tl.constexpr):
+    """``q_w[h] * k_w[h]`` over columns ``[start, start + N)``, fp32 (exact for bf16/fp16).
+    ``POLICY``: the L2 eviction hint of both loads ("" = none)."""
     offs = start + tl.arange(0, N)
     valid = offs < DIM
-    q = tl.load(q_row + offs * q_stride_d, mask=valid, other=0.0).to(tl.float32)
-    k = tl.load(k_row + offs * k_stride_d, mask=valid, other=0.0).to(tl.float32)
+    q = tl.load(q_row + offs * q_stride_d, mask=valid, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    k = tl.load(k_row + offs * k_stride_d, mask=valid, other=0.0, eviction_policy=POLICY).to(tl.float32)
     return q * k
 
 
 @triton.jit
-def _value_piece(value_row, kv_stride_d, start, kv_ok, N: tl.constexpr, DIM: tl.constexpr):
+def _value_piece(value_row, kv_stride_d, start, kv_ok, N: tl.constexpr, DIM: tl.constexpr, POLICY: tl.constexpr):
     """Columns ``[start, start + N)`` of a token's value row, fp32."""
     offs = start + tl.arange(0, N)
-    return tl.load(value_row + offs * kv_stride_d, mask=(offs < DIM) & kv_ok, other=0.0).to(tl.float32)
+    return tl.load(
+        value_row + offs * kv_stride_d, mask=(offs < DIM) & kv_ok, other=0.0, eviction_policy=POLICY
+    ).to(tl.float32)
 
 
 @triton.jit
@@ -200,15 +248,15 @@ def _stream_piece(
     hidden_row, key_row, qk,
     hidden_stride_d, kv_stride_d,
     start, token_ok, kv_ok,
-    N: tl.constexpr, DIM: tl.constexpr,
+    N: tl.constexpr, DIM: tl.constexpr, POLICY: tl.constexpr,
 ):
     """Load columns ``[start, start + N)`` of one (token, stream) and return the
     hidden block (in its load dtype, kept for the output) and the piece's three
-    sums (fp32)."""
+    sums (fp32). ``POLICY``: the L2 eviction hint of both loads."""
     offs = start + tl.arange(0, N)
     valid = offs < DIM
-    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0)
-    key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=POLICY)
+    key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
     hidden_f = hidden.to(tl.float32)
     hidden_sq = tl.sum(hidden_f * hidden_f, axis=0)
     key_sq = tl.sum(key * key, axis=0)
@@ -238,21 +286,25 @@ def _engram_post_wkv_kernel(
     inv_dim, dim_scale, eps, clamp_value,
     DIM: tl.constexpr, HC: tl.constexpr, TOKENS: tl.constexpr,
     HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    HAS_MASK: tl.constexpr, KEEP: tl.constexpr, LAST_USE: tl.constexpr,
 ):
     """Grid ``cdiv(T, TOKENS) * HC``: program ``(b, h)`` gates stream ``h`` of tokens
     ``[b*TOKENS, (b+1)*TOKENS)`` one after the other, loading ``q_w[h]*k_w[h]`` once
     (single-pass path) instead of once per token. ``num_kv_tokens`` is the number
-    of readable kv rows, already clamped to ``kv.shape[0]`` by the host."""
+    of readable kv rows, already clamped to ``kv.shape[0]`` by the host.
+
+    ``KEEP`` / ``LAST_USE``: L2 eviction hints ("" = none) of the loads whose lines
+    are read again (the weights, the shared value row, pass one's rows) and of a
+    row's last read (pass two's hidden; the single pass's hidden and key)."""
     pid = tl.program_id(0)
     block = pid // HC
     stream = pid % HC
     q_row = q_weight + stream * q_stride_h
     k_row = k_weight + stream * k_stride_h
     if not LOOP:
-        qk0 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, 0, HEAD, DIM)
+        qk0 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, 0, HEAD, DIM, KEEP)
         if TAIL > 0:
-            qk1 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, HEAD, TAIL, DIM)
+            qk1 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, HEAD, TAIL, DIM, KEEP)
 
     for i in tl.range(0, TOKENS):
         token = (block * TOKENS + i).to(tl.int64)
@@ -270,15 +322,15 @@ def _engram_post_wkv_kernel(
             # the program has a single load round trip.
             hidden0, hidden_sq, key_sq, dot = _stream_piece(
                 hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
-                0, token_ok, kv_ok, HEAD, DIM,
+                0, token_ok, kv_ok, HEAD, DIM, LAST_USE,
             )
-            value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM)
+            value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
             if TAIL > 0:
                 hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
                     hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
-                    HEAD, token_ok, kv_ok, TAIL, DIM,
+                    HEAD, token_ok, kv_ok, TAIL, DIM, LAST_USE,
                 )
-                value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM)
+                value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM, KEEP)
                 hidden_sq += hidden_sq1
                 key_sq += key_sq1
                 dot += dot1
@@ -295,9 +347,13 @@ def _engram_post_wkv_kernel(
             for start in tl.range(0, DIM, CHUNK):
                 offs = start + tl.arange(0, CHUNK)
                 valid = offs < DIM
-                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
-                key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
-                qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM)
+                hidden = tl.load(
+                    hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=KEEP
+                ).to(tl.float32)
+                key = tl.load(
+                    key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=KEEP
+                ).to(tl.float32)
+                qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM, KEEP)
                 acc_hidden += hidden * hidden
                 acc_key += key * key
                 acc_dot += hidden * qk * key
@@ -310,8 +366,10 @@ def _engram_post_wkv_kernel(
             for start in tl.range(0, DIM, CHUNK):
                 offs = start + tl.arange(0, CHUNK)
                 valid = offs < DIM
-                hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0).to(tl.float32)
-                value = tl.load(value_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0).to(tl.float32)
+                hidden = tl.load(
+                    hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=LAST_USE
+                ).to(tl.float32)
+                value = _value_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
                 _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
 
 
@@ -326,13 +384,32 @@ def wide_row_warps(lanes: int) -> int:
     return triton.next_power_of_2(triton.cdiv(lanes, 32 * WIDE_ROW_ELEMS_PER_THREAD))
 
 
-def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None) -> tuple[dict, int]:
+def small_grid_chunk(dim: int) -> int:
+    """Block width of the small-grid two passes: the largest power of two <= dim / 2
+    (2048 at dim 5120, 1024 at 2560: two and a half blocks per row)."""
+    return max(16, 1 << ((dim // 2).bit_length() - 1))
+
+
+def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None,
+                    l2_hints=None) -> tuple[dict, int]:
     """``(constexprs and num_warps, tokens per program)`` of an ``engram_post_wkv``
-    launch: :func:`launch_geometry` up to ``SINGLE_PASS_MAX_DIM``; the wide single
-    pass (:func:`wide_row_warps` warps, one token) up to ``WIDE_ROW_MAX_DIM``; the
-    two passes at ``LOOP_WARPS`` warps and one token past it or with ``chunk``
-    (the H200 measurements at those constants)."""
+    launch: :func:`launch_geometry` up to ``SINGLE_PASS_MAX_DIM``; up to
+    ``WIDE_ROW_MAX_DIM``, by programs per compute unit (the table above
+    ``SMALL_GRID_ROWS_PER_CU``), the hinted two passes on a small grid or the wide
+    single pass (:func:`wide_row_warps` warps, one token; hinted up to
+    ``WIDE_ROW_HINTS_MAX_ROWS_PER_CU``); the two passes at ``LOOP_WARPS`` warps and
+    one token past it or with ``chunk``. A ``chunk``, ``num_warps`` or ``tokens`` override turns
+    off the small-grid choice and the default hints; ``l2_hints`` sets the hints."""
+    rows_per_cu = T * hc / num_compute_units(device)
+    # The hints and the small grid only where they were measured: the wide-row dims.
+    measured = (chunk, num_warps, tokens) == (None, None, None) and SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM
+    if measured and rows_per_cu <= SMALL_GRID_ROWS_PER_CU:
+        chunk, num_warps = small_grid_chunk(dim), SMALL_GRID_WARPS
+        l2_hints = True if l2_hints is None else l2_hints
+    elif l2_hints is None:
+        l2_hints = measured and rows_per_cu <= WIDE_ROW_HINTS_MAX_ROWS_PER_CU
     geom = launch_geometry(dim, chunk, num_warps, WIDE_ROW_MAX_DIM)
+    geom["KEEP"], geom["LAST_USE"] = ("evict_last", "evict_first") if l2_hints else ("", "")
     if geom["LOOP"] or dim > SINGLE_PASS_MAX_DIM:
         if num_warps is None:
             geom["num_warps"] = LOOP_WARPS if geom["LOOP"] else wide_row_warps(geom["HEAD"] + geom["TAIL"])
@@ -373,6 +450,7 @@ def engram_post_wkv(
     chunk: int | None = None,
     num_warps: int | None = None,
     tokens: int | None = None,
+    l2_hints: bool | None = None,
 ) -> torch.Tensor:
     """The Engram gate on one rank, fused: ``out = hidden + gate * value``.
 
@@ -394,6 +472,8 @@ def engram_post_wkv(
             two-pass path with that power-of-two block width; ``tokens`` sets the
             tokens per program, see :func:`tokens_per_program`; dims past
             ``SINGLE_PASS_MAX_DIM`` default to one token, see :func:`post_wkv_launch`).
+        l2_hints: launch override: L2 eviction hints on the loads (on by default
+            only for the small-grid launch, see :func:`post_wkv_launch`).
 
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
@@ -411,7 +491,7 @@ def engram_post_wkv(
         return out
     # Host integers only: never read past kv's rows, whatever the caller passed.
     n_kv = kv.shape[0] if num_kv_tokens is None else max(0, min(int(num_kv_tokens), kv.shape[0]))
-    geom, block = post_wkv_launch(T, hc, dim, hidden_states.device, chunk, num_warps, tokens)
+    geom, block = post_wkv_launch(T, hc, dim, hidden_states.device, chunk, num_warps, tokens, l2_hints)
     mask_arg = token_mask if token_mask is not None else hidden_states
     _engram_post_wkv_kernel[(triton.cdiv(T, block) * hc,)](
         hidden_states, kv, q_weight, k_weight, mask_arg, out,

@@ -131,7 +131,7 @@ def _engram_gate_partials_kernel(
             valid = token_ok[:, None] & (offs < WIDTH)[None, :]
             hidden = tl.load(hidden_rows + offs[None, :] * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
             key = tl.load(key_rows + offs[None, :] * kv_stride_d, mask=valid, other=0.0).to(tl.float32)
-            qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, WIDTH)
+            qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, WIDTH, "")
             acc_key += key * key
             acc_dot += hidden * qk[None, :] * key
         pair = send_f32 + tokens * send_f32_stride_t + PAIR_OFFSET + 2 * j
