@@ -104,7 +104,7 @@ LOOP_WARPS = 2
 #   in L2 long after its last reader and crowds out the rows still to be read.
 #
 # H200 (2026-12-04, hc 4, bf16, CUDA-graph replay with an L2 flush per call, medians
-# of 3 shuffled rounds in one process, .dbg/gate_sweep.py), us:
+# of 3 shuffled rounds in one process, benchmarks/sweep_engram_gate.py), us:
 #
 #   dim, T       2 passes hinted    wide, hinted   wide    torch.compile
 #   5120, 64     4.85 (c2048 w8)    5.95           6.01    5.12
