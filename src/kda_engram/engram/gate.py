@@ -124,6 +124,8 @@ LOOP_WARPS = 2
 # (c = block width, w = warps; 4 warps ran 5.27 / 7.47 us at dim 5120, T = 64 / 128, and
 # 8 warps 7.19 us at dim 2560, T = 256, where the hinted wide row is chosen: 0.33 us
 # left there for one rule across both dims.)
+# A second sweep (2 rounds) read 78.46 / 78.37 us at dim 5120, T = 2048 (the hints
+# within noise there) and 40.25 / 41.80 at dim 2560, T = 2048.
 # 132 SMs: T = 128 is 3.9 programs per SM, T = 2048 62 and T = 16384 496; where
 # the hints turn from gain to loss between 62 and 496 was not measured.
 SMALL_GRID_ROWS_PER_CU = 4
