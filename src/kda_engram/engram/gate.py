@@ -24,14 +24,16 @@ each HBM byte once and keeping the L2 traffic behind it small:
   model's 5120 among them): the same register-resident row, one token per program,
   on as few warps as hold about ``WIDE_ROW_ELEMS_PER_THREAD`` elements of a row per
   thread (4 warps at dim 5120, 2 at 2560). Each HBM byte is read once and the
-  program has one load round trip, which also makes it the fastest at T = 64.
+  program has one load round trip. It runs every grid past the small ones below.
 * **Small grids** (wide-row dims, at most ``SMALL_GRID_ROWS_PER_CU`` programs per
   compute unit: T <= 128 at hc = 4 on the H200): two passes of half-row-wide blocks
   on 8 warps, the first pass's loads marked ``evict_last`` so the second re-reads
-  hidden and value from L2. With two programs per SM the row-in-registers program
-  has too few loads in flight; at dim 5120, T = 64 this runs 4.85 us against 6.01
-  (``torch.compile``: 5.12). The wide single pass keeps the hints on its value row
-  (shared by the ``hc`` programs of a token) up to 64 programs per SM.
+  hidden and value from L2 (the shape of ``torch.compile``'s kernel: 2048-wide
+  blocks, 16 warps, the same hints). At dim 5120, T = 64 this runs 4.85 us against
+  the wide single pass's 6.01 (``torch.compile``: 5.12); the hints alone are worth
+  most of it (7.21 -> 5.15 us on 8 warps in an A/B), which was measured, not
+  profiled. The wide single pass keeps the hints on its value row (read by the
+  ``hc`` programs of a token) up to 64 programs per SM.
 * **Chunked two passes** (dims past ``WIDE_ROW_MAX_DIM``, or forced with ``chunk=``): pass one
   accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
   and value (from L2: the row was touched microseconds earlier) and writes. This
@@ -100,8 +102,9 @@ LOOP_WARPS = 2
 # * up to SMALL_GRID_ROWS_PER_CU: two passes of small_grid_chunk(dim)-wide blocks
 #   (the largest power of two <= dim / 2) on SMALL_GRID_WARPS warps, hinted;
 # * up to WIDE_ROW_HINTS_MAX_ROWS_PER_CU: the wide single pass, hinted;
-# * past it: the wide single pass without hints. There a hinted value row stays
-#   in L2 long after its last reader and crowds out the rows still to be read.
+# * past it: the wide single pass without hints (they cost 1.4-1.7% at T = 16384;
+#   presumably hinted value rows outlive their last reader in L2 and crowd out
+#   rows still to be read, not profiled).
 #
 # H200 (2026-12-04, hc 4, bf16, CUDA-graph replay with an L2 flush per call, medians
 # of 3 shuffled rounds in one process, benchmarks/sweep_engram_gate.py), us:
@@ -295,9 +298,10 @@ def _engram_post_wkv_kernel(
     (single-pass path) instead of once per token. ``num_kv_tokens`` is the number
     of readable kv rows, already clamped to ``kv.shape[0]`` by the host.
 
-    ``KEEP`` / ``LAST_USE``: L2 eviction hints ("" = none) of the loads whose lines
-    are read again (the weights, the shared value row, pass one's rows) and of a
-    row's last read (pass two's hidden; the single pass's hidden and key)."""
+    ``KEEP`` / ``LAST_USE``: L2 eviction hints ("" = none). ``KEEP``: the weights,
+    the value row (shared by the ``HC`` programs of a token) and all of pass one's
+    loads (its key too, which is not read again: the measured launch). ``LAST_USE``:
+    a row's last read (pass two's hidden; the single pass's hidden and key)."""
     pid = tl.program_id(0)
     block = pid // HC
     stream = pid % HC
