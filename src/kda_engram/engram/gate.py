@@ -131,6 +131,15 @@ LOOP_WARPS = 2
 # within noise there) and 40.25 / 41.80 at dim 2560, T = 2048.
 # 132 SMs: T = 128 is 3.9 programs per SM, T = 2048 62 and T = 16384 496; where
 # the hints turn from gain to loss between 62 and 496 was not measured.
+#
+# Measured and not adopted (2026-12-04, .dbg experiments, graph replay): the output
+# stores with evict_first or the streaming .cs modifier (dim 5120, T = 2048: 79.5-79.6
+# against 78.1 us; no change at 64, 512, 16384); a persistent wide row (4 programs
+# per SM walking rows pid, pid + grid, ..., 4 warps): dim 5120 73.9 us (87%) at
+# T = 2048 and 529.9 us (97%, tl.range num_stages 2) at T = 16384 against 77.2 /
+# 554.9, but no gain at dim 2560 (40.6 against 39.9 us at T = 2048) and a cliff at 3
+# programs per SM (578-705 us at T = 16384) that is not understood. The next step for
+# the 90% target at T = 2048, once that cliff is explained.
 SMALL_GRID_ROWS_PER_CU = 4
 SMALL_GRID_WARPS = 8
 WIDE_ROW_HINTS_MAX_ROWS_PER_CU = 64
