@@ -137,9 +137,13 @@ LOOP_WARPS = 2
 # against 78.1 us; no change at 64, 512, 16384); a persistent wide row (4 programs
 # per SM walking rows pid, pid + grid, ..., 4 warps): dim 5120 73.9 us (87%) at
 # T = 2048 and 529.9 us (97%, tl.range num_stages 2) at T = 16384 against 77.2 /
-# 554.9, but no gain at dim 2560 (40.6 against 39.9 us at T = 2048) and a cliff at 3
-# programs per SM (578-705 us at T = 16384) that is not understood. The next step for
-# the 90% target at T = 2048, once that cliff is explained.
+# 554.9, but no gain at dim 2560 (40.6 against 39.9 us at T = 2048). Its cliffs
+# follow occupancy (100 registers: 4 programs fit per SM; 3 leave a slot idle, 5-6
+# add a partial second round). Built into this kernel (the grid sized from the
+# compiled kernel's registers, q_w*k_w hoisted out of the token loop: 127 registers,
+# still 4 per SM; strides and masks as here) it did not keep the gain: 561.9 against
+# 554.4 us at T = 16384 and 76.6 against 77.7 at T = 2048 (dim 2560: 274.9 against
+# 273.1), so it was left out.
 SMALL_GRID_ROWS_PER_CU = 4
 SMALL_GRID_WARPS = 8
 WIDE_ROW_HINTS_MAX_ROWS_PER_CU = 64
