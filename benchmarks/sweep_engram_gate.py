@@ -4,8 +4,9 @@ measurements behind ``SMALL_GRID_ROWS_PER_CU`` and ``WIDE_ROW_HINTS_MAX_ROWS_PER
 in ``kda_engram/engram/gate.py`` came from this script.
 
 Variants: ``default``; ``wide`` / ``wide+hints`` (the register-resident single
-pass without / with L2 eviction hints); ``2pass cC wW hints`` (two passes of
-C-wide blocks on W warps, hinted; only up to T = 2048, where they stop
+pass, one token per program, without / with L2 eviction hints); ``persistent pN``
+(the single pass on N programs per SM, from T = 256); ``2pass cC wW hints`` (two
+passes of C-wide blocks on W warps, hinted; only up to T = 2048, where they stop
 competing); ``torch.compile`` of the reference up to T = 128. Rounds run the
 variants in a fresh shuffled order; each line gives the median, the fraction of
 the HBM floor and every round.
@@ -29,12 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import bench_engram_gate as gate_bench  # noqa: E402
 from kda_engram.bench import cuda_graph_ms  # noqa: E402
 from kda_engram.engram.gate import engram_post_wkv, post_wkv_launch  # noqa: E402
+from kda_engram.platform import num_compute_units  # noqa: E402
 
 HC = gate_bench.HC
 
 
-def variants(T: int) -> dict[str, dict]:
-    out = {"default": {}, "wide": dict(l2_hints=False), "wide+hints": dict(l2_hints=True)}
+def variants(T: int, device) -> dict[str, dict]:
+    out = {"default": {}, "wide": dict(tokens=1), "wide+hints": dict(tokens=1, l2_hints=True)}
+    if T >= 256:
+        for per_cu in (4, 8):
+            out[f"persistent p{per_cu}"] = dict(programs=per_cu * num_compute_units(device) // HC * HC)
     if T <= 2048:
         for chunk in (1024, 2048):
             for warps in (4, 8):
@@ -47,7 +52,7 @@ def sweep_shape(dim: int, T: int, rounds: int, copy_gbs: float, device) -> None:
     want = gate_bench.reference_math(hidden, kv, q, k)
     out = torch.empty_like(hidden)
     calls = {}
-    for name, launch in variants(T).items():
+    for name, launch in variants(T, device).items():
         def call(launch=launch):
             return engram_post_wkv(hidden, kv, q, k, eps=gate_bench.EPS, clamp_value=gate_bench.CLAMP,
                                    out=out, check_inputs=False, **launch)
@@ -69,7 +74,7 @@ def sweep_shape(dim: int, T: int, rounds: int, copy_gbs: float, device) -> None:
     floor_us = gate_bench.post_wkv_bytes(T, dim) / (copy_gbs * 1e9) * 1e6
     geom, _ = post_wkv_launch(T, HC, dim, device)
     print(f"dim {dim} T {T}: floor {floor_us:.2f} us; default LOOP={geom['LOOP']} CHUNK={geom['CHUNK']} "
-          f"warps={geom['num_warps']} hints={bool(geom['KEEP'])}")
+          f"warps={geom['num_warps']} hints={bool(geom['KEEP'])} persistent={geom['PERSISTENT']}")
     for name, us in sorted(times.items(), key=lambda item: statistics.median(item[1])):
         med = statistics.median(us)
         print(f"  {name:<22} {med:9.2f} us  {floor_us / med:5.0%}  {[round(x, 2) for x in us]}", flush=True)

@@ -55,6 +55,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     geoms = {(r["constexprs"].get("LOOP"), r["constexprs"].get("HEAD")) for r in rows
              if r["kernel"] == "_engram_post_wkv_kernel"}
     assert {(True, 16), (False, 4096), (False, 2048), (False, 1024)} <= geoms, geoms
+    persistent = {r["constexprs"].get("HEAD") for r in rows
+                  if r["kernel"] == "_engram_post_wkv_kernel" and r["constexprs"].get("PERSISTENT")}
+    assert persistent == {4096, 2048}, persistent
     assert {r["constexprs"].get("NATIVE_FP8") for r in rows if r["kernel"] == "_engram_gather_kernel"} >= {True, False}
     assert all(r["registers"] > 0 for r in rows)
     # Spills: the largest stack of the tuned kernels is 160 B per thread (the
@@ -155,6 +158,11 @@ def _drive(calls):
             kv = torch.zeros(T, 5 * dim, dtype=dt)
             w = torch.ones(4, dim, dtype=dt)
             engram_post_wkv(hidden, kv, w, w, eps=1e-6, token_mask=torch.ones(T, dtype=torch.bool))
+        # The persistent single pass (its grid is sized from a compiled kernel on a
+        # GPU; here forced to 4 programs per SM of 132).
+        for dim in (5120, 2560):
+            hidden, kv, w = torch.zeros(4096, 4, dim, dtype=dt), torch.zeros(4096, 5 * dim, dtype=dt), torch.ones(4, dim, dtype=dt)
+            engram_post_wkv(hidden, kv, w, w, eps=1e-6, programs=528)
         hidden, kv = torch.zeros(64, 4, 5120, dtype=dt), torch.zeros(64, 5 * 5120, dtype=dt)
         w = torch.ones(4, 5120, dtype=dt)
         local = shard_kv_by_dim(kv, 4, 4)[0].contiguous()

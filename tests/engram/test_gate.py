@@ -12,6 +12,7 @@ import torch
 from kda_engram.engram.gate import (
     LOOP_WARPS,
     MAX_TOKENS_PER_PROGRAM,
+    PERSISTENT_MIN_ROWS_PER_CU,
     PROGRAMS_PER_CU,
     SINGLE_PASS_MAX_DIM,
     SMALL_GRID_ROWS_PER_CU,
@@ -113,6 +114,23 @@ def test_post_wkv_launch_defaults():
         for dim in (WIDE_ROW_MAX_DIM + 1, SINGLE_PASS_MAX_DIM):
             geom, _ = post_wkv_launch(T, 4, dim, cpu)
             assert (geom["KEEP"], geom["LAST_USE"]) == PLAIN and geom["LOOP"] == (dim > WIDE_ROW_MAX_DIM)
+    # The persistent grid is an NVIDIA choice: never the default on the CPU / interpreter.
+    assert not any(post_wkv_launch(T, 4, 5120, cpu)[0]["PERSISTENT"] for T in (1, 64, 10**6))
+
+
+def test_post_wkv_launch_persistent_override():
+    cpu = torch.device("cpu")
+    for dim in (96, 2560, 5120):
+        geom, block = post_wkv_launch(10**6, 4, dim, cpu, programs=8)
+        assert geom["PERSISTENT"] and not geom["LOOP"] and block == 1 and geom["KEEP"] == ""
+    assert post_wkv_launch(10**6, 4, 5120, cpu, programs=8, l2_hints=True)[0]["KEEP"] == "evict_last"
+    for bad in (0, 6, 4.0, -4):
+        with pytest.raises(ValueError, match="programs: expected a positive multiple of hc = 4"):
+            post_wkv_launch(64, 4, 5120, cpu, programs=bad)
+    with pytest.raises(ValueError, match="single pass only"):
+        post_wkv_launch(64, 4, WIDE_ROW_MAX_DIM + 1, cpu, programs=8)
+    with pytest.raises(ValueError, match="single pass only"):
+        post_wkv_launch(64, 4, 2560, cpu, chunk=1024, programs=8)
     geom, block = post_wkv_launch(10**6, 4, 2560, cpu)
     assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (2048, 512) and geom["num_warps"] == 2
     assert wide_row_warps(2048 + 1024) == 4  # dim 2600: 3 warps' worth, rounded up to a power of two
@@ -184,6 +202,22 @@ def test_small_grid_path_matches_reference(dtype, dim):
     plain = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=T - 1,
                             chunk=geom["CHUNK"], num_warps=geom["num_warps"], l2_hints=False)
     assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("dim, hc, programs", [(96, 4, 8), (2600, 4, 8), (2560, 2, 2), (257, 1, 3)])
+def test_persistent_path_matches_reference(dim, hc, programs):
+    # Programs walk tokens b, b + programs // hc, ...: 11 tokens over programs // hc
+    # columns leave the last step partly masked; a mask and short kv on top. The
+    # rows run the single pass's arithmetic, so the one-token-per-program launch of
+    # the same pieces is bit-identical.
+    T = 11
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=dim + hc)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(5)) > 0.3
+    kw = dict(eps=EPS, token_mask=mask, num_kv_tokens=T - 3)
+    out = engram_post_wkv(hidden, kv, q, k, programs=programs, **kw)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=T - 3), torch.float32)
+    assert torch.equal(out, engram_post_wkv(hidden, kv, q, k, tokens=1, **kw))
+    assert torch.equal(out[T - 3 :], hidden[T - 3 :]) and torch.equal(out[~mask], hidden[~mask])
 
 
 @pytest.mark.parametrize("dim, hc", [(96, 4), (257, 2)])
@@ -395,6 +429,26 @@ def test_gpu_small_grid_and_hinted_rows(gpu, dim, T):
     launch = dict(chunk=geom["CHUNK"], num_warps=geom["num_warps"]) if geom["LOOP"] else dict(tokens=1)
     assert torch.equal(out, engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=n_kv,
                                             l2_hints=False, **launch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [2560, 2600, 5120])
+@pytest.mark.parametrize("T", [2048, 3001])
+def test_gpu_persistent_rows(gpu, dim, T):
+    # Large T on an NVIDIA GPU: the persistent single pass, its grid what the GPU
+    # holds at once; against the reference and bit for bit against one token per
+    # program (the same arithmetic); then a grid of one token's programs (T steps).
+    hc = 4
+    geom, _ = post_wkv_launch(T, hc, dim, gpu)
+    nvidia = torch.version.hip is None
+    assert geom["PERSISTENT"] == (nvidia and T * hc >= PERSISTENT_MIN_ROWS_PER_CU * num_compute_units(gpu))
+    hidden, kv, q, k = make_inputs(T, hc, dim, dtype=torch.bfloat16, device=gpu, seed=dim + T)
+    mask = torch.rand(T, generator=torch.Generator().manual_seed(T)).to(gpu) > 0.2
+    kw = dict(eps=EPS, token_mask=mask, num_kv_tokens=T - 5)
+    out = engram_post_wkv(hidden, kv, q, k, **kw)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=T - 5), torch.bfloat16)
+    assert torch.equal(out, engram_post_wkv(hidden, kv, q, k, tokens=1, **kw))
+    assert torch.equal(out, engram_post_wkv(hidden, kv, q, k, programs=hc, **kw))
 
 
 @pytest.mark.gpu

@@ -25,6 +25,11 @@ each HBM byte once and keeping the L2 traffic behind it small:
   on as few warps as hold about ``WIDE_ROW_ELEMS_PER_THREAD`` elements of a row per
   thread (4 warps at dim 5120, 2 at 2560). Each HBM byte is read once and the
   program has one load round trip. It runs every grid past the small ones below.
+* **Persistent single pass** (wide-row dims, large T, NVIDIA): the wide single
+  pass on as many programs as the GPU holds at once, each walking every
+  ``token_step``-th token with the next token's loads in flight while the current
+  one is reduced: 90% of the floor at dim 5120, T = 2048 (71.2 us against 77.7 for
+  one token per program) and 94% at T = 16384.
 * **Small grids** (wide-row dims, at most ``SMALL_GRID_ROWS_PER_CU`` programs per
   compute unit: T <= 128 at hc = 4 on the H200): two passes of half-row-wide blocks
   on 8 warps, the first pass's loads marked ``evict_last`` so the second re-reads
@@ -63,7 +68,7 @@ import triton
 import triton.language as tl
 
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
-from kda_engram.platform import num_compute_units
+from kda_engram.platform import arch, interpreting, num_compute_units
 
 # Up to this dim a program holds its row in registers at warps_for(row lanes)
 # warps and may walk several tokens (the original path, unchanged since its
@@ -132,21 +137,32 @@ LOOP_WARPS = 2
 # 132 SMs: T = 128 is 3.9 programs per SM, T = 2048 62 and T = 16384 496; where
 # the hints turn from gain to loss between 62 and 496 was not measured.
 #
-# Measured and not adopted (2026-12-04, .dbg experiments, graph replay): the output
-# stores with evict_first or the streaming .cs modifier (dim 5120, T = 2048: 79.5-79.6
-# against 78.1 us; no change at 64, 512, 16384); a persistent wide row (4 programs
-# per SM walking rows pid, pid + grid, ..., 4 warps): dim 5120 73.9 us (87%) at
-# T = 2048 and 529.9 us (97%, tl.range num_stages 2) at T = 16384 against 77.2 /
-# 554.9, but no gain at dim 2560 (40.6 against 39.9 us at T = 2048). Its cliffs
-# follow occupancy (100 registers: 4 programs fit per SM; 3 leave a slot idle, 5-6
-# add a partial second round). Built into this kernel (the grid sized from the
-# compiled kernel's registers, q_w*k_w hoisted out of the token loop: 127 registers,
-# still 4 per SM; strides and masks as here) it did not keep the gain: 561.9 against
-# 554.4 us at T = 16384 and 76.6 against 77.7 at T = 2048 (dim 2560: 274.9 against
-# 273.1), so it was left out.
+# Measured and not adopted (2026-12-04, graph replay): the output stores with
+# evict_first or the streaming .cs modifier (dim 5120, T = 2048: 79.5-79.6 against
+# 78.1 us; no change at 64, 512, 16384).
 SMALL_GRID_ROWS_PER_CU = 4
 SMALL_GRID_WARPS = 8
 WIDE_ROW_HINTS_MAX_ROWS_PER_CU = 64
+# Persistent single pass (NVIDIA, wide-row dims, from PERSISTENT_MIN_ROWS_PER_CU
+# programs per compute unit): as many programs as the GPU holds at once (from the
+# compiled kernel's registers, threads and shared memory: resident_programs_per_cu),
+# each walking tokens b, b + step, ..., the next token's loads issued while the
+# current one is reduced (PERSISTENT_STAGES software-pipeline stages). H200,
+# 2026-12-04, graph replay, medians of 3 shuffled rounds in one process, us:
+#
+#   dim, T        persistent, 2 stages   1 stage   wide row   wide, hinted
+#   5120, 2048    71.17 (90%)            76.74     77.67      77.47
+#   5120, 16384   543.86 (94%)           562.39    554.61     561.50
+#   2560, 2048    38.03 (84%)            40.61     41.45      39.91
+#   2560, 16384   272.58 (94%)           275.26    273.28     277.62
+#
+# 4 programs per SM at dim 5120 (127 registers on 4 warps), 8 at 2560 (2 warps). The
+# grid must match what fits: a standalone variant on 3 programs per SM where 4 fit,
+# or on 5-6 (a partial second round), ran 7-32% slower. Below 32 programs per CU
+# (T = 1024 at hc 4 on 132 SMs) the one-stage version gained nothing (41.8 against
+# 41.1 us at dim 5120); the two-stage one was not measured there.
+PERSISTENT_MIN_ROWS_PER_CU = 32
+PERSISTENT_STAGES = 2
 # Token blocking: at most this many tokens per program, and only while the grid
 # keeps at least PROGRAMS_PER_CU programs per compute unit.
 MAX_TOKENS_PER_PROGRAM = 8
@@ -292,10 +308,91 @@ def _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, N:
     )
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_kv_tokens"])
+@triton.jit
+def _gate_token(
+    token, stream, q_row, k_row, qk0, qk1,
+    hidden_states, kv, token_mask, out,
+    num_tokens, num_kv_tokens,
+    hidden_stride_t, hidden_stride_h, hidden_stride_d,
+    kv_stride_t, kv_stride_d, q_stride_d, k_stride_d, mask_stride,
+    out_stride_t, out_stride_h, out_stride_d,
+    inv_dim, dim_scale, eps, clamp_value,
+    DIM: tl.constexpr, HC: tl.constexpr,
+    HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
+    HAS_MASK: tl.constexpr, KEEP: tl.constexpr, LAST_USE: tl.constexpr,
+):
+    """Gate stream ``stream`` of token ``token`` (int64; a token past ``num_tokens``
+    is masked off). ``qk0`` / ``qk1``: the stream's ``q_w * k_w`` row pieces (single
+    pass; the two passes reload them per block and ignore these)."""
+    token_ok = token < num_tokens
+    kv_ok = token_ok & (token < num_kv_tokens)
+    hidden_row = hidden_states + token * hidden_stride_t + stream * hidden_stride_h
+    key_row = kv + token * kv_stride_t + (stream * DIM) * kv_stride_d
+    value_row = kv + token * kv_stride_t + (HC * DIM) * kv_stride_d
+    out_row = out + token * out_stride_t + stream * out_stride_h
+    if HAS_MASK:  # issued early: its latency hides behind the row loads
+        active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
+
+    if not LOOP:
+        # Each piece's value row is loaded with its hidden and key rows, so
+        # the program has a single load round trip.
+        hidden0, hidden_sq, key_sq, dot = _stream_piece(
+            hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
+            0, token_ok, kv_ok, HEAD, DIM, LAST_USE,
+        )
+        value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
+        if TAIL > 0:
+            hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
+                hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
+                HEAD, token_ok, kv_ok, TAIL, DIM, LAST_USE,
+            )
+            value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM, KEEP)
+            hidden_sq += hidden_sq1
+            key_sq += key_sq1
+            dot += dot1
+        gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
+        if HAS_MASK:
+            gate = tl.where(active, gate, 0.0)
+        _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
+        if TAIL > 0:
+            _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+    else:
+        acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
+        acc_key = tl.zeros([CHUNK], dtype=tl.float32)
+        acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
+        for start in tl.range(0, DIM, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            valid = offs < DIM
+            hidden = tl.load(
+                hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=KEEP
+            ).to(tl.float32)
+            key = tl.load(
+                key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=KEEP
+            ).to(tl.float32)
+            qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM, KEEP)
+            acc_hidden += hidden * hidden
+            acc_key += key * key
+            acc_dot += hidden * qk * key
+        gate = _signed_sqrt_gate(
+            tl.sum(acc_hidden, axis=0), tl.sum(acc_key, axis=0), tl.sum(acc_dot, axis=0),
+            inv_dim, dim_scale, eps, clamp_value,
+        )
+        if HAS_MASK:
+            gate = tl.where(active, gate, 0.0)
+        for start in tl.range(0, DIM, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            valid = offs < DIM
+            hidden = tl.load(
+                hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=LAST_USE
+            ).to(tl.float32)
+            value = _value_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
+            _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_kv_tokens", "steps", "token_step"])
 def _engram_post_wkv_kernel(
     hidden_states, kv, q_weight, k_weight, token_mask, out,
-    num_tokens, num_kv_tokens,
+    num_tokens, num_kv_tokens, steps, token_step,
     hidden_stride_t, hidden_stride_h, hidden_stride_d,
     kv_stride_t, kv_stride_d,
     q_stride_h, q_stride_d, k_stride_h, k_stride_d,
@@ -305,11 +402,20 @@ def _engram_post_wkv_kernel(
     DIM: tl.constexpr, HC: tl.constexpr, TOKENS: tl.constexpr,
     HEAD: tl.constexpr, TAIL: tl.constexpr, CHUNK: tl.constexpr, LOOP: tl.constexpr,
     HAS_MASK: tl.constexpr, KEEP: tl.constexpr, LAST_USE: tl.constexpr,
+    PERSISTENT: tl.constexpr, INTERPRET: tl.constexpr, PERSISTENT_STAGES: tl.constexpr,
 ):
     """Grid ``cdiv(T, TOKENS) * HC``: program ``(b, h)`` gates stream ``h`` of tokens
     ``[b*TOKENS, (b+1)*TOKENS)`` one after the other, loading ``q_w[h]*k_w[h]`` once
     (single-pass path) instead of once per token. ``num_kv_tokens`` is the number
     of readable kv rows, already clamped to ``kv.shape[0]`` by the host.
+
+    ``PERSISTENT`` (single pass): a grid of ``token_step * HC`` programs, about as
+    many as fit on the GPU at once; program ``(b, h)`` gates stream ``h`` of tokens
+    ``b, b + token_step, ...`` (``steps`` of them, those past ``num_tokens`` masked
+    off), so the ``HC`` programs of a token still run side by side and share its
+    value row in L2. The compiled loop takes ``steps`` at run time (no recompile per
+    T); under the interpreter, whose loop needs a Python int, the host passes
+    ``TOKENS = steps``.
 
     ``KEEP`` / ``LAST_USE``: L2 eviction hints ("" = none). ``KEEP``: the weights,
     the value row (shared by the ``HC`` programs of a token) and all of pass one's
@@ -320,76 +426,39 @@ def _engram_post_wkv_kernel(
     stream = pid % HC
     q_row = q_weight + stream * q_stride_h
     k_row = k_weight + stream * k_stride_h
+    qk0 = 0.0
+    qk1 = 0.0
     if not LOOP:
         qk0 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, 0, HEAD, DIM, KEEP)
         if TAIL > 0:
             qk1 = _load_qk(q_row, k_row, q_stride_d, k_stride_d, HEAD, TAIL, DIM, KEEP)
 
-    for i in tl.range(0, TOKENS):
-        token = (block * TOKENS + i).to(tl.int64)
-        token_ok = token < num_tokens
-        kv_ok = token_ok & (token < num_kv_tokens)
-        hidden_row = hidden_states + token * hidden_stride_t + stream * hidden_stride_h
-        key_row = kv + token * kv_stride_t + (stream * DIM) * kv_stride_d
-        value_row = kv + token * kv_stride_t + (HC * DIM) * kv_stride_d
-        out_row = out + token * out_stride_t + stream * out_stride_h
-        if HAS_MASK:  # issued early: its latency hides behind the row loads
-            active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
-
-        if not LOOP:
-            # Each piece's value row is loaded with its hidden and key rows, so
-            # the program has a single load round trip.
-            hidden0, hidden_sq, key_sq, dot = _stream_piece(
-                hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
-                0, token_ok, kv_ok, HEAD, DIM, LAST_USE,
-            )
-            value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
-            if TAIL > 0:
-                hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
-                    hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
-                    HEAD, token_ok, kv_ok, TAIL, DIM, LAST_USE,
-                )
-                value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM, KEEP)
-                hidden_sq += hidden_sq1
-                key_sq += key_sq1
-                dot += dot1
-            gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
-            if HAS_MASK:
-                gate = tl.where(active, gate, 0.0)
-            _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
-            if TAIL > 0:
-                _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
-        else:
-            acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
-            acc_key = tl.zeros([CHUNK], dtype=tl.float32)
-            acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
-            for start in tl.range(0, DIM, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                valid = offs < DIM
-                hidden = tl.load(
-                    hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=KEEP
-                ).to(tl.float32)
-                key = tl.load(
-                    key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=KEEP
-                ).to(tl.float32)
-                qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM, KEEP)
-                acc_hidden += hidden * hidden
-                acc_key += key * key
-                acc_dot += hidden * qk * key
-            gate = _signed_sqrt_gate(
-                tl.sum(acc_hidden, axis=0), tl.sum(acc_key, axis=0), tl.sum(acc_dot, axis=0),
+    if PERSISTENT and not INTERPRET:
+        # Two stages: the next token's row loads are issued while this one is
+        # reduced (1 stage: 562.4 against 543.9 us at dim 5120, T = 16384).
+        for i in tl.range(0, steps, num_stages=PERSISTENT_STAGES):
+            _gate_token(
+                (block + i * token_step).to(tl.int64), stream, q_row, k_row, qk0, qk1,
+                hidden_states, kv, token_mask, out, num_tokens, num_kv_tokens,
+                hidden_stride_t, hidden_stride_h, hidden_stride_d, kv_stride_t, kv_stride_d,
+                q_stride_d, k_stride_d, mask_stride, out_stride_t, out_stride_h, out_stride_d,
                 inv_dim, dim_scale, eps, clamp_value,
+                DIM, HC, HEAD, TAIL, CHUNK, LOOP, HAS_MASK, KEEP, LAST_USE,
             )
-            if HAS_MASK:
-                gate = tl.where(active, gate, 0.0)
-            for start in tl.range(0, DIM, CHUNK):
-                offs = start + tl.arange(0, CHUNK)
-                valid = offs < DIM
-                hidden = tl.load(
-                    hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=LAST_USE
-                ).to(tl.float32)
-                value = _value_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
-                _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
+    else:
+        for i in tl.range(0, TOKENS):
+            if PERSISTENT:
+                token = (block + i * token_step).to(tl.int64)
+            else:
+                token = (block * TOKENS + i).to(tl.int64)
+            _gate_token(
+                token, stream, q_row, k_row, qk0, qk1,
+                hidden_states, kv, token_mask, out, num_tokens, num_kv_tokens,
+                hidden_stride_t, hidden_stride_h, hidden_stride_d, kv_stride_t, kv_stride_d,
+                q_stride_d, k_stride_d, mask_stride, out_stride_t, out_stride_h, out_stride_d,
+                inv_dim, dim_scale, eps, clamp_value,
+                DIM, HC, HEAD, TAIL, CHUNK, LOOP, HAS_MASK, KEEP, LAST_USE,
+            )
 
 
 # --------------------------------------------------------------------------------------
@@ -410,30 +479,66 @@ def small_grid_chunk(dim: int) -> int:
 
 
 def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=None, tokens=None,
-                    l2_hints=None) -> tuple[dict, int]:
+                    l2_hints=None, programs=None) -> tuple[dict, int]:
     """``(constexprs and num_warps, tokens per program)`` of an ``engram_post_wkv``
     launch: :func:`launch_geometry` up to ``SINGLE_PASS_MAX_DIM``; up to
     ``WIDE_ROW_MAX_DIM``, by programs per compute unit (the table above
     ``SMALL_GRID_ROWS_PER_CU``), the hinted two passes on a small grid or the wide
     single pass (:func:`wide_row_warps` warps, one token; hinted up to
     ``WIDE_ROW_HINTS_MAX_ROWS_PER_CU``); the two passes at ``LOOP_WARPS`` warps and
-    one token past it or with ``chunk``. A ``chunk``, ``num_warps`` or ``tokens`` override turns
-    off the small-grid choice and the default hints; ``l2_hints`` sets the hints."""
+    one token past it or with ``chunk``; from ``PERSISTENT_MIN_ROWS_PER_CU`` programs
+    per compute unit on an NVIDIA GPU, the wide single pass runs persistent
+    (``geom["PERSISTENT"]``; :func:`engram_post_wkv` sizes its grid). A ``chunk``,
+    ``num_warps`` or ``tokens`` override turns off the small-grid, persistent and
+    default-hint choices; ``l2_hints`` sets the hints; ``programs`` (a positive
+    multiple of ``hc``) forces the persistent single pass with that many programs."""
     rows_per_cu = T * hc / num_compute_units(device)
-    # The hints and the small grid only where they were measured: the wide-row dims.
+    # The hints, the small grid and the persistent grid only where they were
+    # measured: the wide-row dims (and the persistent grid on NVIDIA only).
     measured = (chunk, num_warps, tokens) == (None, None, None) and SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM
-    if measured and rows_per_cu <= SMALL_GRID_ROWS_PER_CU:
+    if programs is not None:
+        if not isinstance(programs, int) or programs < hc or programs % hc:
+            raise ValueError(f"programs: expected a positive multiple of hc = {hc}, got {programs!r}")
+        persistent = True
+    else:
+        persistent = (measured and rows_per_cu >= PERSISTENT_MIN_ROWS_PER_CU and not interpreting()
+                      and arch(device).startswith("sm_"))
+    if measured and not persistent and rows_per_cu <= SMALL_GRID_ROWS_PER_CU:
         chunk, num_warps = small_grid_chunk(dim), SMALL_GRID_WARPS
         l2_hints = True if l2_hints is None else l2_hints
     elif l2_hints is None:
-        l2_hints = measured and rows_per_cu <= WIDE_ROW_HINTS_MAX_ROWS_PER_CU
+        l2_hints = measured and not persistent and rows_per_cu <= WIDE_ROW_HINTS_MAX_ROWS_PER_CU
     geom = launch_geometry(dim, chunk, num_warps, WIDE_ROW_MAX_DIM)
+    if persistent and geom["LOOP"]:
+        raise ValueError(f"programs: the persistent grid runs the single pass only (dim {dim}, chunk {chunk})")
     geom["KEEP"], geom["LAST_USE"] = ("evict_last", "evict_first") if l2_hints else ("", "")
+    geom["PERSISTENT"] = persistent
     if geom["LOOP"] or dim > SINGLE_PASS_MAX_DIM:
         if num_warps is None:
             geom["num_warps"] = LOOP_WARPS if geom["LOOP"] else wide_row_warps(geom["HEAD"] + geom["TAIL"])
         tokens = 1 if tokens is None else tokens
+    if persistent:
+        tokens = 1
     return geom, tokens_per_program(T * hc, device, tokens)
+
+
+_RESIDENT_PROGRAMS: dict = {}
+
+
+def resident_programs_per_cu(compiled, device) -> int:
+    """Programs of ``compiled`` (a Triton ``CompiledKernel``) that one NVIDIA SM holds
+    at once: the smallest of what its registers (allocated per warp in units of
+    256), threads, shared memory and the 32-block limit allow."""
+    compiled._init_handles()  # loads the binary; n_regs is known from then on
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    fits = [props.regs_per_multiprocessor // max(regs_per_warp * warps, 1),
+            props.max_threads_per_multi_processor // (32 * warps), 32]
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    if compiled.metadata.shared and smem_per_sm:
+        fits.append(smem_per_sm // (compiled.metadata.shared + 1024))  # 1 KB reserved per block
+    return max(1, min(fits))
 
 
 def check_gate_common(hidden_states, q_weight, k_weight, token_mask, out, *, with_weights: bool = True):
@@ -470,6 +575,7 @@ def engram_post_wkv(
     num_warps: int | None = None,
     tokens: int | None = None,
     l2_hints: bool | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """The Engram gate on one rank, fused: ``out = hidden + gate * value``.
 
@@ -493,6 +599,9 @@ def engram_post_wkv(
             ``SINGLE_PASS_MAX_DIM`` default to one token, see :func:`post_wkv_launch`).
         l2_hints: launch override: L2 eviction hints on the loads (on by default
             only for the small-grid launch, see :func:`post_wkv_launch`).
+        programs: launch override: run the persistent single pass on this many
+            programs (a multiple of hc); by default the persistent grid is what the
+            GPU holds at once, chosen for large T on NVIDIA GPUs.
 
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
@@ -510,19 +619,38 @@ def engram_post_wkv(
         return out
     # Host integers only: never read past kv's rows, whatever the caller passed.
     n_kv = kv.shape[0] if num_kv_tokens is None else max(0, min(int(num_kv_tokens), kv.shape[0]))
-    geom, block = post_wkv_launch(T, hc, dim, hidden_states.device, chunk, num_warps, tokens, l2_hints)
+    device = hidden_states.device
+    geom, block = post_wkv_launch(T, hc, dim, device, chunk, num_warps, tokens, l2_hints, programs)
     mask_arg = token_mask if token_mask is not None else hidden_states
-    _engram_post_wkv_kernel[(triton.cdiv(T, block) * hc,)](
+    args = [
         hidden_states, kv, q_weight, k_weight, mask_arg, out,
-        T, n_kv,
+        T, n_kv, 1, 1,
         *hidden_states.stride(),
         *kv.stride(),
         *q_weight.stride(), *k_weight.stride(),
         token_mask.stride(0) if token_mask is not None else 0,
         *out.stride(),
         1.0 / dim, dim**-0.5, float(eps), float(clamp_value),
-        DIM=dim, HC=hc, TOKENS=block,
-        HAS_MASK=token_mask is not None,
-        **geom,
-    )
+    ]
+    consts = dict(DIM=dim, HC=hc, TOKENS=block, HAS_MASK=token_mask is not None, INTERPRET=interpreting(),
+                  PERSISTENT_STAGES=PERSISTENT_STAGES, **geom)
+    grid = triton.cdiv(T, block) * hc
+    if geom["PERSISTENT"]:
+        if programs is None:
+            # Compiled once per configuration (the launch below reuses it): the grid
+            # is what the GPU holds at once, rounded down to whole tokens.
+            key = (device.index, hidden_states.dtype, kv.dtype, q_weight.dtype, k_weight.dtype,
+                   tuple(sorted(consts.items())))
+            per_cu = _RESIDENT_PROGRAMS.get(key)
+            if per_cu is None:
+                compiled = _engram_post_wkv_kernel.warmup(*args, grid=(1,), **consts)
+                per_cu = _RESIDENT_PROGRAMS[key] = resident_programs_per_cu(compiled, device)
+            programs = max(hc, per_cu * num_compute_units(device) // hc * hc)
+        token_step = min(programs // hc, T)
+        steps = triton.cdiv(T, token_step)
+        args[8:10] = [steps, token_step]
+        grid = token_step * hc
+        if consts["INTERPRET"]:
+            consts["TOKENS"] = steps
+    _engram_post_wkv_kernel[(grid,)](*args, **consts)
     return out
