@@ -109,7 +109,9 @@ LOOP_WARPS = 2
 # * up to WIDE_ROW_HINTS_MAX_ROWS_PER_CU: the wide single pass, hinted;
 # * past it: the wide single pass without hints (they cost 1.4-1.7% at T = 16384;
 #   presumably hinted value rows outlive their last reader in L2 and crowd out
-#   rows still to be read, not profiled).
+#   rows still to be read, not profiled);
+# * on NVIDIA GPUs from PERSISTENT_MIN_ROWS_PER_CU (below WIDE_ROW_HINTS_MAX_ROWS_PER_CU)
+#   the persistent single pass, unhinted, takes over (see there).
 #
 # H200 (2026-12-04, hc 4, bf16, CUDA-graph replay with an L2 flush per call, medians
 # of 3 shuffled rounds in one process, benchmarks/sweep_engram_gate.py), us:
