@@ -131,6 +131,9 @@ def test_post_wkv_launch_persistent_override():
         post_wkv_launch(64, 4, WIDE_ROW_MAX_DIM + 1, cpu, programs=8)
     with pytest.raises(ValueError, match="single pass only"):
         post_wkv_launch(64, 4, 2560, cpu, chunk=1024, programs=8)
+    with pytest.raises(ValueError, match="tokens: the persistent grid"):
+        post_wkv_launch(64, 4, 2560, cpu, tokens=2, programs=8)
+    assert post_wkv_launch(64, 4, 2560, cpu, tokens=1, programs=8)[0]["PERSISTENT"]
     geom, block = post_wkv_launch(10**6, 4, 2560, cpu)
     assert not geom["LOOP"] and (geom["HEAD"], geom["TAIL"]) == (2048, 512) and geom["num_warps"] == 2
     assert wide_row_warps(2048 + 1024) == 4  # dim 2600: 3 warps' worth, rounded up to a power of two

@@ -271,12 +271,11 @@ def _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, N: tl.constexpr, DIM: 
 
 
 @triton.jit
-def _value_piece(value_row, kv_stride_d, start, kv_ok, N: tl.constexpr, DIM: tl.constexpr, POLICY: tl.constexpr):
-    """Columns ``[start, start + N)`` of a token's value row, fp32."""
+def _row_piece(row, stride_d, start, row_ok, N: tl.constexpr, DIM: tl.constexpr, POLICY: tl.constexpr):
+    """Columns ``[start, start + N)`` of one row (hidden, key or value), fp32; zero
+    past ``DIM`` or where ``row_ok`` is false. ``POLICY``: the load's L2 eviction hint."""
     offs = start + tl.arange(0, N)
-    return tl.load(
-        value_row + offs * kv_stride_d, mask=(offs < DIM) & kv_ok, other=0.0, eviction_policy=POLICY
-    ).to(tl.float32)
+    return tl.load(row + offs * stride_d, mask=(offs < DIM) & row_ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
 @triton.jit
@@ -292,7 +291,7 @@ def _stream_piece(
     offs = start + tl.arange(0, N)
     valid = offs < DIM
     hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=POLICY)
-    key = tl.load(key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    key = _row_piece(key_row, kv_stride_d, start, kv_ok, N, DIM, POLICY)
     hidden_f = hidden.to(tl.float32)
     hidden_sq = tl.sum(hidden_f * hidden_f, axis=0)
     key_sq = tl.sum(key * key, axis=0)
@@ -342,13 +341,13 @@ def _gate_token(
             hidden_row, key_row, qk0, hidden_stride_d, kv_stride_d,
             0, token_ok, kv_ok, HEAD, DIM, LAST_USE,
         )
-        value0 = _value_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
+        value0 = _row_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
         if TAIL > 0:
             hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
                 hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
                 HEAD, token_ok, kv_ok, TAIL, DIM, LAST_USE,
             )
-            value1 = _value_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM, KEEP)
+            value1 = _row_piece(value_row, kv_stride_d, HEAD, kv_ok, TAIL, DIM, KEEP)
             hidden_sq += hidden_sq1
             key_sq += key_sq1
             dot += dot1
@@ -363,14 +362,8 @@ def _gate_token(
         acc_key = tl.zeros([CHUNK], dtype=tl.float32)
         acc_dot = tl.zeros([CHUNK], dtype=tl.float32)
         for start in tl.range(0, DIM, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            valid = offs < DIM
-            hidden = tl.load(
-                hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=KEEP
-            ).to(tl.float32)
-            key = tl.load(
-                key_row + offs * kv_stride_d, mask=valid & kv_ok, other=0.0, eviction_policy=KEEP
-            ).to(tl.float32)
+            hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, KEEP)
+            key = _row_piece(key_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
             qk = _load_qk(q_row, k_row, q_stride_d, k_stride_d, start, CHUNK, DIM, KEEP)
             acc_hidden += hidden * hidden
             acc_key += key * key
@@ -382,12 +375,8 @@ def _gate_token(
         if HAS_MASK:
             gate = tl.where(active, gate, 0.0)
         for start in tl.range(0, DIM, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            valid = offs < DIM
-            hidden = tl.load(
-                hidden_row + offs * hidden_stride_d, mask=valid & token_ok, other=0.0, eviction_policy=LAST_USE
-            ).to(tl.float32)
-            value = _value_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
+            hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, LAST_USE)
+            value = _row_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)
             _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, CHUNK, DIM)
 
 
@@ -501,6 +490,8 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
     if programs is not None:
         if not isinstance(programs, int) or programs < hc or programs % hc:
             raise ValueError(f"programs: expected a positive multiple of hc = {hc}, got {programs!r}")
+        if tokens not in (None, 1):
+            raise ValueError(f"tokens: the persistent grid (programs={programs}) walks one token per step, got tokens={tokens!r}")
         persistent = True
     else:
         persistent = (measured and rows_per_cu >= PERSISTENT_MIN_ROWS_PER_CU and not interpreting()

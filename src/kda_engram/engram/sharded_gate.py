@@ -36,6 +36,7 @@ from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.engram.gate import (
     _check_num_warps,
     _load_qk,
+    _row_piece,
     _signed_sqrt_gate,
     _store_piece,
     check_gate_common,
@@ -148,7 +149,7 @@ def _hidden_value_piece(
     rank-major slices (column ``d`` lives in rank ``d // WIDTH``'s row), both fp32."""
     offs = start + tl.arange(0, N)
     valid = offs < DIM
-    hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=valid, other=0.0).to(tl.float32)
+    hidden = _row_piece(hidden_row, hidden_stride_d, start, True, N, DIM, "")
     # `//` and `%` by the constexpr WIDTH keep the runs of WIDTH contiguous columns
     # visible to Triton's axis analysis, so the slices still load as vectors.
     rank = offs // WIDTH
@@ -217,13 +218,11 @@ def _engram_gate_finish_kernel(
     else:
         acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
         for start in tl.range(0, DIM, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
             # evict_last: the second pass re-reads this row, which should still be
             # in L2. H200 (T = 16384, dim 5120, hc 4, default 1024-wide blocks at
             # 4 warps): 449 -> 379 us at P = 4, 424 -> 386 us at P = 8. The same
             # hint in engram_post_wkv's two-pass loop changed nothing (582 vs 580 us).
-            hidden = tl.load(hidden_row + offs * hidden_stride_d, mask=offs < DIM, other=0.0,
-                             eviction_policy="evict_last").to(tl.float32)
+            hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, "evict_last")
             acc_hidden += hidden * hidden
         gate = _signed_sqrt_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
         if HAS_MASK:
