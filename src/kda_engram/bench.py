@@ -90,14 +90,23 @@ def _fmt(x, spec=".3f") -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'benchmark':<12} {'case':<26} {'ours ms':>9} {'peer ms':>9} {'peer':<16} {'ratio':>6} {'floor ms':>9} {'of floor':>8}"
+    """One line per row. Rows that carry CUDA-graph times (``graph_ms``, and
+    ``peer_graph_ms`` for the peer) add them in the last two columns: eager times of
+    kernels shorter than their launch measure the host (the Engram gate at T = 64,
+    the sharded gate's two launches at T = 2048), and an engine replays graphs."""
+    header = (
+        f"{'benchmark':<12} {'case':<26} {'ours ms':>9} {'peer ms':>9} {'peer':<16} {'ratio':>6} "
+        f"{'floor ms':>9} {'of floor':>8} {'graph ms':>9} {'graph ratio':>11}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
+        graph_ms, peer_graph_ms = r.get("graph_ms"), r.get("peer_graph_ms")
+        graph_ratio = peer_graph_ms / graph_ms if graph_ms and peer_graph_ms else None
         print(
             f"{r.get('benchmark', ''):<12} {r['case']:<26} {_fmt(r.get('ours_ms')):>9} {_fmt(r.get('peer_ms')):>9} "
             f"{str(r.get('peer') or '-'):<16} {_fmt(r.get('ratio'), '.2f'):>6} {_fmt(r.get('hbm_floor_ms')):>9} "
-            f"{_fmt(r.get('floor_fraction'), '.0%'):>8}"
+            f"{_fmt(r.get('floor_fraction'), '.0%'):>8} {_fmt(graph_ms, '.4f'):>9} {_fmt(graph_ratio, '.2f'):>11}"
         )
 
 
