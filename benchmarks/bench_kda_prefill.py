@@ -22,7 +22,8 @@ fastest forced count: the measurement that sets the constants of
 
 ``python benchmarks/bench_kda_prefill.py [--cases 16x2k_H32,...] [--quick]
 [--no-peers] [--sweep] [--groups 1,4,8,16,32] [--group-cases all|1x32k_H4,...]
-[--json PATH]``. ``--sweep`` also times the chunk kernel alone over its launch
+[--profile] [--json PATH]``. ``--profile`` lists instead, per case, the time per
+call of every kernel each side launches (torch.profiler): where a prefill's time goes. ``--sweep`` also times the chunk kernel alone over its launch
 configurations (BV x num_warps x num_stages), to tune
 :func:`kda_engram.kda.chunk.chunk_config`; ``--groups ''`` drops the forced-G
 rows. ``run(cases=None, peers=True, quick=False)`` returns the rows for
@@ -325,6 +326,52 @@ def group_summary(rows: list[dict]) -> dict:
     return out
 
 
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """ms per call of every GPU kernel ``fn`` launches (torch.profiler, ``calls``
+    calls after a warm-up), largest first: where the time of a whole prefill goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / 1e3 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def profile_cases(cases, peers: bool = True, min_ms: float = 0.002) -> dict:
+    """``{case: {"ours"|"fla": {kernel: ms per call}}}`` for ``chunk_kda_prefill`` and
+    fla's ``chunk_kda`` on the same inputs; kernels under ``min_ms`` are left out."""
+    device = torch.device("cuda")
+    chunk_kda, peer_name = _load_fla() if peers else (None, "peers off")
+    result = {}
+    for name in cases:
+        N, L, H = CASES[name]
+        x = make_inputs(N, L, H, device)
+        sides = {"ours": lambda: chunk_kda_prefill(  # noqa: E731
+            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
+            check_inputs=False)}
+        if chunk_kda is not None:
+            h0_kv = x["h0"].transpose(-1, -2).contiguous()
+            sides["fla"] = lambda: _fla_call(chunk_kda, x, h0_kv)  # noqa: E731
+        with torch.inference_mode():
+            result[name] = {side: {k: v for k, v in kernel_times(fn).items() if v >= min_ms}
+                            for side, fn in sides.items()}
+        for side, kernels in result[name].items():
+            print(f"{name} {side}: {sum(kernels.values()):.3f} ms in kernels of at least {min_ms} ms")
+            for kernel, ms in kernels.items():
+                print(f"  {ms:8.3f}  {kernel[:100]}")
+    if chunk_kda is None:
+        print(f"no fla rows: {peer_name}")
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=None, help=f"comma-separated subset of {','.join(CASES)}")
@@ -335,12 +382,23 @@ def main(argv=None) -> int:
                         help="forced chunk-group counts for the group cases ('' = none)")
     parser.add_argument("--group-cases", default=",".join(GROUP_CASES),
                         help="cases that get forced-G rows ('all' = every case)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, list each kernel's time per call (ours and fla's)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
     cases = args.cases.split(",") if args.cases else None
     for c in cases or []:
         if c not in CASES:
             parser.error(f"unknown case {c!r}; expected one of {', '.join(CASES)}")
+    if args.profile:
+        if not torch.cuda.is_available():
+            parser.error("--profile needs a GPU")
+        kernels = profile_cases(cases or list(CASES), peers=not args.no_peers)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(kernels, fh, indent=2)
+            print(f"wrote {args.json}")
+        return 0
     try:
         counts = tuple(int(g) for g in args.groups.split(",") if g.strip())
     except ValueError:
