@@ -326,12 +326,14 @@ def group_summary(rows: list[dict]) -> dict:
     return out
 
 
-def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+def kernel_times(fn, calls: int = 5, warmup: int = 3) -> dict[str, float]:
     """ms per call of every GPU kernel ``fn`` launches (torch.profiler, ``calls``
-    calls after a warm-up), largest first: where the time of a whole prefill goes."""
+    calls after ``warmup`` ones, which also let fla finish autotuning), largest
+    first: where the time of a whole prefill goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
