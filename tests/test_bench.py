@@ -19,3 +19,14 @@ def test_table_adds_the_cuda_graph_columns_where_a_row_has_them(capsys):
     assert gate.split()[-2:] == ["0.0686", "1.03"]  # 0.0710 / 0.0686
     assert gate.split()[-5] == "0.74"  # the eager ratio is kept beside it
     assert decode.split()[-2:] == ["-", "-"]
+
+
+def test_every_benchmark_loads_and_takes_the_runner_arguments():
+    import inspect
+
+    from kda_engram.bench import BENCHMARKS, load_benchmark
+
+    assert "kda-prologue" in BENCHMARKS
+    for name in BENCHMARKS:
+        params = inspect.signature(load_benchmark(name).run).parameters
+        assert "peers" in params and "quick" in params, name

@@ -17,6 +17,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     "kda-prefill": "bench_kda_prefill",
+    "kda-prologue": "bench_kda_prologue",
     "kda-decode": "bench_kda_decode",
     "engram": "bench_engram_gate",
     "engram-table": "bench_engram_table",

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from kda_engram.bench import BENCHMARKS
+
 
 class Checks:
     """Collects (name, error, bound) rows, prints them as they come, and fails the run
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="time our kernels against the peers (GPU)")
-    bench.add_argument("what", nargs="?", default="all", choices=["kda-prefill", "kda-decode", "engram", "engram-table", "all"])
+    bench.add_argument("what", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     bench.add_argument("--vs", default="fla", choices=["fla", "none"], help="peer to compare with (default: fla)")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot of the ratios")
