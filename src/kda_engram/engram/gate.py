@@ -482,7 +482,8 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
     (``geom["PERSISTENT"]``; :func:`engram_post_wkv` sizes its grid). A ``chunk``,
     ``num_warps`` or ``tokens`` override turns off the small-grid, persistent and
     default-hint choices; ``l2_hints`` sets the hints; ``programs`` (a positive
-    multiple of ``hc``) forces the persistent single pass with that many programs."""
+    multiple of ``hc``) forces the persistent single pass with that many programs,
+    which walks one token per step (a ``tokens`` override other than 1 is refused)."""
     rows_per_cu = T * hc / num_compute_units(device)
     # The hints, the small grid and the persistent grid only where they were
     # measured: the wide-row dims (and the persistent grid on NVIDIA only).
