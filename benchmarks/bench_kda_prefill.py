@@ -23,7 +23,8 @@ fastest forced count: the measurement that sets the constants of
 ``python benchmarks/bench_kda_prefill.py [--cases 16x2k_H32,...] [--quick]
 [--no-peers] [--sweep] [--groups 1,4,8,16,32] [--group-cases all|1x32k_H4,...]
 [--profile] [--json PATH]``. ``--profile`` lists instead, per case, the time per
-call of every kernel each side launches (torch.profiler): where a prefill's time goes. ``--sweep`` also times the chunk kernel alone over its launch
+call of every kernel each side launches (torch.profiler): where a prefill's time
+goes. ``--sweep`` also times the chunk kernel alone over its launch
 configurations (BV x num_warps x num_stages), to tune
 :func:`kda_engram.kda.chunk.chunk_config`; ``--groups ''`` drops the forced-G
 rows. ``run(cases=None, peers=True, quick=False)`` returns the rows for
