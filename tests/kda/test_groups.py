@@ -122,6 +122,45 @@ def test_heuristic_rules(h200, monkeypatch):
     assert chunk_groups(32, 64, 32, "cuda") == 1
 
 
+def test_heuristic_picks_measured_optima(h200):
+    # The H200 sweep in chunk_groups' docstring (tf32x3 scan): the model's pick
+    # against the fastest measured G and the runner-up it may take instead.
+    fastest = {  # (sequences, length, heads): counts within 8 % of the fastest
+        (1, 32768, 4): {16}, (1, 131072, 4): {16, 32}, (1, 262144, 2): {32},
+        (1, 32768, 8): {7, 8, 16}, (2, 32768, 4): {7, 8, 16}, (1, 16384, 4): {8, 16},
+        (1, 8192, 4): {8, 16}, (1, 65536, 8): {7, 8, 16}, (4, 8192, 8): {1}, (1, 32768, 32): {1, 8},
+    }
+    for (N, L, H), ok in fastest.items():
+        assert chunk_groups(L // C, N, H, "cuda") in ok, (N, L, H)
+
+
+def test_scan_precision_policy(monkeypatch):
+    # tf32x3 only where the walk's dots are bf16/fp16 on NVIDIA; ieee for fp32
+    # operands, on AMD (no tf32x3) and under the interpreter.
+    monkeypatch.setattr(chunk_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
+    assert chunk_mod._scan_precision(False, "cuda") == "tf32x3"
+    assert chunk_mod._scan_precision(True, "cuda") == "ieee"
+    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "gfx942")
+    assert chunk_mod._scan_precision(False, "cuda") == "ieee"
+    monkeypatch.setattr(chunk_mod, "interpreting", lambda: True)
+    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
+    assert chunk_mod._scan_precision(False, "cuda") == "ieee"
+
+
+def test_scan_launch_config_is_honoured():
+    # The scan's launch knobs change nothing in the result (interpreter, fp32).
+    H, K, V = 1, 32, 32
+    raw, cu = weak_raw([20 * C], H=H, K=K, V=V, seed=22)
+    ops, _ = make_ops(raw, cu, -5.0)
+    h0 = torch.randn(1, H, V, K)
+    base = run_chunk(ops, cu, 0.2, initial_state=h0, output_final_state=True, groups=5)
+    alt = run_chunk(ops, cu, 0.2, initial_state=h0, output_final_state=True, groups=5,
+                    config={"BJ_scan": 16, "num_warps_scan": 4, "num_stages_scan": 2, "scan_precision": "ieee"})
+    close(alt[0], base[0], 1e-5)
+    close(alt[1], base[1], 1e-5)
+
+
 def test_heuristic_bad_arguments():
     with pytest.raises(ValueError, match="num_heads"):
         chunk_groups(10, 1, -1)
@@ -385,9 +424,12 @@ def test_empty_sequences_pass_state_through():
         (dict(groups=4, group_workspace="strided"), ValueError, "not contiguous"),
         (dict(groups=4, config={"BV_pass1": 24}), ValueError, "BV_pass1"),
         (dict(groups=4, config={"BV_scan": 8}), ValueError, "BV_scan"),
+        (dict(groups=4, config={"BJ_scan": 24}), ValueError, "BJ_scan"),
+        (dict(groups=4, config={"scan_precision": "bf16"}), ValueError, "scan_precision"),
         (dict(groups=70000), ValueError, "65535"),
     ],
-    ids=["zero", "negative", "float", "bool", "min_len", "ws_small", "ws_dtype", "ws_strided", "bv1", "bvs", "grid"],
+    ids=["zero", "negative", "float", "bool", "min_len", "ws_small", "ws_dtype", "ws_strided", "bv1", "bvs",
+         "bj", "precision", "grid"],
 )
 def test_bad_group_arguments(change, exc, msg):
     H, K, V = 1, 16, 16
@@ -431,6 +473,31 @@ def test_gpu_small_groups_match_reference(gpu, G):
     assert e[0] < 2e-2 and e[1] < 2e-2, (e, e1)
     assert e[0] <= 1.5 * e1[0] + 1e-3 and e[1] <= 1.5 * e1[1] + 1e-3, (e, e1)
     assert rel_rmse(o, o1) < 1e-2 and rel_rmse(f, f1) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_scan_precision(gpu):
+    # The default tf32x3 scan against the fp32 FMA (ieee) one, on the same pass-one
+    # operators: the start states of all 32 groups (fp32) must agree to about
+    # fp32 rounding, far below the bf16 walk's own error (~1e-3 relative).
+    heads, G = 2, 32
+    lengths = [G * 8 * C]
+    raw, cu, ops, _ = gpu_ops(lengths, heads, gpu, seed=5)
+    h0 = torch.randn(1, heads, 128, 128, device=gpu) * 0.1
+    starts = {}
+    for prec in ("ieee", "tf32x3", "tf32"):
+        ws = group_workspace(G, 1, heads, 128, 128, gpu)
+        run_chunk(ops, cu, 128**-0.5, initial_state=h0, output_final_state=True, groups=G,
+                  group_workspace=ws, config={"scan_precision": prec})
+        starts[prec] = parts(ws, G, 1, heads, 128, 128)["s"].clone()
+    ref = starts["ieee"]
+    assert ref[:, -1].abs().max() > 1e-2  # the weak decay carries state to the last group
+    assert rel_rmse(starts["tf32x3"], ref) < 5e-6, rel_rmse(starts["tf32x3"], ref)
+    # Plain tf32 (10-bit mantissa) is measurably coarser: the test can tell them apart.
+    assert rel_rmse(starts["tf32"], ref) > 4 * rel_rmse(starts["tf32x3"], ref)
+    default_ws = group_workspace(G, 1, heads, 128, 128, gpu)
+    run_chunk(ops, cu, 128**-0.5, initial_state=h0, output_final_state=True, groups=G, group_workspace=default_ws)
+    assert torch.equal(parts(default_ws, G, 1, heads, 128, 128)["s"], starts["tf32x3"])
 
 
 @pytest.mark.gpu

@@ -358,9 +358,10 @@ def _kda_group_pass_one_kernel(
 
 @triton.jit
 def _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
-               st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K: tl.constexpr, BJ: tl.constexpr):
+               st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K: tl.constexpr, BJ: tl.constexpr,
+               PRECISION: tl.constexpr):
     """Store ``S_g`` (transposed tile ``st``) and return ``S_{g+1} = S_g M_g + H_g``
-    (transposed: ``M_g^T st + H_g^T``), fp32 ``ieee``."""
+    (transposed: ``M_g^T st + H_g^T``), fp32 products at ``PRECISION``."""
     p_s = base_s + g * st_s_g
     tl.store(p_s + tile_s, st)
     tl.debug_barrier()  # the rows read back below were stored by other threads of this program
@@ -370,7 +371,7 @@ def _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
         o_j = jb * BJ + o_b
         s_blk = tl.load(p_s + (o_v[None, :] * st_s_v + o_j[:, None] * st_s_k))  # [BJ, BV]: st[j, v]
         m_blk = tl.load(p_m + (o_j[None, :] * st_m_j + o_k[:, None] * st_m_k))  # [K, BJ]: M[j, k]
-        acc = tl.dot(m_blk, s_blk, acc, input_precision="ieee")
+        acc = tl.dot(m_blk, s_blk, acc, input_precision=PRECISION)
     return acc
 
 
@@ -389,14 +390,16 @@ def _kda_group_scan_kernel(
     BJ: tl.constexpr,
     C: tl.constexpr,
     LOAD_STATE: tl.constexpr,  # 0: zeros, 1: initial_state[n], 2: cache[idx[n]] if has_init[n]
+    PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """The scan over groups: grid ``(V / BV, H, N)``. Reads the sequence's
     initial state (the only kernel of the grouped walk that does: with the
     in-place state cache, pass two's last group writes the row this read comes
     from, and launch order puts this read first), then
-    ``S_{g+1} = S_g M_g + H_g`` in fp32 (``ieee`` products: the scan carries the
-    state across the whole sequence), writing every live group's start state."""
+    ``S_{g+1} = S_g M_g + H_g`` with an fp32 state (the scan carries it across
+    the whole sequence; products at ``PRECISION``, see ``_scan_precision``),
+    writing every live group's start state."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2)
@@ -433,12 +436,12 @@ def _kda_group_scan_kernel(
         g = 0
         while g < n_live - 1:
             st = _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
-                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ)
+                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ, PRECISION)
             g += 1
     else:
         for g in range(0, n_live - 1):
             st = _scan_step(g, st, base_s, base_h, base_m, tile_s, o_k, o_v, o_b,
-                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ)
+                            st_s_g, st_s_v, st_s_k, st_h_g, st_m_g, st_m_j, st_m_k, K, BJ, PRECISION)
     tl.store(base_s + (n_live - 1).to(tl.int64) * st_s_g + tile_s, st)
 
 
@@ -659,7 +662,10 @@ def fused_kda_chunk(
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
     :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning;
     the grouped walk also reads ``BV_pass1``, ``num_warps_pass1``,
-    ``num_stages_pass1``, ``BV_scan``, ``num_warps_scan``).
+    ``num_stages_pass1``, ``BV_scan``, ``BJ_scan`` (contraction block of the
+    scan's product), ``num_warps_scan``, ``num_stages_scan`` and
+    ``scan_precision``: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``, default from
+    ``_scan_precision``).
 
     Parallel chunk groups (:mod:`kda_engram.kda.groups`): ``groups=None`` lets
     :func:`~kda_engram.kda.groups.chunk_groups` choose ``G`` from the machine fit,
@@ -673,8 +679,9 @@ def fused_kda_chunk(
     the single launch above. ``G > 1`` runs pass one (every group but each
     sequence's last composes its local state ``H_g`` and transfer operator
     ``M_g`` from zero), the scan (``S_{g+1} = S_g M_g + H_g`` from the initial
-    state or cache row, fp32) and pass two (every group walks from its start
-    state, writing outputs, the checkpoints in its range and, last group, the
+    state or cache row; fp32 state, products at ``tf32x3`` on NVIDIA with
+    bf16/fp16 operands, ``ieee`` otherwise) and pass two (every group walks
+    from its start state, writing outputs, the checkpoints in its range and, last group, the
     final state / cache row): same results contract, no host synchronisation.
     ``group_workspace`` (fp32, contiguous, at least
     :func:`~kda_engram.kda.groups.group_workspace_numel` elements; layout in
@@ -788,6 +795,12 @@ def fused_kda_chunk(
                 cfg1[key] = config[f"{key}_pass1"]
         bv1 = _checked_tile("BV_pass1", cfg1["BV"], V, K)
         bvs = _checked_tile("BV_scan", (config or {}).get("BV_scan", min(32, V)), V, V)
+        bj = (config or {}).get("BJ_scan", min(32, K))
+        if isinstance(bj, bool) or not isinstance(bj, int) or bj < 16 or K % bj:
+            raise ValueError(f"config: BJ_scan must be an int >= 16 dividing K={K}, got {bj!r}")
+        precision = (config or {}).get("scan_precision", _scan_precision(ieee, device))
+        if precision not in ("ieee", "tf32x3", "tf32"):
+            raise ValueError(f"config: scan_precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
         _kda_group_pass_one_kernel[((V + K) // bv1, H, num_seqs * (n_groups - 1))](
             w, u, kg_t, decay, cu_seqlens, chunk_offsets, h_ws, m_ws,
             n_groups, min_len,
@@ -803,8 +816,8 @@ def fused_kda_chunk(
             n_groups, min_len,
             *st4(s_in), *h_ws.stride(), *m_ws.stride(), *s_ws.stride(),
             cu_seqlens.stride(0), st1(state_indices), st1(has_initial_state),
-            K=K, V=V, BV=bvs, BJ=min(32, K), C=CHUNK_SIZE, LOAD_STATE=load_mode, INTERPRET=interp,
-            num_warps=(config or {}).get("num_warps_scan", 8), num_stages=1,
+            K=K, V=V, BV=bvs, BJ=bj, C=CHUNK_SIZE, LOAD_STATE=load_mode, PRECISION=precision, INTERPRET=interp,
+            num_warps=(config or {}).get("num_warps_scan", 8), num_stages=(config or {}).get("num_stages_scan", 1),
         )
         # Pass two reads its start state from the scan's output.
         walk_in, walk_in_strides, walk_load = s_ws, tuple(s_ws.stride()), 3
@@ -834,6 +847,23 @@ def fused_kda_chunk(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, final_state
+
+
+def _scan_precision(ieee_operands: bool, device) -> str:
+    """Input precision of the group scan's fp32 products ``S_g M_g``.
+
+    ``"tf32x3"`` (three TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about
+    fp32's 2^-24 relative rounding to within a few bits) where the walk's own
+    dots run on bf16/fp16 operands on NVIDIA: the scan then costs a fraction of
+    the FMA product and stays far below the walk's bf16 rounding (H200,
+    2026-12-04, 1 x 131072 H4, G = 32: the scan kernel 0.667 ms ``ieee`` ->
+    0.137 ms, the grouped walk 1.107 -> 0.822 ms; 1 x 32768 H4, G = 16:
+    0.314 -> 0.087 ms). ``"ieee"`` for fp32 operands (the tests' exact path,
+    where the walk itself is fp32), under the interpreter, and on AMD, which has
+    no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it."""
+    if ieee_operands or interpreting() or arch(device).startswith("gfx"):
+        return "ieee"
+    return "tf32x3"
 
 
 def _checked_tile(name: str, bv, V: int, K: int) -> int:

@@ -34,7 +34,12 @@ bound (the tests hold both to the chunk kernel's ``2e-4`` and the grouped one
 to 4x the serial error + 1e-6). ``M_g`` is therefore kept in fp32 in the
 workspace (the seed's bf16 operator is not needed: the workspace is small next
 to the operands, and fp32 keeps the composition at the walk's own precision);
-the scan's products are fp32 ``ieee``. On the GPU the walk's dots run in bf16
+the scan's products are fp32 ``ieee`` for fp32 operands and on AMD, and
+``tf32x3`` (three TF32 tensor-core products, within a few bits of fp32) where
+the walk's dots are bf16/fp16 on NVIDIA: 3.6-4.9x faster than the FMA product on
+the H200 and far below the bf16 walk's own rounding
+(``tests/kda/test_groups.py::test_gpu_scan_precision`` bounds its start states
+against the ``ieee`` scan). On the GPU the walk's dots run in bf16
 with fp32 accumulation for both the state rows and the operator rows, exactly
 as the serial walk does; ``tests/kda/test_groups.py`` holds the bf16 grouped
 walk to 1.5x the serial walk's relative RMS error (+1e-3) against the fp32
@@ -76,16 +81,20 @@ MAX_GROUPS = 32
 # slow each other down (a step is a chain of dependent dots, so a lone program
 # leaves the SM mostly idle; two fit a Hopper SM's shared memory, one an AMD CU's
 # 64 KiB LDS). _PASS_ONE_STEP: pass one skips the output's two dots and loads
-# (qg, aqk). _SCAN_STEP: one scan step (a 64 KiB operator read + an fp32 FMA
-# product, latency-bound). _FIXED: the two extra launches and the group state
-# traffic. _OVERLAP_NVIDIA was 2.0 in the first model, which picked G = 13 for
+# (qg, aqk). _SCAN_STEP: one scan step (a 64 KiB operator read + a [K, K] x
+# [K, 32] product, latency-bound). NVIDIA: 2.0 since the product runs as tf32x3
+# on the tensor cores (4.4-5.8 us per step against 2.4 us per chunk step; H200,
+# 2026-12-04, see chunk_groups); it was 3.0 while the product ran on fp32 FMAs
+# (about 21 us per step), which AMD still does (ieee; not measured there).
+# _FIXED: the two extra launches and the group state traffic. _OVERLAP_NVIDIA was 2.0 in the first model, which picked G = 13 for
 # 1 x 32768 H4; the H200 sweep (chunk kernel alone, 2026-12-03, see
 # chunk_groups) measured G = 8 fastest there and G = 16 at 1 x 131072 H4, which
 # is what 1.5 (programs beyond the first on an SM overlap only partly) gives.
 _OVERLAP_NVIDIA = 1.5
 _OVERLAP_AMD = 1.0
 _PASS_ONE_STEP = 0.6
-_SCAN_STEP = 3.0
+_SCAN_STEP_NVIDIA = 2.0
+_SCAN_STEP_AMD = 3.0
 _FIXED = 10.0
 # A split must beat the serial walk by this factor in the model: the model is
 # coarse, and a near-tie is better left to the single launch.
@@ -127,7 +136,9 @@ def group_cost(
     (``G - 1`` serial steps) and a fixed cost.
     """
     cus = num_compute_units(device)
-    overlap = _OVERLAP_AMD if arch(device).startswith("gfx") else _OVERLAP_NVIDIA
+    on_amd = arch(device).startswith("gfx")
+    overlap = _OVERLAP_AMD if on_amd else _OVERLAP_NVIDIA
+    scan_step = _SCAN_STEP_AMD if on_amd else _SCAN_STEP_NVIDIA
     nh = max(num_seqs * num_heads, 1)
     chunks = max(chunks_per_seq, 0)
     if groups <= 1:
@@ -137,7 +148,7 @@ def group_cost(
         return _pass_time(nh * head_v / 32, chunks, cus, overlap, 1.0) + _FIXED
     two = _pass_time(nh * g_eff * head_v / 32, length, cus, overlap, 1.0)
     one = _pass_time(nh * (g_eff - 1) * (head_v + head_k) / 32, length, cus, overlap, _PASS_ONE_STEP)
-    return one + two + (g_eff - 1) * _SCAN_STEP + _FIXED
+    return one + two + (g_eff - 1) * scan_step + _FIXED
 
 
 @functools.lru_cache(maxsize=256)
@@ -185,15 +196,34 @@ def chunk_groups(
     ragged batch only the sequences long enough are split.
 
     Model picks on an H200 (132 SMs) at K = V = 128: 1 x 131072 H4 -> 16,
-    1 x 32768 H4 -> 8, 1 x 32768 H32, 1 x 8192 H32/H96, 16 x 2048 H32,
-    64 x 512 H32 -> 1.
+    1 x 32768 H4 -> 16, 1 x 262144 H2 -> 32, 1 x 32768 H8, 1 x 65536 H8 and
+    2 x 32768 H4 -> 7, 1 x 16384 H4 and 1 x 8192 H4 -> 8, 1 x 32768 H32,
+    4 x 8192 H8, 1 x 8192 H32/H96, 16 x 2048 H32, 64 x 512 H32 -> 1.
 
-    H200 sweep (``benchmarks/bench_kda_prefill.py --quick``, 2026-12-03, bf16,
+    H200 sweep with the tf32x3 scan (``python benchmarks/sweep_kda_groups.py``:
+    the chunk kernel alone, forced G = 1 / 8 / 16 / 24 / 32 / 48 / 64, bf16,
+    lower_bound -5, ms, 2026-12-04): 1 x 32768 H4: 1.257 / 0.345 / **0.272** / 0.347 / 0.330 /
+    0.437 / 0.499; 1 x 131072 H4: 4.977 / 1.217 / 0.841 / 0.986 / **0.822** /
+    0.992 / 0.980; 1 x 32768 H8: 1.273 / 0.432 / **0.429** / 0.525 / 0.512;
+    1 x 65536 H8: 2.538 / 0.807 / **0.753** / 0.880 / 0.836; 2 x 32768 H4:
+    1.272 / **0.430** / **0.430** / 0.525; 1 x 16384 H4: 0.633 / 0.196 /
+    **0.183** / 0.226; 1 x 8192 H4: 0.322 / 0.186 / **0.182** / 0.195;
+    1 x 262144 H2: 10.08 / 2.214 / 1.256 / 1.092 / **0.900** / 1.088 / 0.963;
+    1 x 32768 H32: 1.406 / **1.370** / 1.416 (a 3 % edge the model leaves to the
+    single launch); 4 x 8192 H8: **0.359** / 0.399. The model's pick is the
+    optimum or within 8 % of it (1 x 65536 H8: 7 -> ~0.80 against 0.753), and
+    G > 32 never won. Counts that put more pass-two programs on the GPU than it
+    has SMs without filling two per SM (G = 24 at H4) lose to both neighbours:
+    a pass-two grid of at most one program per SM is double-staged (see
+    :func:`~kda_engram.kda.chunk.chunk_config`).
+
+    Earlier sweep, with the scan's product on fp32 FMAs (scan step 3.0):
+
+    (``benchmarks/bench_kda_prefill.py --quick``, 2026-12-03, bf16,
     lower_bound -5, chunk kernel alone with forced G = 1 / 4 / 8 / 16 / 32, ms):
     1 x 32768 H4: 1.245 / 0.618 / 0.462 / 0.524 / 0.864; 1 x 131072 H4: 4.933 /
     2.209 / 1.327 / 1.103 / 1.360; 1 x 32768 H32: 1.391 / 1.409 / 1.489 / 1.674 /
-    2.058 (the serial grid already fills the SMs: a split only adds work). The
-    model's picks are the measured optima in all three.
+    2.058 (the serial grid already fills the SMs: a split only adds work).
     """
     for name, val in (("chunks_per_seq", chunks_per_seq), ("num_seqs", num_seqs), ("num_heads", num_heads)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
