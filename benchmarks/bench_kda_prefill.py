@@ -9,7 +9,11 @@ floor, and the max abs difference of the outputs (and of the final states). The
 floor is the bytes that must move -- q, k, v, raw gate and the output in bf16,
 beta, the initial and the final state in fp32 -- over the copy bandwidth
 measured here (a 1 GiB device-to-device copy, counting read + write). Our time is
-also split into the two launches (prologue, chunk walk).
+also split into the two launches (prologue, chunk walk) and given replayed from
+a CUDA graph (``graph_ms``: GPU time without the host's launch work, which the
+eager loop includes where it exceeds the GPU time), beside fla's ``chunk_kda``
+replayed the same way in its capturable mode (``use_graph=True``; its eager
+call reads ``cu_seqlens`` back to the host once and caches the result).
 
 Parallel chunk groups (issue 6): every case's main row runs the heuristic's
 group count (``groups`` column, :func:`kda_engram.kda.groups.chunk_groups`); the
@@ -46,6 +50,7 @@ try:  # a source checkout without an install
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+from kda_engram.bench import cuda_graph_ms
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
 from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
@@ -131,12 +136,16 @@ def _load_fla():
     return chunk_kda, f"fla-core {version} chunk_kda"
 
 
-def _fla_call(chunk_kda, x, h0_kv):
-    """fla's call of ANCHORS.md; fla keeps the state K-first [N, H, K, V]."""
+def _fla_call(chunk_kda, x, h0_kv, use_graph: bool = False):
+    """fla's call of ANCHORS.md; fla keeps the state K-first [N, H, K, V].
+    ``use_graph=True`` is fla's capturable mode (chunk metadata built on the
+    device with a static row bound instead of read back to the host)."""
+    extra = {"use_graph": True} if use_graph else {}
     return chunk_kda(
         x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], initial_state=h0_kv, output_final_state=True,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         safe_gate=True, lower_bound=LOWER_BOUND, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu"],
+        **extra,
     )
 
 
@@ -188,6 +197,11 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                 lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
             )
             ours_ms = _bench(ours, quick)
+            # Replayed from a CUDA graph: the GPU time alone. The eager loop above
+            # also carries the host's ~0.6-1 ms per call (five Triton launches
+            # and the chunk metadata), which exceeds the GPU time of the smaller
+            # cases (1 x 32k, H4: 0.62 ms on the H200).
+            graph_ms = cuda_graph_ms(ours, iters=20, repeats=3)
 
             # The two launches on their own.
             scale = HEAD_DIM**-0.5
@@ -207,7 +221,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
 
             chunk_ms = _bench(walk, quick)
 
-            peer_ms = diff = diff_state = None
+            peer_ms = peer_graph_ms = diff = diff_state = None
             peer = peer_name
             o_fla = f_fla = None
             if chunk_kda is not None:
@@ -219,11 +233,18 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                     diff_state = (f_ours - f_fla.transpose(-1, -2).float()).abs().max().item()
                 except Exception as exc:  # report, do not crash
                     peer = f"fla chunk_kda failed: {type(exc).__name__}: {exc}"
+                if peer_ms is not None:
+                    try:
+                        peer_graph_ms = cuda_graph_ms(lambda: _fla_call(chunk_kda, x, h0_kv, use_graph=True),
+                                                      iters=20, repeats=3)
+                    except Exception as exc:  # report, do not crash
+                        torch.cuda.synchronize()
+                        print(f"  {name}: fla chunk_kda(use_graph=True) not captured: {type(exc).__name__}: {exc}")
             cfg = chunk_config(N, H, HEAD_DIM, device)
             row = _row(
                 name, ours_ms, peer_ms, peer, floor_ms, max_abs_diff=diff, max_abs_diff_state=diff_state,
                 prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw, groups=picked,
-                target_ratio=TARGET_RATIO.get(name, 1.0), anchor_fla_ms=ANCHOR_FLA_MS[name],
+                graph_ms=graph_ms, peer_graph_ms=peer_graph_ms, target_ratio=TARGET_RATIO.get(name, 1.0), anchor_fla_ms=ANCHOR_FLA_MS[name],
                 anchor_flashkda_ms=ANCHOR_FLASHKDA_MS[name],
             )
             if row["ratio"] is not None:
