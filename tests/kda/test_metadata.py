@@ -1,7 +1,10 @@
 import pytest
 import torch
 
-from kda_engram.kda.metadata import max_chunks, prepare_chunk_indices, prepare_chunk_offsets
+import random
+
+import kda_engram.kda.metadata as metadata_mod
+from kda_engram.kda.metadata import max_chunks, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
 
 
 def host_chunk_indices(lengths, C=64):
@@ -26,6 +29,50 @@ def test_indices_and_offsets(lengths, dtype):
     assert off.dtype == torch.int32
     counts = [-(-l // 64) for l in lengths]
     assert off.tolist() == [sum(counts[:i]) for i in range(len(lengths) + 1)]
+
+
+def ragged_cases():
+    rng = random.Random(5)
+    many = [rng.choice([0, 0, 1, 63, 64, 65, 200]) for _ in range(150)]  # > one 64-sequence step
+    long = [0, 128 * 64 + 5, 0, 3]  # > one 128-row block
+    return [[], [0], [0, 0], [1], [64], [65], [0, 5, 0, 0, 130, 0], [63, 64, 65, 0, 1, 1000], many, long,
+            [0] * 70]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("chunk_size", [64, 16])
+def test_metadata_kernel_matches_torch(dtype, chunk_size):
+    # The one-launch kernel (interpreter here, compiled in the GPU test) against
+    # the torch constructions, on ragged batches with zero-length runs, more
+    # sequences than one step of its running cumsum and more rows than a block.
+    for lengths in ragged_cases():
+        cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(dtype)
+        T = int(cu[-1])
+        off, idx = prepare_chunk_metadata(cu, T, chunk_size)
+        assert off.dtype == idx.dtype == torch.int32
+        assert off.tolist() == prepare_chunk_offsets(cu, chunk_size).tolist(), lengths
+        assert idx.tolist() == prepare_chunk_indices(cu, chunk_size, total_tokens=T).tolist(), lengths
+    # A static bound larger than the tokens: the extra rows are padding.
+    cu = torch.tensor([0, 70, 70], dtype=dtype)
+    off, idx = prepare_chunk_metadata(cu, 1000, chunk_size)
+    assert idx.tolist() == prepare_chunk_indices(cu, chunk_size, total_tokens=1000).tolist()
+
+
+def test_metadata_cpu_fallback(monkeypatch):
+    # A CPU tensor without the interpreter takes the torch path (no kernel launch).
+    monkeypatch.setattr(metadata_mod, "interpreting", lambda: False)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("kernel launched for a CPU tensor")
+
+    monkeypatch.setattr(metadata_mod, "_chunk_metadata_kernel", NoLaunch())
+    cu = torch.tensor([0, 0, 65, 66])
+    off, idx = prepare_chunk_metadata(cu, 66)
+    assert off.tolist() == [0, 0, 2, 3]
+    assert idx.tolist() == [[1, 0], [1, 1], [2, 0], [-1, -1]]
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        prepare_chunk_metadata(torch.tensor([0.0, 1.0]), 1)
 
 
 def test_zero_length_sequences_keep_later_ids():
@@ -53,19 +100,33 @@ def test_no_host_sync_and_graph_capture(gpu):
     torch.cuda.set_sync_debug_mode("error")  # any device->host sync raises
     try:
         prepare_chunk_indices(cu, total_tokens=T)
+        prepare_chunk_metadata(cu, T)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         prepare_chunk_indices(cu, total_tokens=T)  # warm-up outside capture
+        prepare_chunk_metadata(cu, T)  # (compiles the kernel)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         idx = prepare_chunk_indices(cu, total_tokens=T)
         off = prepare_chunk_offsets(cu)
+        off_k, idx_k = prepare_chunk_metadata(cu, T)
     cu.copy_(torch.tensor([0] + new_lengths, device=gpu).cumsum(0).to(torch.int32))
     graph.replay()
     assert idx.cpu().tolist() == [list(r) for r in host_chunk_indices(new_lengths)]
     counts = [-(-l // 64) for l in new_lengths]
     assert off.cpu().tolist() == [sum(counts[:i]) for i in range(len(new_lengths) + 1)]
+    assert torch.equal(idx_k, idx) and torch.equal(off_k, off)
+
+
+@pytest.mark.gpu
+def test_gpu_metadata_kernel_matches_torch(gpu):
+    for lengths in ragged_cases() + [[131072], [2048] * 16, [512] * 64, [1] * 3000]:
+        cu = torch.tensor([0] + lengths, device=gpu).cumsum(0).to(torch.int32)
+        T = sum(lengths)
+        off, idx = prepare_chunk_metadata(cu, T)
+        assert torch.equal(off, prepare_chunk_offsets(cu)), lengths[:8]
+        assert torch.equal(idx, prepare_chunk_indices(cu, total_tokens=T)), lengths[:8]

@@ -7,7 +7,7 @@ kernels run under the Triton interpreter.
 
 from .chunk import KDA_CHECKPOINT_ALIGNMENT, fused_kda_chunk
 from .decode import kda_decode, kda_decode_multi
-from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
 from .prefill import chunk_kda_prefill
 from .prologue import fused_kda_prologue
 from .reference import kda_gate, naive_chunk_kda, naive_group_chunk_kda, naive_recurrent_kda
@@ -25,5 +25,6 @@ __all__ = [
     "naive_group_chunk_kda",
     "naive_recurrent_kda",
     "prepare_chunk_indices",
+    "prepare_chunk_metadata",
     "prepare_chunk_offsets",
 ]

@@ -40,7 +40,7 @@ import triton.language as tl
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
 from ..platform import arch, interpreting, num_compute_units
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
-from .metadata import CHUNK_SIZE, prepare_chunk_offsets
+from .metadata import CHUNK_SIZE, prepare_chunk_metadata, prepare_chunk_offsets
 from .reference import KDA_CHECKPOINT_ALIGNMENT
 
 __all__ = [
@@ -722,7 +722,7 @@ def fused_kda_chunk(
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
         )
     if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
 
     final_state = None
     if output_final_state:

@@ -21,7 +21,7 @@ import torch
 
 from .._validation import FLOAT_DTYPES, check_tensor
 from .chunk import _check_cu_seqlens, _structure_checks, check_state_arguments, fused_kda_chunk
-from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from .metadata import CHUNK_SIZE, prepare_chunk_metadata
 from .prologue import fused_kda_prologue
 
 __all__ = ["chunk_kda_prefill"]
@@ -133,9 +133,8 @@ def chunk_kda_prefill(
     if scale is None:
         scale = K**-0.5
 
-    # Chunk metadata on the device, sized from static shapes: no host sync.
-    chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-    chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, total_tokens=T, chunk_offsets=chunk_offsets)
+    # Chunk metadata on the device, sized from static shapes: one launch, no host sync.
+    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
 
     ops = fused_kda_prologue(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,

@@ -174,7 +174,7 @@ import triton.language as tl
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
 from ..platform import is_gpu
 from .conv import conv_prefill_bands
-from .metadata import CHUNK_SIZE, chunk_row, prepare_chunk_indices
+from .metadata import CHUNK_SIZE, chunk_row, prepare_chunk_metadata
 
 LOG2E = math.log2(math.e)
 SUB_CHUNK = 16
@@ -736,7 +736,7 @@ def fused_kda_prologue(
     V = v.shape[3]
     dev = q.device
     if chunk_indices is None:
-        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK_SIZE, total_tokens=T)
+        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
     num_chunks = chunk_indices.shape[0]
     intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
     out = dict(
