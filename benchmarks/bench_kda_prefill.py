@@ -244,7 +244,8 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             row = _row(
                 name, ours_ms, peer_ms, peer, floor_ms, max_abs_diff=diff, max_abs_diff_state=diff_state,
                 prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw, groups=picked,
-                graph_ms=graph_ms, peer_graph_ms=peer_graph_ms, target_ratio=TARGET_RATIO.get(name, 1.0), anchor_fla_ms=ANCHOR_FLA_MS[name],
+                graph_ms=graph_ms, peer_graph_ms=peer_graph_ms, target_ratio=TARGET_RATIO.get(name, 1.0),
+                anchor_fla_ms=ANCHOR_FLA_MS[name],
                 anchor_flashkda_ms=ANCHOR_FLASHKDA_MS[name],
             )
             if row["ratio"] is not None:

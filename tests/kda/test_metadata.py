@@ -73,6 +73,12 @@ def test_metadata_cpu_fallback(monkeypatch):
     assert idx.tolist() == [[1, 0], [1, 1], [2, 0], [-1, -1]]
     with pytest.raises(TypeError, match="cu_seqlens"):
         prepare_chunk_metadata(torch.tensor([0.0, 1.0]), 1)
+    with pytest.raises(ValueError, match="total_tokens"):
+        prepare_chunk_metadata(cu, -1)
+    with pytest.raises(ValueError, match="total_tokens"):
+        prepare_chunk_metadata(cu, 66.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        prepare_chunk_metadata(cu, 66, 0)
 
 
 def test_zero_length_sequences_keep_later_ids():

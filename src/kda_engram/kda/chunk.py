@@ -681,8 +681,9 @@ def fused_kda_chunk(
     ``M_g`` from zero), the scan (``S_{g+1} = S_g M_g + H_g`` from the initial
     state or cache row; fp32 state, products at ``tf32x3`` on NVIDIA with
     bf16/fp16 operands, ``ieee`` otherwise) and pass two (every group walks
-    from its start state, writing outputs, the checkpoints in its range and, last group, the
-    final state / cache row): same results contract, no host synchronisation.
+    from its start state, writing outputs, the checkpoints in its range and,
+    last group, the final state / cache row): same results contract, no host
+    synchronisation.
     ``group_workspace`` (fp32, contiguous, at least
     :func:`~kda_engram.kda.groups.group_workspace_numel` elements; layout in
     :func:`~kda_engram.kda.groups.group_workspace_layout`) is allocated with

@@ -86,10 +86,11 @@ MAX_GROUPS = 32
 # on the tensor cores (4.4-5.8 us per step against 2.4 us per chunk step; H200,
 # 2026-12-04, see chunk_groups); it was 3.0 while the product ran on fp32 FMAs
 # (about 21 us per step), which AMD still does (ieee; not measured there).
-# _FIXED: the two extra launches and the group state traffic. _OVERLAP_NVIDIA was 2.0 in the first model, which picked G = 13 for
-# 1 x 32768 H4; the H200 sweep (chunk kernel alone, 2026-12-03, see
-# chunk_groups) measured G = 8 fastest there and G = 16 at 1 x 131072 H4, which
-# is what 1.5 (programs beyond the first on an SM overlap only partly) gives.
+# _FIXED: the two extra launches and the group state traffic. _OVERLAP_NVIDIA
+# was 2.0 in the first model, which picked G = 13 for 1 x 32768 H4; the H200
+# sweep (chunk kernel alone, 2026-12-03, see chunk_groups) measured G = 8
+# fastest there and G = 16 at 1 x 131072 H4, which is what 1.5 (programs beyond
+# the first on an SM overlap only partly) gives.
 _OVERLAP_NVIDIA = 1.5
 _OVERLAP_AMD = 1.0
 _PASS_ONE_STEP = 0.6

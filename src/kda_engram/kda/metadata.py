@@ -146,6 +146,9 @@ def prepare_chunk_metadata(
     interpreter it falls back to the torch functions.
     """
     _check_cu_seqlens(cu_seqlens)
+    for name, val, low in (("total_tokens", total_tokens, 0), ("chunk_size", chunk_size, 1)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {val!r}")
     num_seqs = cu_seqlens.numel() - 1
     device = cu_seqlens.device
     if device.type != "cuda" and not interpreting():
