@@ -30,3 +30,20 @@ def test_every_benchmark_loads_and_takes_the_runner_arguments():
     for name in BENCHMARKS:
         params = inspect.signature(load_benchmark(name).run).parameters
         assert "peers" in params and "quick" in params, name
+
+
+def test_group_sweep_imports_and_refuses_without_a_gpu(monkeypatch, capsys):
+    # benchmarks/sweep_kda_groups.py (the sweep behind kda/groups.py's constants)
+    # must keep importing against the package; on a CPU machine it exits 2.
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_kda_groups.py"
+    spec = importlib.util.spec_from_file_location("sweep_kda_groups", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sweep.main(["--part", "groups"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
