@@ -148,7 +148,7 @@ def test_scan_precision_policy(monkeypatch):
     assert chunk_mod._scan_precision(False, "cuda") == "ieee"
 
 
-def test_scan_launch_config_is_honoured():
+def test_scan_launch_knobs_leave_the_result_unchanged():
     # The scan's launch knobs change nothing in the result (interpreter, fp32).
     H, K, V = 1, 32, 32
     raw, cu = weak_raw([20 * C], H=H, K=K, V=V, seed=22)

@@ -1,7 +1,7 @@
+import random
+
 import pytest
 import torch
-
-import random
 
 import kda_engram.kda.metadata as metadata_mod
 from kda_engram.kda.metadata import max_chunks, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
