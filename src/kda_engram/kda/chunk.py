@@ -723,7 +723,8 @@ def fused_kda_chunk(
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
         )
     if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+        # The checks above have built it already; otherwise one launch, no host sync.
+        chunk_offsets = expected if check_inputs else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
 
     final_state = None
     if output_final_state:
