@@ -1,38 +1,38 @@
-"""KDA prefill on one GPU: ``chunk_kda_prefill`` vs fla-core's ``chunk_kda``.
+"""KDA prefill on one GPU: ``chunk_kda_prefill`` beside every Hopper peer, in one process.
 
-Both run in this process on the same inputs at every ANCHORS.md shape (bf16,
-K = V = 128, ``lower_bound = -5`` gate with ``A_log``/``dt_bias``, in-kernel L2
-norm and beta sigmoid, fp32 initial state given, final state returned,
-``cu_seqlens`` given), timed with ``triton.testing.do_bench`` (median). Per case:
-both times, the ratio (fla ms / ours ms, > 1 is faster), our fraction of the HBM
-floor, and the max abs difference of the outputs (and of the final states). The
-floor is the bytes that must move -- q, k, v, raw gate and the output in bf16,
-beta, the initial and the final state in fp32 -- over the copy bandwidth
-measured here (a 1 GiB device-to-device copy, counting read + write). Our time is
-also split into the two launches (prologue, chunk walk) and given replayed from
-a CUDA graph (``graph_ms``: GPU time without the host's launch work, which the
-eager loop includes where it exceeds the GPU time), beside fla's ``chunk_kda``
-replayed the same way in its capturable mode (``use_graph=True``; its eager
-call reads ``cu_seqlens`` back to the host once and caches the result).
+Peers, each on the same inputs right beside ours (each skipped with a printed
+reason when it cannot be imported or fails): fla-core's ``chunk_kda`` (Triton),
+FlashKDA (``flash_kda.fwd``, CUTLASS sm_90a; bounded gate only) and cuDNN
+frontend's fused Hopper kernel ``kda_fused``
+(``cudnn.linear_attention.hopper.cuda_host.launch``). Inputs follow the peers'
+anchor run: bf16 q, k, v, raw gate and beta logits, K = V = 128, ``lower_bound =
+-5`` with ``A_log = log U[1, 16)`` and ``dt_bias ~ N(0, 1)`` (some channels
+barely decay, as in trained models); the ``_fastgate`` cases draw ``A_log,
+dt_bias ~ U[0, 1)`` (every channel decays fast). Each call starts from a zero
+initial state and returns the final state. ``ragged_H32`` is ten sequences of
+37, 4000, 1, 900, 2048, 129, 6000, 63, 64, 65 tokens.
 
-Parallel chunk groups (issue 6): every case's main row runs the heuristic's
-group count (``groups`` column, :func:`kda_engram.kda.groups.chunk_groups`); the
-long few-head cases (:data:`GROUP_CASES`) add one row per forced count
-(:data:`GROUP_COUNTS`, ``"<case> G=<n>"``: the whole prefill with ``groups=n``,
-its chunk walk alone, fla's time, and the max abs difference to our G = 1
-output), and a closing summary gives, per case, the heuristic's pick beside the
-fastest forced count: the measurement that sets the constants of
-:mod:`kda_engram.kda.groups`.
+Per case: ours as the default call (``check_inputs=True``: what a user meets),
+the no-check call (what an engine makes) and replayed from a CUDA graph (GPU
+time alone); each peer's time; the best peer and our ratio to it (best peer ms /
+ours ms, > 1 is faster) for the no-check and the graph column; our fraction of
+the HBM floor (q, k, v, raw gate, out in bf16, beta, initial and final state in
+fp32, over the copy bandwidth measured here); the max abs difference of our
+output to each peer's. Times are the mean of two interleaved
+``triton.testing.do_bench`` medians (ours and the peers alternate, so clock and
+thermal drift hit both).
 
-``python benchmarks/bench_kda_prefill.py [--cases 16x2k_H32,...] [--quick]
-[--no-peers] [--sweep] [--groups 1,4,8,16,32] [--group-cases all|1x32k_H4,...]
-[--profile] [--json PATH]``. ``--profile`` lists instead, per case, the time per
-call of every kernel each side launches (torch.profiler): where a prefill's time
-goes. ``--sweep`` also times the chunk kernel alone over its launch
-configurations (BV x num_warps x num_stages), to tune
-:func:`kda_engram.kda.chunk.chunk_config`; ``--groups ''`` drops the forced-G
-rows. ``run(cases=None, peers=True, quick=False)`` returns the rows for
+The long few-head cases (:data:`GROUP_CASES`) can add one row per forced chunk
+group count (``--groups``), the measurement behind :mod:`kda_engram.kda.groups`.
+``--profile`` lists instead the time per call of every kernel each side launches
+(torch.profiler); ``--sweep`` times the chunk walk over its launch
+configurations. ``run(cases=None, peers=True, quick=False)`` returns the rows for
 ``kda-engram bench``.
+
+FlashKDA is not on PyPI: put its package and extension on ``PYTHONPATH``
+(``import flash_kda`` must work). cuDNN's kernel comes with
+``pip install nvidia-cudnn-frontend==1.32.0`` (compiled at first use by NVRTC);
+it takes the raw gate and beta as fp32, converted here outside the timed call.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import sys
 
@@ -60,26 +61,32 @@ from kda_engram.kda.prologue import fused_kda_prologue
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
 DTYPE = torch.bfloat16
-# name: (sequences, length, heads), and the peers' ANCHORS.md times (ms, H200).
+RAGGED_LENGTHS = (37, 4000, 1, 900, 2048, 129, 6000, 63, 64, 65)
+# name: (sequence lengths, heads, fast-decaying gates).
 CASES = {
-    "1x8k_H32": (1, 8192, 32),
-    "1x32k_H32": (1, 32768, 32),
-    "1x32k_H4": (1, 32768, 4),
-    "1x128k_H4": (1, 131072, 4),
-    "16x2k_H32": (16, 2048, 32),
-    "64x512_H32": (64, 512, 32),
-    "1x8k_H96": (1, 8192, 96),
+    "1x8k_H32": ((8192,), 32, False),
+    "1x32k_H32": ((32768,), 32, False),
+    "1x32k_H4": ((32768,), 4, False),
+    "1x128k_H4": ((131072,), 4, False),
+    "16x2k_H32": ((2048,) * 16, 32, False),
+    "64x512_H32": ((512,) * 64, 32, False),
+    "256x128_H32": ((128,) * 256, 32, False),
+    "1x8k_H96": ((8192,), 96, False),
+    "ragged_H32": (RAGGED_LENGTHS, 32, False),
+    "1x32k_H32_fastgate": ((32768,), 32, True),
+    "1x32k_H4_fastgate": ((32768,), 4, True),
 }
-ANCHOR_FLA_MS = {"1x8k_H32": 1.530, "1x32k_H32": 3.713, "1x32k_H4": 1.831, "1x128k_H4": 4.245,
-                 "16x2k_H32": 3.773, "64x512_H32": 3.928, "1x8k_H96": 2.660}
-ANCHOR_FLASHKDA_MS = {"1x8k_H32": 1.047, "1x32k_H32": 4.077, "1x32k_H4": 3.256, "1x128k_H4": 13.176,
-                      "16x2k_H32": 1.545, "64x512_H32": 1.635, "1x8k_H96": 1.470}
-# Issue 5's targets (speed-up over fla-core); long few-head sequences: not slower.
-TARGET_RATIO = {"16x2k_H32": 2.6, "64x512_H32": 2.6, "1x8k_H32": 2.0, "1x8k_H96": 2.0}
-# Issue 6: the long few-head cases get forced-G rows beside the heuristic's pick.
+# The best peer per case in the anchor run (H200, 2026-12-04, ms), and the
+# prefill targets set from it (each at least 1.2x that best peer).
+ANCHOR_BEST_PEER_MS = {"1x8k_H32": 1.02, "1x32k_H32": 3.73, "1x32k_H4": 1.44, "1x128k_H4": 4.25,
+                       "16x2k_H32": 1.14, "64x512_H32": 1.20, "256x128_H32": 1.48, "1x8k_H96": 1.47,
+                       "ragged_H32": 1.18, "1x32k_H32_fastgate": 1.11, "1x32k_H4_fastgate": 0.15}
+TARGET_MS = {"16x2k_H32": 0.95, "64x512_H32": 1.00, "256x128_H32": 1.20, "1x8k_H96": 1.20, "ragged_H32": 0.95,
+             "1x8k_H32": 0.60, "1x32k_H32": 2.00, "1x32k_H4": 0.45, "1x128k_H4": 1.40}
+PEERS = ("fla", "flashkda", "cudnn")
+# The long few-head cases can get forced-G rows beside the heuristic's pick.
 GROUP_CASES = ("1x32k_H4", "1x128k_H4", "1x32k_H32")
 GROUP_COUNTS = (1, 4, 8, 16, 32)
-TARGET_RATIO.update({"1x32k_H32": 2.5, "1x32k_H4": 2.5, "1x128k_H4": 3.0})
 SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
 
 
@@ -88,6 +95,23 @@ def _bench(fn, quick: bool = False) -> float:
 
     return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
                                          return_mode="median"))
+
+
+def _interleaved(fns: dict, quick: bool, rounds: int = 2) -> dict:
+    """Mean over ``rounds`` of each callable's do_bench median, the callables
+    alternating within a round; ``None`` for a callable that raised (printed)."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if times[name] is None:
+                continue
+            try:
+                times[name].append(_bench(fn, quick))
+            except Exception as exc:  # a peer failing at a shape: report, keep the others
+                torch.cuda.synchronize()
+                print(f"  {name}: timing failed: {type(exc).__name__}: {exc}")
+                times[name] = None
+    return {name: (sum(t) / len(t) if t else None) for name, t in times.items()}
 
 
 def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
@@ -99,26 +123,34 @@ def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def floor_bytes(num_seqs: int, length: int, heads: int) -> int:
+def floor_bytes(lengths, heads: int) -> int:
     """Bytes a prefill must move: q, k, v, raw gate, out (bf16), beta (bf16), initial + final state (fp32)."""
-    T = num_seqs * length
-    return T * heads * (5 * HEAD_DIM * 2 + 2) + 2 * num_seqs * heads * HEAD_DIM * HEAD_DIM * 4
+    T, N = sum(lengths), len(lengths)
+    return T * heads * (5 * HEAD_DIM * 2 + 2) + 2 * N * heads * HEAD_DIM * HEAD_DIM * 4
 
 
-def make_inputs(num_seqs: int, length: int, heads: int, device, seed: int = 0) -> dict:
+def make_inputs(lengths, heads: int, device, fastgate: bool = False, seed: int = 0) -> dict:
+    """The anchor run's inputs; zero initial state ``h0`` V-first ``[N, H, V, K]``."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    T = num_seqs * length
+    T, N = sum(lengths), len(lengths)
     rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    uni = lambda *s: torch.rand(*s, device=device, generator=gen)  # noqa: E731
+    if fastgate:
+        A_log, dt_bias = uni(heads), uni(heads * HEAD_DIM)
+    else:
+        A_log, dt_bias = torch.log(1 + 15 * uni(heads)), rnd(heads * HEAD_DIM)
+    cu = torch.zeros(N + 1, dtype=torch.int64, device=device)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(device)
     return dict(
         q=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
         k=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
         v=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
         raw_g=rnd(1, T, heads, HEAD_DIM).to(DTYPE),
         raw_beta=rnd(1, T, heads).to(DTYPE),
-        A_log=(rnd(heads) * 0.5).float(),
-        dt_bias=rnd(heads * HEAD_DIM).float(),
-        h0=(rnd(num_seqs, heads, HEAD_DIM, HEAD_DIM) * 0.1).float(),  # V-first [N, H, V, K]
-        cu=torch.arange(0, T + 1, length, dtype=torch.int64, device=device),
+        A_log=A_log.float(),
+        dt_bias=dt_bias.float(),
+        h0=torch.zeros(N, heads, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device),
+        cu=cu,
     )
 
 
@@ -137,7 +169,7 @@ def _load_fla():
 
 
 def _fla_call(chunk_kda, x, h0_kv, use_graph: bool = False):
-    """fla's call of ANCHORS.md; fla keeps the state K-first [N, H, K, V].
+    """fla's call of the anchor run; fla keeps the state K-first [N, H, K, V].
     ``use_graph=True`` is fla's capturable mode (chunk metadata built on the
     device with a static row bound instead of read back to the host)."""
     extra = {"use_graph": True} if use_graph else {}
@@ -147,6 +179,70 @@ def _fla_call(chunk_kda, x, h0_kv, use_graph: bool = False):
         safe_gate=True, lower_bound=LOWER_BOUND, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu"],
         **extra,
     )
+
+
+def load_peers(peers: bool = True) -> dict:
+    """``{peer: (make_call or None, description)}``: ``make_call(x)`` returns a
+    zero-argument callable running that peer on the inputs ``x`` and returning its
+    output ``[1, T, H, V]``; ``None`` with the reason it cannot run."""
+    if not peers:
+        return {p: (None, "peers off") for p in PEERS}
+    found = {}
+    chunk_kda, desc = _load_fla()
+    if chunk_kda is None:
+        found["fla"] = (None, desc)
+    else:
+        def fla_call(x):
+            h0_kv = x["h0"].transpose(-1, -2).contiguous()
+            return lambda: _fla_call(chunk_kda, x, h0_kv)[0]
+
+        found["fla"] = (fla_call, desc)
+    try:
+        import flash_kda
+
+        def flashkda_call(x):
+            N, H = x["h0"].shape[:2]
+            out = torch.empty_like(x["v"])
+            ht = torch.empty_like(x["h0"])
+            dtb = x["dt_bias"].view(H, HEAD_DIM)
+
+            def call():
+                flash_kda.fwd(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], HEAD_DIM**-0.5, out,
+                              A_log=x["A_log"], dt_bias=dtb, lower_bound=LOWER_BOUND, initial_state=x["h0"],
+                              final_state=ht, cu_seqlens=x["cu"])
+                return out
+
+            return call
+
+        found["flashkda"] = (flashkda_call, "FlashKDA flash_kda.fwd (bf16 state on chip)")
+    except Exception as exc:
+        found["flashkda"] = (None, f"FlashKDA not importable: {type(exc).__name__}: {exc}")
+    try:
+        from cudnn.linear_attention.hopper import cuda_host
+
+        def cudnn_call(x):
+            N, H = x["h0"].shape[:2]
+            T = x["q"].shape[1]
+            g32, b32 = x["raw_g"].float().contiguous(), x["raw_beta"].float().contiguous()
+            cu32 = x["cu"].to(torch.int32)
+            out = torch.empty_like(x["v"])
+            ht = torch.empty_like(x["h0"])
+            dev = x["q"].device.index or 0
+
+            def call():
+                cuda_host.launch(dev, torch.cuda.current_stream().cuda_stream, x["q"].data_ptr(), x["k"].data_ptr(),
+                                 x["v"].data_ptr(), g32.data_ptr(), b32.data_ptr(), cu32.data_ptr(),
+                                 x["h0"].data_ptr(), out.data_ptr(), ht.data_ptr(), T, N, H,
+                                 a_log=x["A_log"].data_ptr(), dt_bias=x["dt_bias"].data_ptr(),
+                                 gate_lower_bound=LOWER_BOUND, flags=7, q_scale=HEAD_DIM**-0.5)
+                return out
+
+            return call
+
+        found["cudnn"] = (cudnn_call, "cuDNN frontend kda_fused (sm90, fused, warm-up pieces)")
+    except Exception as exc:
+        found["cudnn"] = (None, f"cuDNN kda_fused not importable: {type(exc).__name__}: {exc}")
+    return found
 
 
 def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
@@ -162,48 +258,60 @@ def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
     }
 
 
+def _ours_call(x, out=None, check_inputs=False, groups=None):
+    return lambda: chunk_kda_prefill(
+        x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+        lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
+        out=out, groups=groups, check_inputs=check_inputs,
+    )
+
+
 def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False,
-        group_counts=GROUP_COUNTS, group_cases=GROUP_CASES) -> list[dict]:
-    """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
-    max_abs_diff, max_abs_diff_state, prologue_ms, chunk_ms, groups, target_ratio, ...}``.
+        group_counts=(), group_cases=GROUP_CASES) -> list[dict]:
+    """Rows ``{case, ours_ms (no-check), default_ms, graph_ms, <peer>_ms, peer_ms
+    (best peer), peer (its name), ratio, graph_ratio, hbm_floor_ms, floor_fraction,
+    max_abs_diff_<peer>, prologue_ms, chunk_ms, groups, target_ms, ...}``.
     ``cases``: names of :data:`CASES` (default all). ``sweep`` adds one row per
-    chunk-kernel launch configuration (its ``peer`` is the default configuration).
-    ``group_counts`` x ``group_cases`` add the forced-G rows (``forced_groups``
-    set, ``max_abs_diff_g1``: max abs difference of the output to our G = 1's)."""
+    chunk-walk launch configuration; ``group_counts`` x ``group_cases`` add the
+    forced-G rows (``forced_groups`` set, ``max_abs_diff_g1`` to our G = 1 output)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_prefill needs a GPU")
     device = torch.device("cuda")
     bw = copy_bandwidth_gbs(device)
-    chunk_kda, peer_name = _load_fla() if peers else (None, "peers off")
-    if peers and chunk_kda is None:
-        print(f"bench_kda_prefill: {peer_name}; timing ours only")
+    found = load_peers(peers)
+    for p, (call, desc) in found.items():
+        print(f"peer {p}: {desc}" + ("" if call else " -- skipped"))
     rows: list[dict] = []
     for name in cases or list(CASES):
-        N, L, H = CASES[name]
-        x = make_inputs(N, L, H, device)
-        T = N * L
-        floor_ms = floor_bytes(N, L, H) / (bw * 1e9) * 1e3
+        lengths, H, fastgate = CASES[name]
+        N, T = len(lengths), sum(lengths)
+        x = make_inputs(lengths, H, device, fastgate=fastgate)
+        floor_ms = floor_bytes(lengths, H) / (bw * 1e9) * 1e3
         out = torch.empty(1, T, H, HEAD_DIM, dtype=DTYPE, device=device)
-        picked = chunk_groups((T // CHUNK_SIZE) // N, N, H, device, head_k=HEAD_DIM, head_v=HEAD_DIM)
-        ours = lambda: chunk_kda_prefill(  # noqa: E731
-            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
-            out=out, check_inputs=False,
-        )
+        picked = chunk_groups(max(1, math.ceil(max(lengths) / CHUNK_SIZE)), N, H, device,
+                              head_k=HEAD_DIM, head_v=HEAD_DIM)
         with torch.inference_mode():
-            # One checked call first: validates the inputs and compiles the kernels.
-            o_ours, f_ours = chunk_kda_prefill(
-                x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-                lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
-            )
-            ours_ms = _bench(ours, quick)
-            # Replayed from a CUDA graph: the GPU time alone. The eager loop above
-            # also carries the host's ~0.6-1 ms per call (five Triton launches
-            # and the chunk metadata), which exceeds the GPU time of the smaller
-            # cases (1 x 32k, H4: 0.62 ms on the H200).
-            graph_ms = cuda_graph_ms(ours, iters=20, repeats=3)
+            o_ours, _ = _ours_call(x, check_inputs=True)()  # validates the inputs, compiles the kernels
+            fns = {"default": _ours_call(x, out, check_inputs=True), "nocheck": _ours_call(x, out)}
+            notes, diffs = {}, {}
+            for p, (make, desc) in found.items():
+                if make is None:
+                    notes[p] = desc
+                    continue
+                try:
+                    fn = make(x)
+                    o_peer = fn()
+                    torch.cuda.synchronize()
+                    diffs[p] = (o_ours.float() - o_peer.float()).abs().max().item()
+                    fns[p] = fn
+                except Exception as exc:  # a peer that cannot run this case: say why, keep going
+                    torch.cuda.synchronize()
+                    notes[p] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            times = _interleaved(fns, quick)
+            # Replayed from a CUDA graph: the GPU time alone, without the host's launch work.
+            graph_ms = cuda_graph_ms(fns["nocheck"], iters=20, repeats=3)
 
-            # The two launches on their own.
+            # The two stages on their own.
             scale = HEAD_DIM**-0.5
             offs = prepare_chunk_offsets(x["cu"], CHUNK_SIZE)
             idx = prepare_chunk_indices(x["cu"], CHUNK_SIZE, total_tokens=T, chunk_offsets=offs)
@@ -220,72 +328,47 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                                        config=config, groups=groups)
 
             chunk_ms = _bench(walk, quick)
-
-            peer_ms = peer_graph_ms = diff = diff_state = None
-            peer = peer_name
-            o_fla = f_fla = None
-            if chunk_kda is not None:
-                try:
-                    h0_kv = x["h0"].transpose(-1, -2).contiguous()
-                    o_fla, f_fla = _fla_call(chunk_kda, x, h0_kv)
-                    peer_ms = _bench(lambda: _fla_call(chunk_kda, x, h0_kv), quick)
-                    diff = (o_ours.float() - o_fla.float()).abs().max().item()
-                    diff_state = (f_ours - f_fla.transpose(-1, -2).float()).abs().max().item()
-                except Exception as exc:  # report, do not crash
-                    peer = f"fla chunk_kda failed: {type(exc).__name__}: {exc}"
-                if peer_ms is not None:
-                    try:
-                        peer_graph_ms = cuda_graph_ms(lambda: _fla_call(chunk_kda, x, h0_kv, use_graph=True),
-                                                      iters=20, repeats=3)
-                    except Exception as exc:  # report, do not crash
-                        torch.cuda.synchronize()
-                        print(f"  {name}: fla chunk_kda(use_graph=True) not captured: {type(exc).__name__}: {exc}")
-            cfg = chunk_config(N, H, HEAD_DIM, device)
+            peer_times = {p: times.get(p) for p in PEERS}
+            ran = {p: t for p, t in peer_times.items() if t is not None}
+            best = min(ran, key=ran.get) if ran else None
             row = _row(
-                name, ours_ms, peer_ms, peer, floor_ms, max_abs_diff=diff, max_abs_diff_state=diff_state,
-                prologue_ms=prologue_ms, chunk_ms=chunk_ms, config=cfg, copy_gbs=bw, groups=picked,
-                graph_ms=graph_ms, peer_graph_ms=peer_graph_ms, target_ratio=TARGET_RATIO.get(name, 1.0),
-                anchor_fla_ms=ANCHOR_FLA_MS[name],
-                anchor_flashkda_ms=ANCHOR_FLASHKDA_MS[name],
+                name, times["nocheck"], ran.get(best), best, floor_ms,
+                default_ms=times["default"], graph_ms=graph_ms,
+                graph_ratio=(ran[best] / graph_ms) if best else None,
+                default_ratio=(ran[best] / times["default"]) if best and times["default"] else None,
+                check_overhead_ms=(times["default"] - times["nocheck"]) if times["default"] else None,
+                **{f"{p}_ms": peer_times[p] for p in PEERS},
+                **{f"max_abs_diff_{p}": diffs.get(p) for p in PEERS},
+                peer_notes=notes, prologue_ms=prologue_ms, chunk_ms=chunk_ms,
+                config=chunk_config(N, H, HEAD_DIM, device), copy_gbs=bw, groups=picked, tokens=T, heads=H,
+                fastgate=fastgate, target_ms=TARGET_MS.get(name), anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
             )
-            if row["ratio"] is not None:
-                row["meets_target"] = row["ratio"] >= row["target_ratio"]
+            if row["target_ms"] is not None:
+                row["meets_target"] = min(row["ours_ms"], graph_ms) <= row["target_ms"]
             rows.append(row)
 
             if name in group_cases and group_counts:
                 o_g1 = None
                 for g in sorted(group_counts):
                     try:
-                        o_g, f_g = chunk_kda_prefill(
-                            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-                            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"],
-                            output_final_state=True, groups=g,
-                        )
-                        forced = lambda: chunk_kda_prefill(  # noqa: E731
-                            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-                            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"],
-                            output_final_state=True, out=out, groups=g, check_inputs=False,
-                        )
-                        g_ms = _bench(forced, quick)
+                        o_g, _ = _ours_call(x, check_inputs=True, groups=g)()
+                        g_ms = _bench(_ours_call(x, out, groups=g), quick)
                         g_chunk_ms = _bench(lambda: walk(groups=g), quick)
                     except Exception as exc:  # report, keep going
                         print(f"  {name} G={g}: {type(exc).__name__}: {exc}")
                         continue
                     if g == 1:
                         o_g1 = o_g
-                    g_row = _row(
-                        f"{name} G={g}", g_ms, peer_ms, peer, floor_ms, chunk_ms=g_chunk_ms, forced_groups=g,
-                        groups=g, heuristic_groups=picked, copy_gbs=bw, target_ratio=TARGET_RATIO.get(name, 1.0),
-                        max_abs_diff=None if o_fla is None else (o_g.float() - o_fla.float()).abs().max().item(),
-                        max_abs_diff_state=None if f_fla is None
-                        else (f_g - f_fla.transpose(-1, -2).float()).abs().max().item(),
+                    rows.append(_row(
+                        f"{name} G={g}", g_ms, ran.get(best), best, floor_ms, chunk_ms=g_chunk_ms,
+                        forced_groups=g, groups=g, heuristic_groups=picked, copy_gbs=bw,
                         max_abs_diff_g1=None if o_g1 is None else (o_g.float() - o_g1.float()).abs().max().item(),
-                    )
-                    rows.append(g_row)
-                    del o_g, f_g
+                    ))
+                    del o_g
                 del o_g1
 
             if sweep:
+                default_cfg = chunk_config(N, H, HEAD_DIM, device)
                 for bv, nw, ns in itertools.product(*SWEEP.values()):
                     conf = {"BV": bv, "num_warps": nw, "num_stages": ns}
                     try:
@@ -294,8 +377,8 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                         print(f"  sweep {name} {conf}: {type(exc).__name__}: {exc}")
                         continue
                     rows.append(_row(f"{name} chunk[BV={bv},w={nw},s={ns}]", ms, chunk_ms,
-                                     f"chunk default {cfg}", None, sweep=True))
-        del x, out, ops, o_ours, f_ours, o_fla, f_fla
+                                     f"chunk default {default_cfg}", None, sweep=True))
+        del x, out, ops, o_ours
         torch.cuda.empty_cache()
     return rows
 
@@ -306,22 +389,29 @@ def print_rows(rows: list[dict]) -> None:
 
     if rows and rows[0].get("copy_gbs"):
         print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth (read + write): {rows[0]['copy_gbs']:.0f} GB/s")
-    print(f"{'case':<34} {'ours ms':>8} {'fla ms':>8} {'ratio':>6} {'target':>6} {'floor ms':>8} {'of floor':>8} "
-          f"{'prol ms':>8} {'chunk ms':>8} {'max|do|':>9} {'max|dS|':>9} {'G':>3} {'|do| G1':>9}")
+    print(f"{'case':<22} {'default':>8} {'no-check':>8} {'graph':>8} {'fla':>8} {'FlashKDA':>8} {'cuDNN':>8} "
+          f"{'best':>8} {'ratio':>6} {'r graph':>7} {'target':>6} {'of floor':>8} {'prol ms':>8} {'walk ms':>8} "
+          f"{'G':>3}")
     for r in rows:
         if r.get("sweep"):
-            print(f"{r['case']:<34} {f(r['ours_ms']):>8} {'':>8} {f(r['ratio'], '.2f'):>6}   (vs the default chunk)")
+            print(f"{r['case']:<34} {f(r['ours_ms']):>8} {f(r['ratio'], '.2f'):>6}   (vs the default walk)")
+            continue
+        if r.get("forced_groups") is not None:
+            print(f"{r['case']:<22} {'':>8} {f(r['ours_ms']):>8} {'':>8}   walk {f(r.get('chunk_ms'))} ms, "
+                  f"best peer {f(r['peer_ms'])} ms, |do| to G=1 {f(r.get('max_abs_diff_g1'), '.2e')}")
             continue
         print(
-            f"{r['case']:<34} {f(r['ours_ms']):>8} {f(r['peer_ms']):>8} {f(r['ratio'], '.2f'):>6} "
-            f"{f(r.get('target_ratio'), '.1f'):>6} {f(r['hbm_floor_ms']):>8} {f(r['floor_fraction'], '.0%'):>8} "
-            f"{f(r.get('prologue_ms')):>8} {f(r.get('chunk_ms')):>8} {f(r.get('max_abs_diff'), '.2e'):>9} "
-            f"{f(r.get('max_abs_diff_state'), '.2e'):>9} {f(r.get('groups'), 'd'):>3} "
-            f"{f(r.get('max_abs_diff_g1'), '.2e'):>9}"
+            f"{r['case']:<22} {f(r.get('default_ms')):>8} {f(r['ours_ms']):>8} {f(r.get('graph_ms')):>8} "
+            f"{f(r.get('fla_ms')):>8} {f(r.get('flashkda_ms')):>8} {f(r.get('cudnn_ms')):>8} "
+            f"{(r['peer'] or '-'):>8} {f(r['ratio'], '.2f'):>6} {f(r.get('graph_ratio'), '.2f'):>7} "
+            f"{f(r.get('target_ms'), '.2f'):>6} {f(r['floor_fraction'], '.0%'):>8} {f(r.get('prologue_ms')):>8} "
+            f"{f(r.get('chunk_ms')):>8} {f(r.get('groups'), 'd'):>3}"
         )
-        if r.get("forced_groups") is None:
-            print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; ANCHORS fla {r.get('anchor_fla_ms')} "
-                  f"/ FlashKDA {r.get('anchor_flashkda_ms')} ms")
+        diffs = ", ".join(f"{p} {r[f'max_abs_diff_{p}']:.2e}" for p in PEERS
+                          if r.get(f"max_abs_diff_{p}") is not None)
+        skipped = "; ".join(f"{p}: {why}" for p, why in (r.get("peer_notes") or {}).items())
+        print(f"{'':<22}   max|o - peer|: {diffs or '-'}; check overhead {f(r.get('check_overhead_ms'))} ms"
+              + (f"; skipped {skipped}" if skipped else ""))
     summary = group_summary(rows)
     if summary:
         print("chunk groups: heuristic pick vs fastest forced G (whole prefill)")
@@ -376,12 +466,9 @@ def profile_cases(cases, peers: bool = True, min_ms: float = 0.002) -> dict:
     chunk_kda, peer_name = _load_fla() if peers else (None, "peers off")
     result = {}
     for name in cases:
-        N, L, H = CASES[name]
-        x = make_inputs(N, L, H, device)
-        sides = {"ours": lambda: chunk_kda_prefill(  # noqa: E731
-            x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-            lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
-            check_inputs=False)}
+        lengths, H, fastgate = CASES[name]
+        x = make_inputs(lengths, H, device, fastgate=fastgate)
+        sides = {"ours": _ours_call(x)}
         if chunk_kda is not None:
             h0_kv = x["h0"].transpose(-1, -2).contiguous()
             sides["fla"] = lambda: _fla_call(chunk_kda, x, h0_kv)  # noqa: E731
@@ -403,8 +490,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
     parser.add_argument("--no-peers", action="store_true", help="time ours only")
     parser.add_argument("--sweep", action="store_true", help="also sweep the chunk kernel's launch configurations")
-    parser.add_argument("--groups", default=",".join(map(str, GROUP_COUNTS)),
-                        help="forced chunk-group counts for the group cases ('' = none)")
+    parser.add_argument("--groups", default="",
+                        help=f"forced chunk-group counts for the group cases, e.g. {','.join(map(str, GROUP_COUNTS))} "
+                             "(default none)")
     parser.add_argument("--group-cases", default=",".join(GROUP_CASES),
                         help="cases that get forced-G rows ('all' = every case)")
     parser.add_argument("--profile", action="store_true",

@@ -43,7 +43,7 @@ GROUP_COUNTS = (1, 8, 16, 24, 32, 48, 64)
 
 def chunk_walk_of(N: int, L: int, H: int, device):
     """``walk(groups=, config=)`` over fixed prologue operands, and its G = 1 result."""
-    x = make_inputs(N, L, H, device)
+    x = make_inputs((L,) * N, H, device)
     scale = HEAD_DIM**-0.5
     offs = prepare_chunk_offsets(x["cu"], CHUNK_SIZE)
     idx = prepare_chunk_indices(x["cu"], CHUNK_SIZE, total_tokens=N * L, chunk_offsets=offs)
