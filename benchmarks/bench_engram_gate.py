@@ -3,7 +3,7 @@
 Three parts, all measured in this process with ``triton.testing.do_bench`` (median,
 L2 flushed between runs), bf16, hc = 4:
 
-1. ``engram_post_wkv`` vs ``torch.compile`` of the reference math at the ANCHORS
+1. ``engram_post_wkv`` vs ``torch.compile`` of the reference math at the anchor
    shapes (T, dim) = (64, 5120), (2048, 5120), (16384, 5120), (16384, 2560): time,
    ratio (peer ms / ours ms, > 1 is faster) and the fraction of the HBM floor. The
    floor is the bytes that must move (hidden read, kv read, out write) divided by
@@ -54,7 +54,7 @@ EPS = 1e-6
 CLAMP = 1e-6
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-# (T, dim) of ANCHORS.md, and the torch.compile times it lists (ms, H200).
+# the anchor (T, dim) cases, and the torch.compile times measured there (ms, H200).
 POST_WKV_CASES = [(64, 5120), (2048, 5120), (16384, 5120), (16384, 2560)]
 ANCHOR_COMPILE_MS = {(64, 5120): 0.0152, (2048, 5120): 0.0923, (16384, 5120): 0.633, (16384, 2560): 0.815}
 SHARDED_CASES = [(T, 5120, P) for T in (2048, 16384) for P in (2, 4, 8)]
@@ -114,7 +114,7 @@ def _inputs(T, dim, device, seed=0):
 def reference_math(hidden, kv, q, k):
     """engram_post_wkv_ref's math for ``kv`` with exactly T rows: the reference's
     zero-padding of missing rows (a ``zeros`` + slice copy of the whole projection)
-    is left out, so torch.compile sees one streaming reduction, as in ANCHORS.md."""
+    is left out, so torch.compile sees one streaming reduction, as in the anchor measurement."""
     T, hc, dim = hidden.shape
     h = hidden.float()
     keys = kv[:, : hc * dim].float().view(T, hc, dim)
@@ -144,7 +144,7 @@ def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
 def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
     """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
     max_abs_diff, ...}``. ``cases``: a subset of ``(T, dim)`` post-wkv shapes (default:
-    the ANCHORS ones); the sharded rows use ``(T, dim, P)`` triples of
+    the anchor ones); the sharded rows use ``(T, dim, P)`` triples of
     ``SHARDED_CASES``."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_engram_gate needs a GPU")
@@ -253,7 +253,7 @@ def print_rows(rows: list[dict]) -> None:
                 line += f", {r['hbm_floor_ms'] / max(r['graph_ms'], 1e-9):.0%} of floor"
             print(line)
         if r.get("anchor_compile_ms") is not None:
-            print(f"{'':<36}   ANCHORS torch.compile: {r['anchor_compile_ms']:.4f} ms")
+            print(f"{'':<36}   anchor torch.compile: {r['anchor_compile_ms']:.4f} ms")
     print("\nbytes all-gathered per token (dim 5120, hc 4, bf16):")
     print(f"{'P':>3} {'gather wkv':>11} {'sharded gate':>13} {'saving':>7}")
     for P in (2, 4, 8):

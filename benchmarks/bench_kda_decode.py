@@ -5,7 +5,7 @@
     python benchmarks/bench_kda_decode.py --cases 256x32 --no-peer
     python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
 
-Inputs (the ANCHORS.md setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
+Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
 fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``; in-kernel L2 norm,
 gate and beta sigmoid; fp32 state, 64 KiB per head. Times are
 ``triton.testing.do_bench`` medians (it flushes L2 between runs), under
@@ -16,7 +16,7 @@ The peer is timed two ways and the faster one counts (``peer_ms``):
 * ``fla_api`` -- the public ``fused_recurrent_kda(..., initial_state=h0,
   output_final_state=True)`` with a K-first ``[B, H, K, V]`` ``h0``; it reads h0 and
   writes a new final-state tensor (the same bytes as in place). This is how
-  ANCHORS.md measured fla (0.389 ms at B = 256, H = 32).
+  the anchor measurement gave fla (0.389 ms at B = 256, H = 32).
 * ``fla_inplace`` -- fla's continuous-batching path (``fused_recurrent_kda_fwd``
   with ``ssm_state_indices``, ``inplace_final_state=True``, ``state_v_first=True``):
   the same V-first paged cache, the same indices and the same in-place update as

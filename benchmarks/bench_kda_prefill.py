@@ -1,6 +1,6 @@
 """KDA prefill on one GPU: ``chunk_kda_prefill`` vs fla-core's ``chunk_kda``.
 
-Both run in this process on the same inputs at every ANCHORS.md shape (bf16,
+Both run in this process on the same inputs at every anchor shape (bf16,
 K = V = 128, ``lower_bound = -5`` gate with ``A_log``/``dt_bias``, in-kernel L2
 norm and beta sigmoid, fp32 initial state given, final state returned,
 ``cu_seqlens`` given), timed with ``triton.testing.do_bench`` (median). Per case:
@@ -60,7 +60,7 @@ from kda_engram.kda.prologue import fused_kda_prologue
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
 DTYPE = torch.bfloat16
-# name: (sequences, length, heads), and the peers' ANCHORS.md times (ms, H200).
+# name: (sequences, length, heads), and the peers' anchor times (ms, H200).
 CASES = {
     "1x8k_H32": (1, 8192, 32),
     "1x32k_H32": (1, 32768, 32),
@@ -137,7 +137,7 @@ def _load_fla():
 
 
 def _fla_call(chunk_kda, x, h0_kv, use_graph: bool = False):
-    """fla's call of ANCHORS.md; fla keeps the state K-first [N, H, K, V].
+    """fla's call as in the anchor measurement; fla keeps the state K-first [N, H, K, V].
     ``use_graph=True`` is fla's capturable mode (chunk metadata built on the
     device with a static row bound instead of read back to the host)."""
     extra = {"use_graph": True} if use_graph else {}
@@ -320,7 +320,7 @@ def print_rows(rows: list[dict]) -> None:
             f"{f(r.get('max_abs_diff_g1'), '.2e'):>9}"
         )
         if r.get("forced_groups") is None:
-            print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; ANCHORS fla {r.get('anchor_fla_ms')} "
+            print(f"{'':<34}   peer: {r['peer']}; chunk config {r.get('config')}; anchor fla {r.get('anchor_fla_ms')} "
                   f"/ FlashKDA {r.get('anchor_flashkda_ms')} ms")
     summary = group_summary(rows)
     if summary:

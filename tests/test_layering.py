@@ -254,3 +254,17 @@ def test_imports_are_resolved_relative_to_the_importing_module():
     # In a package's __init__, "." is the package itself.
     assert imports_of(f"{PACKAGE}.kda", "from .reference import x\nfrom . import chunk\n", True, modules) == {
         f"{PACKAGE}.kda.reference", f"{PACKAGE}.kda.chunk"}
+
+
+def test_no_references_to_files_outside_the_repository():
+    """Comments and docstrings point only at files in the repository (the design
+    notes the package grew from are not shipped: their records are in docs/design/)."""
+    root = SRC.parents[1]
+    outside = ["DESIGN" + ".md", "ANCHORS" + ".md", ".dbg" + "/", "../" + "shared", "PREFILL_NOTES" + ".md"]
+    found = []
+    for folder in ("src", "tests", "benchmarks", "scripts"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and path.suffix in (".py", "") and "__pycache__" not in path.parts:
+                text = path.read_text(errors="replace")
+                found += [f"{path.relative_to(root)}: {name}" for name in outside if name in text]
+    assert found == []

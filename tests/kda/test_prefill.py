@@ -2,8 +2,8 @@
 
 CPU (interpreter): fp32 with small head dims (both kernels compile for powers of
 two 16..128) and one K = V = 128 case. GPU: bf16 at real shapes, fla-core's
-``chunk_kda`` side by side at the ANCHORS shapes, a CUDA-graph capture; ``-k
-small`` selects the short cases run under compute-sanitizer.
+``chunk_kda`` side by side at the anchor shapes (``ANCHOR_SHAPES``), a CUDA-graph
+capture; ``-k small`` selects the short cases run under compute-sanitizer.
 """
 
 import math
