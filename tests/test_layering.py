@@ -268,3 +268,18 @@ def test_no_references_to_files_outside_the_repository():
                 text = path.read_text(errors="replace")
                 found += [f"{path.relative_to(root)}: {name}" for name in outside if name in text]
     assert found == []
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py; a test module imports no other."""
+    tests = SRC.parents[1] / "tests"
+    found = []
+    for path in sorted(tests.rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + ([a.name for a in node.names] if not node.module else [])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            found += [f"{path.relative_to(tests)} imports {n}" for n in names if n.rpartition(".")[2].startswith("test_")]
+    assert found == []

@@ -15,6 +15,8 @@ from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import naive_recurrent_kda
 
+from ..helpers import rel_rmse
+
 H, K, V = 2, 32, 32
 LENGTHS = [0, 1, 63, 65, 0]  # the interpreter runs the prologue slowly: keep T small
 ATOL = 3e-4
@@ -210,11 +212,6 @@ def test_state_cache_rule_holds_without_checks():
 
 
 # ----------------------------------------------------------------------------- GPU
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def gpu_inputs(lengths, heads, device, seed=0):
