@@ -39,12 +39,8 @@ import sys
 
 import torch
 
-try:  # a source checkout without an install
-    import kda_engram  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from kda_engram.bench import cuda_graph_ms
+from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.reference import _gate_from_sums, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
@@ -63,21 +59,6 @@ SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)] + [(2048, 5120, P) f
 VARIANT_CASE = (16384, 5120)
 VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(chunk=512),
             dict(chunk=1024, tokens=1), dict(chunk=1024, num_warps=8), dict(chunk=1024, num_warps=2), dict(num_warps=8)]
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting the read and the write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def post_wkv_bytes(T: int, dim: int, hc: int = HC, elem: int = 2) -> int:

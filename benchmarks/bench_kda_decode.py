@@ -39,10 +39,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import kda_engram  # noqa: F401
-except ImportError:  # run from a source checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import bench_ms as bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth
 
 from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
 
@@ -167,29 +165,6 @@ def compare_with_fla(fwd, x, idx, cache, S):
 
 
 # --------------------------------------------------------------------- timing
-
-
-_COPY_BW = {}
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy, read + write counted."""
-    if device not in _COPY_BW:
-        import triton.testing
-
-        n = 1 << 30
-        src = torch.empty(n, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-        _COPY_BW[device] = 2 * n / (ms * 1e-3)
-        del src, dst
-    return _COPY_BW[device]
-
-
-def bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:

@@ -40,17 +40,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 
 import torch
 
-try:  # a source checkout without an install
-    import kda_engram  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from kda_engram.bench import cuda_graph_ms
+from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
 from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
@@ -81,22 +76,6 @@ GROUP_CASES = ("1x32k_H4", "1x128k_H4", "1x32k_H32")
 GROUP_COUNTS = (1, 4, 8, 16, 32)
 TARGET_RATIO.update({"1x32k_H32": 2.5, "1x32k_H4": 2.5, "1x128k_H4": 3.0})
 SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
-
-
-def _bench(fn, quick: bool = False) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                         return_mode="median"))
-
-
-def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting the read and the write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def floor_bytes(num_seqs: int, length: int, heads: int) -> int:

@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 BENCHMARKS = {
@@ -67,58 +68,16 @@ def find_benchmarks(path: str | os.PathLike | None = None) -> Path:
 def load_benchmark(name: str, folder: str | os.PathLike | None = None):
     """Import benchmark ``name`` (a key of :data:`BENCHMARKS`) from ``folder``
     (default: :func:`find_benchmarks`)."""
-    path = find_benchmarks(folder) / f"{BENCHMARKS[name]}.py"
+    folder = find_benchmarks(folder)
+    path = folder / f"{BENCHMARKS[name]}.py"
     if not path.is_file():
         raise BenchmarksNotFound(f"benchmark {name!r}: {path} not found")
+    if str(folder) not in sys.path:  # the scripts import their shared module, benchmarks/common.py
+        sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"kda_engram_benchmarks.{BENCHMARKS[name]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
-    """ms per call of ``fn`` replayed from a CUDA graph, as an engine runs it: one
-    graph of ``iters`` x (L2 flush, ``fn``) minus one of ``iters`` flushes alone,
-    median over ``repeats`` replays.
-
-    Why beside ``do_bench``: its eager loop records the timing events around a
-    host call, so when a kernel takes less than the host needs to launch it (a few
-    tens of microseconds: the Engram gate at T = 64, a 64-token table lookup),
-    argument handling and launch time fall between the events. In a replayed graph
-    no host work lies between them. ``fn`` must be capturable (no host syncs);
-    it runs once outside the capture to compile and warm up.
-    """
-    import statistics
-
-    import torch
-
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        graphs.append(g)
-    per = []
-    for g in graphs:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        per.append(statistics.median(times))
-    return max(per[0] - per[1], 0.0)
 
 
 def _fmt(x, spec=".3f") -> str:
