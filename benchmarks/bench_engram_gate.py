@@ -3,7 +3,7 @@
 Three parts, all measured in this process with ``triton.testing.do_bench`` (median,
 L2 flushed between runs), bf16, hc = 4:
 
-1. ``engram_post_wkv`` vs ``torch.compile`` of the reference math at the ANCHORS
+1. ``engram_post_wkv`` vs ``torch.compile`` of the reference math at the anchor
    shapes (T, dim) = (64, 5120), (2048, 5120), (16384, 5120), (16384, 2560): time,
    ratio (peer ms / ours ms, > 1 is faster) and the fraction of the HBM floor. The
    floor is the bytes that must move (hidden read, kv read, out write) divided by
@@ -39,12 +39,8 @@ import sys
 
 import torch
 
-try:  # a source checkout without an install
-    import kda_engram  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from kda_engram.bench import cuda_graph_ms
+from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.reference import _gate_from_sums, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
@@ -54,7 +50,7 @@ EPS = 1e-6
 CLAMP = 1e-6
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
-# (T, dim) of ANCHORS.md, and the torch.compile times it lists (ms, H200).
+# the anchor (T, dim) cases, and the torch.compile times measured there (ms, H200).
 POST_WKV_CASES = [(64, 5120), (2048, 5120), (16384, 5120), (16384, 2560)]
 ANCHOR_COMPILE_MS = {(64, 5120): 0.0152, (2048, 5120): 0.0923, (16384, 5120): 0.633, (16384, 2560): 0.815}
 SHARDED_CASES = [(T, 5120, P) for T in (2048, 16384) for P in (2, 4, 8)]
@@ -63,21 +59,6 @@ SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)] + [(2048, 5120, P) f
 VARIANT_CASE = (16384, 5120)
 VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(chunk=512),
             dict(chunk=1024, tokens=1), dict(chunk=1024, num_warps=8), dict(chunk=1024, num_warps=2), dict(num_warps=8)]
-
-
-def _bench(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting the read and the write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def post_wkv_bytes(T: int, dim: int, hc: int = HC, elem: int = 2) -> int:
@@ -114,7 +95,7 @@ def _inputs(T, dim, device, seed=0):
 def reference_math(hidden, kv, q, k):
     """engram_post_wkv_ref's math for ``kv`` with exactly T rows: the reference's
     zero-padding of missing rows (a ``zeros`` + slice copy of the whole projection)
-    is left out, so torch.compile sees one streaming reduction, as in ANCHORS.md."""
+    is left out, so torch.compile sees one streaming reduction, as in the anchor measurement."""
     T, hc, dim = hidden.shape
     h = hidden.float()
     keys = kv[:, : hc * dim].float().view(T, hc, dim)
@@ -144,7 +125,7 @@ def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
 def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
     """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
     max_abs_diff, ...}``. ``cases``: a subset of ``(T, dim)`` post-wkv shapes (default:
-    the ANCHORS ones); the sharded rows use ``(T, dim, P)`` triples of
+    the anchor ones); the sharded rows use ``(T, dim, P)`` triples of
     ``SHARDED_CASES``."""
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_engram_gate needs a GPU")
@@ -253,7 +234,7 @@ def print_rows(rows: list[dict]) -> None:
                 line += f", {r['hbm_floor_ms'] / max(r['graph_ms'], 1e-9):.0%} of floor"
             print(line)
         if r.get("anchor_compile_ms") is not None:
-            print(f"{'':<36}   ANCHORS torch.compile: {r['anchor_compile_ms']:.4f} ms")
+            print(f"{'':<36}   anchor torch.compile: {r['anchor_compile_ms']:.4f} ms")
     print("\nbytes all-gathered per token (dim 5120, hc 4, bf16):")
     print(f"{'P':>3} {'gather wkv':>11} {'sharded gate':>13} {'saving':>7}")
     for P in (2, 4, 8):

@@ -22,7 +22,7 @@ n-grams look like), the tables far larger than the L2 cache.
 
 Each of our rows is timed twice: ``do_bench``'s eager loop (``ours_ms``,
 ``floor_fraction``, the GB/s columns) and replayed from a CUDA graph
-(``graph_ms``, ``graph_floor_fraction``; see :func:`kda_engram.bench.cuda_graph_ms`),
+(``graph_ms``, ``graph_floor_fraction``; see :func:`common.cuda_graph_ms`),
 as an engine runs a decode step. At 64 tokens a lookup takes about as long as
 the host needs to launch it, so the eager loop may measure the host there. The
 staged path syncs on the rows and has no graph time.
@@ -39,17 +39,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from kda_engram.bench import cuda_graph_ms  # noqa: E402
-from kda_engram.engram.hashing import ngram_hash  # noqa: E402
-from kda_engram.engram.layout import EngramLayout  # noqa: E402
-from kda_engram.engram.table import SCALE_BLOCK, EngramTable  # noqa: E402
+from common import bench_ms, cuda_graph_ms  # first: the path setup (src/ when not installed)
+from kda_engram.engram.hashing import ngram_hash
+from kda_engram.engram.layout import EngramLayout
+from kda_engram.engram.table import SCALE_BLOCK, EngramTable
 
 N_COLS, HEAD_DIM = 24, 256
 TOKENS = {"T64": 64, "T16384": 16384}
@@ -69,9 +66,7 @@ V41 = {
 
 
 def _bench(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    return bench_ms(fn, return_mode="mean")
 
 
 def measure_copy_bandwidth(device, nbytes=2 << 30) -> float:

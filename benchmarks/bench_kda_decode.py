@@ -5,7 +5,7 @@
     python benchmarks/bench_kda_decode.py --cases 256x32 --no-peer
     python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
 
-Inputs (the ANCHORS.md setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
+Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
 fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``; in-kernel L2 norm,
 gate and beta sigmoid; fp32 state, 64 KiB per head. Times are
 ``triton.testing.do_bench`` medians (it flushes L2 between runs), under
@@ -16,7 +16,7 @@ The peer is timed two ways and the faster one counts (``peer_ms``):
 * ``fla_api`` -- the public ``fused_recurrent_kda(..., initial_state=h0,
   output_final_state=True)`` with a K-first ``[B, H, K, V]`` ``h0``; it reads h0 and
   writes a new final-state tensor (the same bytes as in place). This is how
-  ANCHORS.md measured fla (0.389 ms at B = 256, H = 32).
+  the anchor measurement gave fla (0.389 ms at B = 256, H = 32).
 * ``fla_inplace`` -- fla's continuous-batching path (``fused_recurrent_kda_fwd``
   with ``ssm_state_indices``, ``inplace_final_state=True``, ``state_v_first=True``):
   the same V-first paged cache, the same indices and the same in-place update as
@@ -39,10 +39,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import kda_engram  # noqa: F401
-except ImportError:  # run from a source checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import bench_ms as bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth
 
 from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
 
@@ -167,29 +165,6 @@ def compare_with_fla(fwd, x, idx, cache, S):
 
 
 # --------------------------------------------------------------------- timing
-
-
-_COPY_BW = {}
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy, read + write counted."""
-    if device not in _COPY_BW:
-        import triton.testing
-
-        n = 1 << 30
-        src = torch.empty(n, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-        _COPY_BW[device] = 2 * n / (ms * 1e-3)
-        del src, dst
-    return _COPY_BW[device]
-
-
-def bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:

@@ -41,17 +41,12 @@ import argparse
 import itertools
 import json
 import math
-import os
 import sys
 
 import torch
 
-try:  # a source checkout without an install
-    import kda_engram  # noqa: F401
-except ImportError:  # pragma: no cover
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from kda_engram.bench import cuda_graph_ms
+from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
 from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
@@ -90,13 +85,6 @@ GROUP_COUNTS = (1, 4, 8, 16, 32)
 SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
 
 
-def _bench(fn, quick: bool = False) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
-                                         return_mode="median"))
-
-
 def _interleaved(fns: dict, quick: bool, rounds: int = 2) -> dict:
     """Mean over ``rounds`` of each callable's do_bench median, the callables
     alternating within a round; ``None`` for a callable that raised (printed)."""
@@ -112,15 +100,6 @@ def _interleaved(fns: dict, quick: bool, rounds: int = 2) -> dict:
                 print(f"  {name}: timing failed: {type(exc).__name__}: {exc}")
                 times[name] = None
     return {name: (sum(t) / len(t) if t else None) for name, t in times.items()}
-
-
-def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting the read and the write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def floor_bytes(lengths, heads: int) -> int:

@@ -1,11 +1,11 @@
-"""The fused KDA prologue alone, at the ANCHORS.md shapes, against its own HBM floor.
+"""The fused KDA prologue alone, at the anchor shapes, against its own HBM floor.
 
-    python benchmarks/bench_kda_prologue.py                  # all ANCHORS cases, with the fla peer
+    python benchmarks/bench_kda_prologue.py                  # all anchor cases, with the fla peer
     python benchmarks/bench_kda_prologue.py --cases 1x32k_H32 --sweep
     python benchmarks/bench_kda_prologue.py --no-peer --json out.json
     python benchmarks/bench_kda_prologue.py --conv state     # the serving layer's path
 
-Inputs (the ANCHORS.md setting): bf16 q, k, v, raw gate ``[1, T, H, 128]`` and raw
+Inputs (the anchor setting): bf16 q, k, v, raw gate ``[1, T, H, 128]`` and raw
 beta ``[1, T, H]``; fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``;
 ``cu_seqlens`` (int32) given. Ours runs with ``check_inputs=False`` (as inside a
 CUDA graph), chunk metadata prepared once outside the timed region (the engine
@@ -44,10 +44,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import kda_engram  # noqa: F401
-except ImportError:  # run from a source checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import bench_ms as bench  # first: the path setup (src/ when not installed)
+from common import copy_bandwidth
 
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices
 from kda_engram.kda.prologue import fused_kda_prologue
@@ -56,7 +54,7 @@ from kda_engram.kda.reference import chunk_operands
 K = V = 128
 LOWER_BOUND = -5.0
 RCP_LN2 = 1.0 / math.log(2.0)
-# name -> (sequences, tokens per sequence, heads), as in ANCHORS.md
+# name -> (sequences, tokens per sequence, heads), as in the anchor measurement
 CASES = {
     "1x8k_H32": (1, 8192, 32),
     "1x32k_H32": (1, 32768, 32),
@@ -171,32 +169,9 @@ def load_peer():
 # --------------------------------------------------------------------- timing
 
 
-_COPY_BW = {}
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes/s of a 1 GiB device-to-device copy, read + write counted."""
-    if device not in _COPY_BW:
-        import triton.testing
-
-        n = 1 << 30
-        src = torch.empty(n, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-        _COPY_BW[device] = 2 * n / (ms * 1e-3)
-        del src, dst
-    return _COPY_BW[device]
-
-
-def bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def reference_diff(x, cu, out, tokens=1024):
     """Max |ours - fp32 reference| over qg, w, u, aqk on the first ``tokens`` tokens
-    (those are whole chunks of the first sequence in every ANCHORS case)."""
+    (those are whole chunks of the first sequence in every anchor case)."""
     n = min(tokens, int(cu[1].item()))
     sub = {k_: (t[:, :n] if t.dim() >= 3 else t) for k_, t in x.items()}
     cu_sub = torch.tensor([0, n], dtype=torch.int32, device=cu.device)
@@ -267,7 +242,7 @@ def _fmt(v, spec):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="*", choices=list(CASES), help="default: all ANCHORS cases")
+    parser.add_argument("--cases", nargs="*", choices=list(CASES), help="default: all anchor cases")
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_CASES)}")
     parser.add_argument("--no-peer", action="store_true", help="skip the fla pieces")
     parser.add_argument("--sweep", action="store_true", help=f"also time num_warps in {SWEEP_WARPS}")

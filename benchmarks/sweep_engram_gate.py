@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import bench_engram_gate as gate_bench  # noqa: E402
-from kda_engram.bench import cuda_graph_ms  # noqa: E402
+from common import cuda_graph_ms  # noqa: E402
 from kda_engram.engram.gate import engram_post_wkv, post_wkv_launch  # noqa: E402
 from kda_engram.platform import num_compute_units  # noqa: E402
 

@@ -27,8 +27,11 @@ def test_every_benchmark_loads_and_takes_the_runner_arguments():
     from kda_engram.bench import BENCHMARKS, load_benchmark
 
     assert "kda-prologue" in BENCHMARKS
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
     for name in BENCHMARKS:
-        params = inspect.signature(load_benchmark(name).run).parameters
+        params = inspect.signature(load_benchmark(name, folder).run).parameters
         assert "peers" in params and "quick" in params, name
 
 

@@ -1,7 +1,6 @@
 """kda_engram.parallel: the TP group (single process and gloo ranks) and the wkv layouts."""
 
 import datetime
-import socket
 
 import pytest
 import torch
@@ -16,11 +15,7 @@ from kda_engram.parallel import (
     merged_column_parallel_shard,
 )
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .helpers import free_port
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:

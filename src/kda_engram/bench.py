@@ -3,8 +3,12 @@
 Each benchmark module there exposes ``run(cases=None, peers=True[, quick=False])``
 returning rows ``{case, ours_ms, peer_ms, ratio, hbm_floor_ms, floor_fraction,
 ...}`` measured side by side in this process. This module prints them as one
-table, writes JSON and a plot of the ratios. The modules live in the source
-checkout (``benchmarks/``), beside ``src/``: the README's editable install finds them.
+table, writes JSON and a plot of the ratios.
+
+The benchmark scripts are not part of the installed package: they live in the
+repository's ``benchmarks/`` folder. :func:`find_benchmarks` looks for them in
+``--benchmarks DIR``, else ``$KDA_ENGRAM_BENCHMARKS``, else ``./benchmarks`` under
+the current directory, so ``kda-engram bench`` runs from a checkout's root.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import importlib.util
 import inspect
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 BENCHMARKS = {
@@ -23,65 +29,55 @@ BENCHMARKS = {
     "engram-table": "bench_engram_table",
 }
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+#: Environment variable naming the benchmarks folder (see :func:`find_benchmarks`).
+BENCH_DIR_ENV = "KDA_ENGRAM_BENCHMARKS"
 
 
-def load_benchmark(name: str):
-    path = BENCH_DIR / f"{BENCHMARKS[name]}.py"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"benchmark {name!r}: {path} not found; the benchmarks run from a source checkout "
-            "(pip install -e . in the repository)"
+class NeedsGPU(RuntimeError):
+    """``bench`` was run where torch sees no GPU (one line)."""
+
+
+def require_gpu() -> None:
+    """Raise :class:`NeedsGPU` unless torch sees a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NeedsGPU("bench needs a GPU (CUDA or ROCm) and this torch sees none: the timings are only "
+                       "meaningful on one")
+
+
+class BenchmarksNotFound(FileNotFoundError):
+    """The ``benchmarks/`` folder is not where :func:`find_benchmarks` looked (one line)."""
+
+
+def find_benchmarks(path: str | os.PathLike | None = None) -> Path:
+    """The benchmarks folder: ``path`` if given, else ``$KDA_ENGRAM_BENCHMARKS``, else
+    ``benchmarks/`` in the current directory. Raises :class:`BenchmarksNotFound`
+    (one line) when the folder holds no benchmark scripts."""
+    if path is None:
+        path = os.environ.get(BENCH_DIR_ENV) or "benchmarks"
+    folder = Path(path).resolve()
+    if not (folder / f"{next(iter(BENCHMARKS.values()))}.py").is_file():
+        raise BenchmarksNotFound(
+            f"no benchmarks in {folder}: the benchmark scripts are not installed with the package; run "
+            f"`kda-engram bench` from the repository's root, or pass --benchmarks DIR (or set {BENCH_DIR_ENV})"
         )
+    return folder
+
+
+def load_benchmark(name: str, folder: str | os.PathLike | None = None):
+    """Import benchmark ``name`` (a key of :data:`BENCHMARKS`) from ``folder``
+    (default: :func:`find_benchmarks`)."""
+    folder = find_benchmarks(folder)
+    path = folder / f"{BENCHMARKS[name]}.py"
+    if not path.is_file():
+        raise BenchmarksNotFound(f"benchmark {name!r}: {path} not found")
+    if str(folder) not in sys.path:  # the scripts import their shared module, benchmarks/common.py
+        sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(f"kda_engram_benchmarks.{BENCHMARKS[name]}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
-    """ms per call of ``fn`` replayed from a CUDA graph, as an engine runs it: one
-    graph of ``iters`` x (L2 flush, ``fn``) minus one of ``iters`` flushes alone,
-    median over ``repeats`` replays.
-
-    Why beside ``do_bench``: its eager loop records the timing events around a
-    host call, so when a kernel takes less than the host needs to launch it (a few
-    tens of microseconds: the Engram gate at T = 64, a 64-token table lookup),
-    argument handling and launch time fall between the events. In a replayed graph
-    no host work lies between them. ``fn`` must be capturable (no host syncs);
-    it runs once outside the capture to compile and warm up.
-    """
-    import statistics
-
-    import torch
-
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                flush.zero_()
-                if with_fn:
-                    fn()
-        graphs.append(g)
-    per = []
-    for g in graphs:
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        per.append(statistics.median(times))
-    return max(per[0] - per[1], 0.0)
 
 
 def _fmt(x, spec=".3f") -> str:
@@ -129,12 +125,13 @@ def plot_ratios(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=130)
 
 
-def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = None, plot_path: str | None = None, quick: bool = False) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("kda-engram bench needs a GPU: the timings are only meaningful on one")
-        return 2
+def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = None, plot_path: str | None = None,
+              quick: bool = False, benchmarks: str | os.PathLike | None = None) -> int:
+    """Run the benchmarks and print one table; returns the exit status (1 if a
+    benchmark failed). Raises :class:`NeedsGPU` without a GPU and
+    :class:`BenchmarksNotFound` without the benchmarks folder (both one line)."""
+    require_gpu()
+    folder = find_benchmarks(benchmarks)
     names = list(BENCHMARKS) if what == "all" else [what]
     try:
         from tqdm import tqdm
@@ -145,7 +142,7 @@ def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = Non
     progress = tqdm(names, desc="benchmarks", unit="bench") if tqdm else names
     for name in progress:
         try:
-            module = load_benchmark(name)
+            module = load_benchmark(name, folder)
             kwargs = {"peers": vs != "none"}
             if "quick" in inspect.signature(module.run).parameters:
                 kwargs["quick"] = quick

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from kda_engram.demo import _pick_device
+from kda_engram.reporting import Checks, Stage, pick_device
 
 
 def _kda_inputs(rng: random.Random, lengths, H, dtype, device, gen):
@@ -106,9 +106,11 @@ CASES = {"kda-prefill": _case_prefill, "kda-decode": _case_decode, "engram": _ca
 
 
 def run_check(device: str | None = None, examples: int = 20, seed: int = 0) -> int:
-    from kda_engram.cli import Checks, Stage
-
-    dev = _pick_device(device)
+    if examples < 1:
+        raise ValueError(f"examples: expected a positive number of cases per kernel, got {examples}")
+    if seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     checks = Checks()
     rng = random.Random(seed)

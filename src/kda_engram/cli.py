@@ -4,65 +4,59 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-import torch
-
-from kda_engram.bench import BENCHMARKS
+from kda_engram.bench import BENCH_DIR_ENV, BENCHMARKS
 
 
-class Checks:
-    """Collects (name, error, bound) rows, prints them as they come, and fails the run
-    if any error is past its bound."""
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (``kda-engram demo: error: ...``) and exit status 2."""
 
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    def error(self, name: str, got: torch.Tensor, want: torch.Tensor, bound: float) -> float:
-        err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
-        ok = err <= bound and got.shape == want.shape
-        print(f"  {'ok ' if ok else 'FAIL'} {name:<58} max|err| {err:.2e}  (bound {bound:.0e})", flush=True)
-        if not ok:
-            self.failed.append(name)
-        return err
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-class Stage:
-    """``with Stage("prefill"):`` prints the stage's name, then its wall time."""
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    return parse
 
-    def __enter__(self):
-        print(f"[{self.name}]", flush=True)
-        self.start = time.perf_counter()
-        return self
 
-    def __exit__(self, *exc):
-        print(f"  ({time.perf_counter() - self.start:.2f} s)", flush=True)
-        return False
+_seed = _int_at_least(0, "a non-negative integer")
+_examples = _int_at_least(1, "at least 1 case per kernel")
 
 
 def _demo(args: argparse.Namespace) -> int:
     from kda_engram.demo import run_demo
+    from kda_engram.reporting import pick_device
 
-    return run_demo(device=args.device, seed=args.seed, small=args.small)
+    return run_demo(device=pick_device(args.device), seed=args.seed, small=args.small)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kda_engram.bench import run_bench
+    from kda_engram.bench import find_benchmarks, require_gpu, run_bench
 
-    return run_bench(args.what, vs=args.vs, json_path=args.json, plot_path=args.plot, quick=args.quick)
+    require_gpu()
+    folder = find_benchmarks(args.benchmarks)
+    return run_bench(args.what, vs=args.vs, json_path=args.json, plot_path=args.plot, quick=args.quick,
+                     benchmarks=folder)
 
 
 def _check(args: argparse.Namespace) -> int:
     from kda_engram.check import run_check
+    from kda_engram.reporting import pick_device
 
-    return run_check(device=args.device, examples=args.examples, seed=args.seed)
+    return run_check(device=pick_device(args.device), examples=args.examples, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kda-engram",
         description="Triton kernels for Kimi Delta Attention and DeepSeek Engram: "
         "run the demo, the benchmarks against the peers, or a correctness sweep.",
@@ -79,30 +73,55 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels under the Triton interpreter (about half a minute). Nothing is downloaded.",
     )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default: 0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the weights and inputs, >= 0 (default: 0)")
     demo.add_argument("--small", action="store_true",
                       help="use the small CPU configuration on a GPU too (the CPU always uses it)")
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="time our kernels against the peers (GPU)")
+    bench = sub.add_parser(
+        "bench", help="time our kernels against the peers (needs a GPU; run from a checkout)",
+        description="Time the kernels against their peers (fla-core for KDA, torch for the Engram gate and "
+        "table) in this process and print one table: eager and CUDA-graph times, the ratio, and the fraction "
+        "of the HBM floor. Needs a GPU (CUDA or ROCm); without one it exits 2. The benchmark scripts are not "
+        f"installed with the package: they are read from the repository's benchmarks/ folder, by default "
+        f"./benchmarks under the current directory (run from the checkout's root), or --benchmarks DIR, "
+        f"or ${BENCH_DIR_ENV}.",
+    )
     bench.add_argument("what", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     bench.add_argument("--vs", default="fla", choices=["fla", "none"], help="peer to compare with (default: fla)")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot of the ratios")
     bench.add_argument("--quick", action="store_true", help="fewer cases, for a smoke run")
+    bench.add_argument("--benchmarks", metavar="DIR", default=None,
+                       help=f"the repository's benchmarks/ folder (default: ${BENCH_DIR_ENV}, else ./benchmarks)")
     bench.set_defaults(func=_bench)
 
-    check = sub.add_parser("check", help="correctness sweep over random shapes against the references")
+    check = sub.add_parser(
+        "check", help="correctness sweep over random shapes against the references",
+        description="Draw random cases (ragged lengths, head counts, dims, gate forms, masks) for the KDA "
+        "prefill, the KDA decode and the Engram gate (fused and dim-sharded), run each kernel and its "
+        "plain-PyTorch reference, and print every error against its bound; exits 1 if any case is out of "
+        "bounds. On a GPU in bf16; on the CPU in fp32 with the kernels under the Triton interpreter.",
+    )
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    check.add_argument("--examples", type=int, default=20, help="random cases per kernel (default: 20)")
-    check.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    check.add_argument("--examples", type=_examples, default=20, help="random cases per kernel, >= 1 (default: 20)")
+    check.add_argument("--seed", type=_seed, default=0, help="random seed, >= 0 (default: 0)")
     check.set_defaults(func=_check)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit status. Bad options, a device that is
+    not there and a missing benchmarks folder end in one line on stderr and 2."""
+    from kda_engram.bench import BenchmarksNotFound, NeedsGPU
+    from kda_engram.reporting import DeviceError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (DeviceError, BenchmarksNotFound, NeedsGPU) as exc:
+        print(f"kda-engram {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

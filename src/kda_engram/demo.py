@@ -43,29 +43,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 
 import torch
 
-from kda_engram.cli import Checks
+from kda_engram.reporting import Checks, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0
 ENGRAM_EPS = 1e-6
 KDA_LOWER_BOUND = -5.0  # the bounded (Kimi-K3 style) gate
 CHECKPOINT_ALIGNMENT = 64
-
-
-def _pick_device(device: str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        # Kernels run under the Triton interpreter on the CPU; this must be set
-        # before any kernel module is imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return dev
 
 
 # ----------------------------------------------------------------------- configuration
@@ -160,7 +148,7 @@ BF16_BOUNDS = DemoBounds(engram=Bound(5e-2, True), kda_out=Bound(5e-2, True), kd
 
 
 class DemoChecks(Checks):
-    """:class:`kda_engram.cli.Checks` with relative bounds and exact (integer)
+    """:class:`kda_engram.reporting.Checks` with relative bounds and exact (integer)
     comparisons; failures land in the same ``failed`` list."""
 
     def __init__(self) -> None:
@@ -468,8 +456,10 @@ def run_demo(device: str | None = None, seed: int = 0, small: bool = False, conf
 
     ``small`` forces the CPU-sized configuration on a GPU (the CPU always uses it);
     ``config`` replaces the configuration altogether (the tests shrink it)."""
-    dev = _pick_device(device)
-    # Kernel modules are imported only from here on, after _pick_device has set up
+    if seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    dev = pick_device(device)
+    # Kernel modules are imported only from here on, after pick_device has set up
     # the interpreter for a CPU run.
     from kda_engram.platform import interpreting
 

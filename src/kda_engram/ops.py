@@ -46,6 +46,9 @@ from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from .engram.gate import engram_post_wkv as _engram_post_wkv
 from .engram.hashing import next_history as _next_history
 from .engram.hashing import ngram_hash as _ngram_hash
+from .engram.history import checkpoint_history as _checkpoint_history
+from .engram.history import gather_history as _gather_history
+from .engram.history import scatter_history as _scatter_history
 from .engram.layout import EngramLayout
 from .engram.sharded_gate import engram_gate_finish as _engram_gate_finish
 from .engram.sharded_gate import engram_gate_partials as _engram_gate_partials
@@ -584,14 +587,11 @@ def engram_lookup(rows, table, *, local: bool = False) -> Tensor:
 
 
 # ------------------------------------------------------------ Engram history cache
-# (kernels in kda_engram.layers.engram, imported lazily: that module uses these ops)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::engram_history_gather", mutates_args=())
 def _engram_history_gather_op(cache: Tensor, slot_indices: Tensor, has_initial_state: Optional[Tensor]) -> Tensor:
-    from .layers.engram import gather_history
-
-    return gather_history(cache, slot_indices, has_initial_state, check_inputs=False)
+    return _gather_history(cache, slot_indices, has_initial_state, check_inputs=False)
 
 
 @_engram_history_gather_op.register_fake
@@ -600,7 +600,7 @@ def _(cache, slot_indices, has_initial_state):
 
 
 def engram_history_gather(cache, slot_indices, has_initial_state=None) -> Tensor:
-    """:func:`kda_engram.layers.engram.gather_history` as an op."""
+    """:func:`kda_engram.engram.history.gather_history` as an op."""
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
     check_tensor("slot_indices", slot_indices, shape=[None], dtypes=INDEX_DTYPES, device=cache.device)
     return _engram_history_gather_op(cache, slot_indices, has_initial_state)
@@ -608,9 +608,7 @@ def engram_history_gather(cache, slot_indices, has_initial_state=None) -> Tensor
 
 @torch.library.custom_op(f"{NAMESPACE}::engram_history_scatter", mutates_args=("cache",))
 def _engram_history_scatter_op(cache: Tensor, slot_indices: Tensor, history: Tensor) -> None:
-    from .layers.engram import scatter_history
-
-    scatter_history(cache, slot_indices, history, check_inputs=False)
+    _scatter_history(cache, slot_indices, history, check_inputs=False)
 
 
 @_engram_history_scatter_op.register_fake
@@ -619,7 +617,7 @@ def _(cache, slot_indices, history):
 
 
 def engram_history_scatter(cache, slot_indices, history) -> None:
-    """:func:`kda_engram.layers.engram.scatter_history` as an op (``cache`` mutated)."""
+    """:func:`kda_engram.engram.history.scatter_history` as an op (``cache`` mutated)."""
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
     check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
                  device=cache.device)
@@ -631,10 +629,8 @@ def _engram_history_checkpoint_op(
     token_ids: Tensor, cu_seqlens: Tensor, history: Optional[Tensor], dead_mask: Optional[Tensor],
     checkpoint_offsets: Tensor, checkpoint_indices: Tensor, cache: Tensor,
 ) -> None:
-    from .layers.engram import checkpoint_history
-
-    checkpoint_history(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices, cache,
-                       check_inputs=False)
+    _checkpoint_history(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices, cache,
+                        check_inputs=False)
 
 
 @_engram_history_checkpoint_op.register_fake
@@ -644,7 +640,7 @@ def _(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_
 
 def engram_history_checkpoint(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,
                               cache) -> None:
-    """:func:`kda_engram.layers.engram.checkpoint_history` as an op (``cache`` mutated)."""
+    """:func:`kda_engram.engram.history.checkpoint_history` as an op (``cache`` mutated)."""
     check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=token_ids.device)
     _engram_history_checkpoint_op(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,

@@ -6,7 +6,6 @@ tolerance and gives bit-identical outputs on every rank.
 """
 
 import datetime
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ import torch.multiprocessing as mp
 from kda_engram.engram.module import SHARD_GATE_ENV, Engram, shards_engram_gate
 from kda_engram.engram.reference import engram_post_wkv_ref
 from kda_engram.parallel import TensorParallelGroup
+
+from ..helpers import free_port
 
 EPS = 1e-6
 
@@ -135,12 +136,6 @@ def test_bad_input_raises_clear_errors():
 # --------------------------------------------------------------------------------------
 # gloo ranks
 # --------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _layer_worker(rank, world_size, port, dim, hc, in_dim, T):

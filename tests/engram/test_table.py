@@ -12,6 +12,8 @@ from kda_engram.engram.memory_reference import (
 )
 from kda_engram.engram.table import EngramTable, quantize_fp8_ue8m0, shard_columns
 
+from ..helpers import SimulatedGroup
+
 SIZES = [11, 13, 17, 19, 23, 29]
 D = 64
 
@@ -137,18 +139,6 @@ def test_lookup_strided_rows_from_the_hash_and_embeddings():
         expect = torch.nn.functional.embedding(local + torch.from_numpy(layout.column_offsets(layer_id)), w)
         assert emb.shape == (12, 4 * 32)
         assert torch.equal(emb, expect.reshape(12, -1))
-
-
-class SimulatedGroup:
-    """Stands in for a TP group: all_gather returns the pieces every rank made
-    (collected beforehand), after checking this rank's own one came in."""
-
-    def __init__(self, rank, world_size, pieces):
-        self.rank, self.world_size, self.pieces = rank, world_size, pieces
-
-    def all_gather(self, x, dim):
-        assert torch.equal(x, self.pieces[self.rank])
-        return torch.cat(self.pieces, dim=dim)
 
 
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])

@@ -13,59 +13,12 @@ import torch
 
 import kda_engram.kda.chunk as chunk_mod
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, fused_kda_chunk
-from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
+
+from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
 
 H, K, V = 2, 32, 32
 LENGTHS = [0, 1, 63, 64, 65, 130, 0]
-ATOL = 2e-4
-OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
-
-
-def make_raw(lengths, *, H=H, K=K, V=V, seed=0, device="cpu"):
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    raw = dict(
-        q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, H, V), raw_g=rnd(1, T, H, K) * 2.0,
-        raw_beta=rnd(1, T, H), A_log=rnd(H) * 0.5, dt_bias=rnd(H * K),
-    )
-    cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
-    return {n: t.to(device) for n, t in raw.items()}, cu.to(device)
-
-
-def make_ops(raw, cu, lower_bound, *, dtype=torch.float32, pad_rows=True):
-    """chunk_operands, with kg_t/decay padded to the prologue's static row bound
-    and the padding filled with NaN (the kernel must never read it)."""
-    ops = chunk_operands(**raw, cu_seqlens=cu, lower_bound=lower_bound)
-    out = {n: ops[n].to(dtype) for n in ("qg", "w", "u", "aqk")}
-    out["decay"] = ops["decay"].float()
-    out["kg_t"] = ops["kg_t"].to(dtype)
-    if pad_rows:
-        T, N = raw["q"].shape[1], cu.numel() - 1
-        rows = max_chunks(T, N)
-        for name in ("kg_t", "decay"):
-            x = out[name]
-            padded = torch.full((rows, *x.shape[1:]), math.nan, dtype=x.dtype, device=x.device)
-            padded[: x.shape[0]] = x
-            out[name] = padded
-    return out, ops
-
-
-def run_chunk(ops, cu, scale, out=None, **kw):
-    if out is None:
-        u = ops["u"]
-        out = torch.full(u.shape, math.nan, dtype=u.dtype, device=u.device)
-    kw.setdefault("initial_state", None)
-    kw.setdefault("output_final_state", False)
-    return fused_kda_chunk(*(ops[n] for n in OPS), out, scale, cu, kw.pop("initial_state"),
-                           kw.pop("output_final_state"), **kw)
-
-
-def close(a, b, atol=ATOL):
-    assert a.shape == b.shape
-    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    assert err < atol, err
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
@@ -362,11 +315,6 @@ def test_bad_input(case):
 
 
 # ----------------------------------------------------------------------------- GPU
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def gpu_case(lengths, heads, device, *, lower_bound=-5.0, seed=0, dtype=torch.bfloat16):

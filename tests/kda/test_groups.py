@@ -32,7 +32,7 @@ from kda_engram.kda.groups import (
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
 
-from .test_chunk import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
+from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
 
 C = 64
 # Error bound of the grouped walk, the same as the serial walk's in test_chunk.

@@ -2,8 +2,8 @@
 
 CPU (interpreter): fp32 with small head dims (both kernels compile for powers of
 two 16..128) and one K = V = 128 case. GPU: bf16 at real shapes, fla-core's
-``chunk_kda`` side by side at the ANCHORS shapes, a CUDA-graph capture; ``-k
-small`` selects the short cases run under compute-sanitizer.
+``chunk_kda`` side by side at the anchor shapes (``ANCHOR_SHAPES``), a CUDA-graph
+capture; ``-k small`` selects the short cases run under compute-sanitizer.
 """
 
 import math
@@ -14,6 +14,8 @@ import torch
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import naive_recurrent_kda
+
+from ..helpers import rel_rmse
 
 H, K, V = 2, 32, 32
 LENGTHS = [0, 1, 63, 65, 0]  # the interpreter runs the prologue slowly: keep T small
@@ -210,11 +212,6 @@ def test_state_cache_rule_holds_without_checks():
 
 
 # ----------------------------------------------------------------------------- GPU
-
-
-def rel_rmse(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def gpu_inputs(lengths, heads, device, seed=0):

@@ -1,6 +1,6 @@
 """EngramLayer: token ids -> hash -> table rows -> wkv -> gate, with the hash history
-carried across chunked prefill, decode and prefix-cache checkpoints; the history
-cache kernels; ``from_config`` and the DeepSeek-V4.1 weight names.
+carried across chunked prefill, decode and prefix-cache checkpoints; ``from_config``
+and the DeepSeek-V4.1 weight names. (The history cache kernels: tests/engram/test_history.py.)
 
 References: ``memory_reference`` (NumPy hash, gather, fp8 decode) and the gate
 reference, composed by ``engram_layer_reference``.
@@ -16,11 +16,8 @@ from kda_engram.engram.table import quantize_fp8_ue8m0
 from kda_engram.layers.engram import (
     EngramBatch,
     EngramLayer,
-    checkpoint_history,
     engram_hash_step,
     engram_layer_reference,
-    gather_history,
-    scatter_history,
 )
 from kda_engram.layers.kda import KDABatch
 
@@ -131,40 +128,26 @@ def test_history_checkpoint_resume_equals_one_shot():
     np.testing.assert_array_equal(rows_one.numpy(), want)
 
 
-def test_history_kernels_against_python():
-    gen = torch.Generator().manual_seed(10)
-    cache = torch.randint(-1, 50, (6, 3), generator=gen)
-    idx = torch.tensor([5, -1, 0, 2])
-    has = torch.tensor([True, True, False, True])
-    got = gather_history(cache, idx, has)
-    want = torch.stack([cache[5], torch.full((3,), -1), torch.full((3,), -1), cache[2]])
-    assert torch.equal(got, want)
-    assert torch.equal(gather_history(cache, idx)[2], cache[0])
-    new = torch.randint(0, 50, (4, 3), generator=gen, dtype=torch.int32)
-    before = cache.clone()
-    scatter_history(cache, idx, new)
-    assert torch.equal(cache[5], new[0].long()) and torch.equal(cache[0], new[2].long())
-    assert torch.equal(cache[2], new[3].long())
-    for r in (1, 3, 4):
-        assert torch.equal(cache[r], before[r])
-    # checkpoint: offsets 0 (none), 1 (reaches into the old history), 4; row -1 skipped.
-    ids = torch.arange(100, 112)
-    cu = torch.tensor([0, 4, 6, 12, 12])
-    hist = torch.tensor([[7, 8, 9], [1, 2, 3], [4, 5, 6], [0, 0, 0]])
-    offs = torch.tensor([0, 1, 4, 0])
-    rows = torch.tensor([1, 3, -1, 4])
-    before = cache.clone()
-    checkpoint_history(ids, cu, hist, None, offs, rows, cache)
-    assert cache[3].tolist() == [2, 3, 104]
-    assert torch.equal(cache[[0, 1, 2, 4, 5]], before[[0, 1, 2, 4, 5]])
-    offs = torch.tensor([4, 0, 6, 0])
-    rows = torch.tensor([1, -1, 4, -1])
-    checkpoint_history(ids, cu, hist, None, offs, rows, cache)
-    assert cache[1].tolist() == [101, 102, 103] and cache[4].tolist() == [109, 110, 111]
-    with pytest.raises(ValueError, match="checkpoint_offsets"):
-        checkpoint_history(ids, cu, hist, None, torch.tensor([5, 0, 0, 0]), rows, cache)
-    with pytest.raises(ValueError, match="distinct"):
-        gather_history(cache, torch.tensor([1, 1]))
+def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
+    """One gate branch: the layer calls Engram.gate with the torch.ops entry points."""
+    from kda_engram import ops
+    from kda_engram.engram.module import Engram
+
+    layer, w = make_layer()
+    seen = []
+    gate = Engram.gate
+
+    def recording_gate(self, *args, **kwargs):
+        seen.append(kwargs.get("kernels"))
+        return gate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engram, "gate", recording_gate)
+    ids, hidden = ids_for(9, 1), hidden_for(9, 2)
+    batch = EngramBatch.from_query_lens(torch.tensor([9]), torch.tensor([0]))
+    cache = torch.full((1, 2), -1, dtype=torch.int64)
+    out = layer(hidden, batch, token_ids=ids, history_cache=cache)
+    assert len(seen) == 1 and seen[0].post_wkv is ops.engram_post_wkv and seen[0].finish is ops.engram_gate_finish
+    torch.testing.assert_close(out, ref_out(layer, w, hidden, ids, [0, 9]).float(), atol=5e-5, rtol=0)
 
 
 def test_from_config_and_v41_fp8_weights():

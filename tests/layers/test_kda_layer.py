@@ -17,6 +17,8 @@ import torch
 from kda_engram.layers.kda import KDABatch, KimiDeltaAttention, kda_layer_reference
 from kda_engram.parallel import TensorParallelGroup
 
+from ..helpers import rel_rmse
+
 HID, K = 32, 16
 
 
@@ -270,11 +272,6 @@ def gpu_layer(gpu, seed=11):
     # Kimi-Linear's shape per head: K = V = 128, both gates low-rank with r = 128.
     return make_layer(GPU_HEADS, seed=seed, dtype=torch.bfloat16, device=gpu, hidden=GPU_HID, head_dim=GPU_K,
                       rank=GPU_K)
-
-
-def rel_rmse(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Fused Engram post-``wkv`` gate on one rank: ``out = hidden + gate * value``.
 
-Per token ``t`` and hyper-connection stream ``h`` (DESIGN.md, "Engram math"), in fp32::
+Per token ``t`` and hyper-connection stream ``h``, in fp32::
 
     dot  = sum_d hidden*q_w[h]*k_w[h]*key_h * rsqrt(mean hidden^2 + eps)
            * rsqrt(mean key_h^2 + eps) / sqrt(dim)
@@ -8,52 +8,23 @@ Per token ``t`` and hyper-connection stream ``h`` (DESIGN.md, "Engram math"), in
     out  = hidden + gate * value          (gate = 0 where token_mask is false)
 
 Each program gates one stream; by default one token, as the reference engine
-launches it. The kernel is a pure streaming kernel (about 26 bytes per token per
-unit of dim in bf16 at hc = 4, a few FLOPs per byte), so the design is about moving
-each HBM byte once and keeping the L2 traffic behind it small:
+launches it. The kernel streams (about 26 bytes per token per unit of dim in bf16
+at hc = 4, a few FLOPs per byte), so every path is about reading each HBM byte
+once. :func:`engram_post_wkv` picks one by dim and grid size:
 
-* **Single pass, row in registers** (``dim <= SINGLE_PASS_MAX_DIM``). The gate needs
-  the full-dim sums before the first output element can be written, so a program
-  loads its hidden row, key row and the shared value row once, reduces, and writes
-  ``hidden + gate * value`` from the same registers. A row is covered by at most
-  two power-of-two pieces, ``HEAD`` (the largest power of two <= dim) and a masked
-  ``TAIL``: dim 5120 = 4096 + 1024 and 2560 = 2048 + 512 carry no masked lanes,
-  where one ``next_power_of_2(dim)`` block would hold 8192 (37% idle registers).
-  Any dim works (257 = 256 + a 16-lane masked tail).
-* **Wide single pass** (``SINGLE_PASS_MAX_DIM < dim <= WIDE_ROW_MAX_DIM``, the
-  model's 5120 among them): the same register-resident row, one token per program,
-  on as few warps as hold about ``WIDE_ROW_ELEMS_PER_THREAD`` elements of a row per
-  thread (4 warps at dim 5120, 2 at 2560). Each HBM byte is read once and the
-  program has one load round trip. It runs every grid past the small ones below.
-* **Persistent single pass** (wide-row dims, large T, NVIDIA): the wide single
-  pass on as many programs as the GPU holds at once, each walking every
-  ``token_step``-th token with the next token's loads in flight while the current
-  one is reduced: 90% of the floor at dim 5120, T = 2048 (71.2 us against 77.7 for
-  one token per program) and 94% at T = 16384.
-* **Small grids** (wide-row dims, at most ``SMALL_GRID_ROWS_PER_CU`` programs per
-  compute unit: T <= 128 at hc = 4 on the H200): two passes of half-row-wide blocks
-  on 8 warps, the first pass's loads marked ``evict_last`` so the second re-reads
-  hidden and value from L2 (the shape of ``torch.compile``'s kernel: 2048-wide
-  blocks, 16 warps, the same hints). At dim 5120, T = 64 this runs 4.85 us against
-  the wide single pass's 6.01 (``torch.compile``: 5.12); the hints alone are worth
-  most of it (7.21 -> 5.15 us on 8 warps in an A/B), which was measured, not
-  profiled. The wide single pass keeps the hints on its value row (read by the
-  ``hc`` programs of a token) up to 64 programs per SM.
-* **Chunked two passes** (dims past ``WIDE_ROW_MAX_DIM``, or forced with ``chunk=``): pass one
-  accumulates the three sums over ``CHUNK``-wide blocks, pass two re-reads hidden
-  and value (from L2: the row was touched microseconds earlier) and writes. This
-  bounds registers for any dim at the price of an L2 re-read of hidden.
-* The value row is shared by the ``hc`` programs of a token. They are adjacent in
-  launch order, so the ``hc - 1`` extra reads hit L2; a program per token looping
-  over streams would read it once but cut the grid by ``hc`` (64 programs for 64
-  tokens on a 132-SM H200) and hold ``hc + 1`` rows of state.
-* **Token blocks** (large T, single-pass path): a program per (token, stream)
-  also re-reads ``q_w[h]`` and ``k_w[h]`` from L2, as many bytes as its hidden
-  and key rows. So once the grid has enough programs (:func:`tokens_per_program`),
-  a program walks up to 8 consecutive tokens of its stream with ``q_w[h]*k_w[h]``
-  held in registers. The two-pass path re-reads them per block whatever it
-  does, and runs one token per program at ``LOOP_WARPS`` warps (measured
-  fastest, see there).
+* **single pass** (``dim <= SINGLE_PASS_MAX_DIM``): the row in registers as two
+  power-of-two pieces (:func:`row_pieces`), optionally several tokens per program
+  (:func:`tokens_per_program`);
+* **wide single pass** (``dim <= WIDE_ROW_MAX_DIM``, the model's 5120): the same on
+  fewer warps, one token per program;
+* **persistent single pass** (wide-row dims, large grids, NVIDIA): as many programs
+  as the GPU holds, each walking tokens with the next token's loads in flight;
+* **small grids** (wide-row dims, few programs per compute unit): two passes of
+  half-row blocks with L2 eviction hints;
+* **chunked two passes** (wider dims, or ``chunk=``): bounded registers for any dim
+  at the price of an L2 re-read of hidden.
+
+The measurements behind each path and constant: docs/design/engram_gate.md.
 
 Rows ``t >= num_kv_tokens`` read key = value = 0 (masked loads, never out of
 bounds), so their output is ``hidden`` bit for bit. Sums overflow fp32 only when
@@ -70,99 +41,29 @@ import triton.language as tl
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.platform import arch, interpreting, num_compute_units
 
-# Up to this dim a program holds its row in registers at warps_for(row lanes)
-# warps and may walk several tokens (the original path, unchanged since its
-# 2026-12-02 measurement).
+# Up to this dim the row stays in registers at warps_for(row lanes) warps and a
+# program may walk several tokens.
 SINGLE_PASS_MAX_DIM = 2048
-# Past SINGLE_PASS_MAX_DIM, up to WIDE_ROW_MAX_DIM, the row stays in registers but
-# on fewer warps: about WIDE_ROW_ELEMS_PER_THREAD elements of a row per thread,
-# one token per program. H200 (2026-12-03, hc 4, bf16; do_bench medians over 3-5
-# shuffled rounds in one process, .dbg/gate_exp.py), us and fraction of the HBM
-# floor, against the two passes (1024-wide blocks, 2 warps, the previous default)
-# and the late-value pass (value loaded after the gate, the previous default at
-# dim 2560) and torch.compile of the reference:
-#
-#   T, dim       wide row          two passes       late value       torch.compile
-#   16384, 5120  562.6 (92%, w4)   584.9 (88%)      576.1 (w4)       886.3
-#   2048, 5120   81.5 (79%, w4)    84.1 (77%)       82.4 (w4)        119.9
-#   64, 5120     6.8 (w4)          7.8              6.9 (w2)         25.2
-#   16384, 2560  279.2 (93%, w2)   289.3 (c512 w1)  284.3 (w2)       1001.7
-#
-# (w = warps.) 16 warps at dim 5120, the first register-resident try, ran 60% of
-# the floor at T = 16384: one program's row loads per SM are not enough in flight.
+# Up to this dim the row stays in registers on fewer warps (about
+# WIDE_ROW_ELEMS_PER_THREAD elements of a row per thread), one token per program:
+# 79-93% of the HBM floor at dim 5120 (docs/design/engram_gate.md).
 WIDE_ROW_MAX_DIM = 5120
 WIDE_ROW_ELEMS_PER_THREAD = 40
-# Past WIDE_ROW_MAX_DIM (or with chunk=) the kernel streams the row in CHUNK-wide
-# blocks, two passes, the second re-reading hidden and reading value from L2.
-# H200 sweep at dim 5120 (2026-12-03; chunk 512/1024/2048 x warps 2/4/8 x tokens
-# 1/2/4): 1024-wide blocks, 2 warps, one token per program was fastest; token
-# blocking saves nothing there (the loop re-reads q_w*k_w per block anyway).
+# Past WIDE_ROW_MAX_DIM (or with chunk=): two passes over LOOP_CHUNK-wide blocks on
+# LOOP_WARPS warps, one token per program (the fastest of a block/warps/tokens sweep).
 LOOP_CHUNK = 1024
 LOOP_WARPS = 2
-# L2 eviction hints ("evict_last" on the loads whose lines are read again: the
-# weights, the value row the hc programs of a token share, pass one's rows;
-# "evict_first" on a row's last read) and the small-grid launch, for dims past
-# SINGLE_PASS_MAX_DIM, chosen by programs (T * hc) per compute unit:
-#
-# * up to SMALL_GRID_ROWS_PER_CU: two passes of small_grid_chunk(dim)-wide blocks
-#   (the largest power of two <= dim / 2) on SMALL_GRID_WARPS warps, hinted;
-# * up to WIDE_ROW_HINTS_MAX_ROWS_PER_CU: the wide single pass, hinted;
-# * past it: the wide single pass without hints (they cost 1.4-1.7% at T = 16384;
-#   presumably hinted value rows outlive their last reader in L2 and crowd out
-#   rows still to be read, not profiled);
-# * on NVIDIA GPUs from PERSISTENT_MIN_ROWS_PER_CU (below WIDE_ROW_HINTS_MAX_ROWS_PER_CU)
-#   the persistent single pass, unhinted, takes over (see there).
-#
-# H200 (2026-12-04, hc 4, bf16, CUDA-graph replay with an L2 flush per call, medians
-# of 3 shuffled rounds in one process, benchmarks/sweep_engram_gate.py), us:
-#
-#   dim, T       2 passes hinted    wide, hinted   wide    torch.compile
-#   5120, 64     4.85 (c2048 w8)    5.95           6.01    5.12
-#   5120, 128    7.31 (c2048 w8)    7.32           7.79    9.86
-#   5120, 256    15.37 (c2048 w8)   13.20          14.34
-#   5120, 512                       23.23          25.10
-#   5120, 1024                      41.88          43.26
-#   5120, 2048                      77.37          78.02
-#   5120, 16384                     567.82         559.81
-#   2560, 64     3.40 (c1024 w8)    4.82           4.90    3.65
-#   2560, 128    4.53 (c1024 w8)    5.59           5.77    6.49
-#   2560, 256    6.77 (c1024 w4)    7.10           7.51
-#   2560, 512                       12.61          13.57
-#   2560, 2048                      40.13          41.71
-#   2560, 16384                     280.59         275.81
-#
-# (c = block width, w = warps; 4 warps ran 5.27 / 7.47 us at dim 5120, T = 64 / 128, and
-# 8 warps 7.19 us at dim 2560, T = 256, where the hinted wide row is chosen: 0.33 us
-# left there for one rule across both dims.)
-# A second sweep (2 rounds) read 78.46 / 78.37 us at dim 5120, T = 2048 (the hints
-# within noise there) and 40.25 / 41.80 at dim 2560, T = 2048.
-# 132 SMs: T = 128 is 3.9 programs per SM, T = 2048 62 and T = 16384 496; where
-# the hints turn from gain to loss between 62 and 496 was not measured.
-#
-# Measured and not adopted (2026-12-04, graph replay): the output stores with
-# evict_first or the streaming .cs modifier (dim 5120, T = 2048: 79.5-79.6 against
-# 78.1 us; no change at 64, 512, 16384).
+# Dims past SINGLE_PASS_MAX_DIM, by programs (T * hc) per compute unit: up to
+# SMALL_GRID_ROWS_PER_CU, two hinted passes of small_grid_chunk(dim)-wide blocks on
+# SMALL_GRID_WARPS warps (the few programs need the L2 hints); up to
+# WIDE_ROW_HINTS_MAX_ROWS_PER_CU, the wide single pass with eviction hints; past it
+# without them (they cost 1.4-1.7% at T = 16384).
 SMALL_GRID_ROWS_PER_CU = 4
 SMALL_GRID_WARPS = 8
 WIDE_ROW_HINTS_MAX_ROWS_PER_CU = 64
-# Persistent single pass (NVIDIA, wide-row dims, from PERSISTENT_MIN_ROWS_PER_CU
-# programs per compute unit): as many programs as the GPU holds at once (from the
-# compiled kernel's registers, threads and shared memory: resident_programs_per_cu),
-# each walking tokens b, b + step, ..., the next token's loads issued while the
-# current one is reduced (PERSISTENT_STAGES software-pipeline stages). H200,
-# 2026-12-04, graph replay, medians of 3 shuffled rounds in one process, us:
-#
-#   dim, T        persistent, 2 stages   1 stage   wide row   wide, hinted
-#   5120, 2048    71.17 (90%)            76.74     77.67      77.47
-#   5120, 16384   543.86 (94%)           562.39    554.61     561.50
-#   2560, 2048    38.03 (84%)            40.61     41.45      39.91
-#   2560, 16384   272.58 (94%)           275.26    273.28     277.62
-#
-# 4 programs per SM at dim 5120 (127 registers on 4 warps), 8 at 2560 (2 warps). The
-# grid must match what fits: a standalone variant on 3 programs per SM where 4 fit,
-# or on 5-6 (a partial second round), ran 7-32% slower. Below 32 programs per CU
-# (T = 1024 at hc 4 on 132 SMs) the one-stage version gained nothing (41.8 against
-# 41.1 us at dim 5120); the two-stage one was not measured there.
+# From this many programs per compute unit (NVIDIA, wide-row dims) the persistent
+# single pass takes over, pipelined over PERSISTENT_STAGES tokens: 90-94% of the
+# floor at T >= 2048, dim 5120.
 PERSISTENT_MIN_ROWS_PER_CU = 32
 PERSISTENT_STAGES = 2
 # Token blocking: at most this many tokens per program, and only while the grid

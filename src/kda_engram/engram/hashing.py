@@ -2,7 +2,7 @@
 
 :func:`ngram_hash` maps every token of a varlen batch to, per Engram layer, the
 ``n_hash_cols`` table rows its n-grams (orders ``2..max_ngram``, ``n_heads``
-hashes each) select (DESIGN.md, "N-gram hash")::
+hashes each) select::
 
     mix[n]   = XOR_{i < n} tok[t - i] * mult[l][i]          (int64, never overflows)
     row[c]   = mix[n] mod prime[l][n - 2][j] + offset[l][c]  c = (n - 2) * n_heads + j

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
-#: The layer-seed stride of the multiplier RNG (DESIGN.md, "N-gram hash").
+#: The layer-seed stride of the multiplier RNG: layer ``l`` seeds it with
+#: ``seed + LAYER_SEED_STRIDE * l`` (DeepSeek's Engram reference).
 LAYER_SEED_STRIDE = 10007
 
 _MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)

@@ -20,7 +20,10 @@ same full checkpoint weight through :meth:`Engram.load_checkpoint`.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -62,6 +65,19 @@ def shards_engram_gate(
     if env:
         raise ValueError(f"{SHARD_GATE_ENV}: expected 1/0 (true/false, on/off, yes/no), got {env!r}")
     return True
+
+
+class GateKernels(NamedTuple):
+    """The three gate entry points :meth:`Engram.gate` calls, with the signatures of
+    :func:`~kda_engram.engram.gate.engram_post_wkv`,
+    :func:`~kda_engram.engram.sharded_gate.engram_gate_partials` and
+    :func:`~kda_engram.engram.sharded_gate.engram_gate_finish` less
+    ``check_inputs``. Why: the module calls the kernels directly, the serving layer
+    calls the same branch through its ``torch.ops`` wrappers (:mod:`kda_engram.ops`)."""
+
+    post_wkv: Callable
+    partials: Callable
+    finish: Callable
 
 
 class Engram(nn.Module):
@@ -160,22 +176,40 @@ class Engram(nn.Module):
                     "token_mask", token_mask, shape=(hidden_states.shape[0],), dtypes=(torch.bool,),
                     device=hidden_states.device,
                 )
-        kv_local = self.wkv(embeddings)
+        return self.gate(hidden_states, self.wkv(embeddings), token_mask, num_kv_tokens=embeddings.shape[0],
+                         check_inputs=check_inputs)
+
+    def gate(
+        self,
+        hidden_states: torch.Tensor,
+        kv_local: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        num_kv_tokens: int | None = None,
+        kernels: GateKernels | None = None,
+        check_inputs: bool = True,
+    ) -> torch.Tensor:
+        """The gate branch after ``wkv``: ``kv_local`` is this rank's ``wkv`` output
+        ``[T, ...]``; the gather path all-gathers it and runs the fused gate, the
+        sharded path exchanges partial sums (module docstring). ``kernels``: the
+        entry points to call (default: the kernels, with ``check_inputs``)."""
+        if kernels is None:
+            kernels = GateKernels(
+                functools.partial(engram_post_wkv, check_inputs=check_inputs),
+                functools.partial(engram_gate_partials, check_inputs=check_inputs),
+                functools.partial(engram_gate_finish, check_inputs=check_inputs),
+            )
         P = self.tp.world_size
         if not self.shard_gate:
             kv = self.tp.all_gather(kv_local, dim=-1)
-            return engram_post_wkv(
+            return kernels.post_wkv(
                 hidden_states, kv, self.q_weight, self.k_weight, eps=self.eps, clamp_value=self.clamp_value,
-                token_mask=token_mask, num_kv_tokens=embeddings.shape[0], check_inputs=check_inputs,
+                token_mask=token_mask, num_kv_tokens=num_kv_tokens,
             )
-        send = engram_gate_partials(
-            hidden_states, kv_local, self.q_weight, self.k_weight, rank=self.tp.rank, tp_size=P,
-            check_inputs=check_inputs,
-        )
+        send = kernels.partials(hidden_states, kv_local, self.q_weight, self.k_weight, rank=self.tp.rank, tp_size=P)
         gathered = self.tp.all_gather(send, dim=0)
-        return engram_gate_finish(
-            hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value,
-            token_mask=token_mask, check_inputs=check_inputs,
+        return kernels.finish(
+            hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value, token_mask=token_mask,
         )
 
     def extra_repr(self) -> str:

@@ -1,6 +1,6 @@
 """Engram in plain PyTorch: the math the Engram kernels are tested against.
 
-The gate (DESIGN.md, "Engram math"), per token ``t`` and hyper-connection stream
+The gate, per token ``t`` and hyper-connection stream
 ``h``, all in fp32 (fp64 when the inputs are fp64)::
 
     dot  = sum_d hidden * q_w[h] * k_w[h] * key_h

@@ -46,12 +46,8 @@ from kda_engram.engram.gate import (
 
 # Elements per operand of a partials tile, at most (sums and copies need no full row).
 PARTIALS_MAX_CHUNK = 2048
-# Tokens per partials program, at most, loaded as one [TOKENS, CHUNK] tile. H200
-# (2026-12-03, dim 5120, hc 4, bf16; one process, shuffled rounds), us, against the
-# previous kernel that walked its tokens one at a time (4 at most): T = 16384,
-# P = 4: tile of 2 / 4 / 8 tokens 145.0 / 116.0 / 112.4, walk of 4 / 1 125.1 / 151.3;
-# P = 8: tile 83.8 / 68.3 / 62.5, walk 72.0 / 77.0. T = 2048, P = 8: tile of 1 / 4
-# 14.4 / 15.0 (tokens_per_program picks 4 there), walk of 4 / 1 20.3 / 14.0.
+# Tokens per partials program, at most, loaded as one [TOKENS, CHUNK] tile (faster
+# than walking tokens one at a time: docs/design/engram_gate.md).
 PARTIALS_MAX_TOKENS = 8
 
 
@@ -364,9 +360,7 @@ def engram_gate_finish(
         return out
     gathered_f32 = _f32_view("gathered", gathered)
     # Two passes past SINGLE_PASS_MAX_DIM (not engram_post_wkv's wide single pass):
-    # H200 (2026-12-03, dim 5120, hc 4, bf16), us for two passes (1024-wide blocks,
-    # 4 warps) vs the wide row at 4 / 2 warps: T = 2048 P = 4 54.4 vs 56.5 / 57.2;
-    # T = 16384 P = 4 379.8 vs 387.4 / 394.2, P = 8 384.5 vs 423.8 / 400.1.
+    # measured faster here (docs/design/engram_gate.md).
     geom = launch_geometry(dim, chunk, num_warps)
     mask_arg = token_mask if token_mask is not None else hidden_states
     _engram_gate_finish_kernel[(T * hc,)](

@@ -3,7 +3,7 @@
 Consumes the operands of the fused prologue (documented, and computed in plain
 PyTorch, by :func:`kda_engram.kda.reference.chunk_operands`) and walks every
 sequence's 64-token chunks with the recurrent state on chip. Per chunk, with
-``S`` the V-first state ``[V, K]`` at the chunk start (see DESIGN.md)::
+``S`` the V-first state ``[V, K]`` at the chunk start::
 
     v_new = u - w S^T
     o     = scale (qg S^T + tril(aqk) v_new)
@@ -470,7 +470,7 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     # BV = 16 is excluded on purpose: on an H200 with Triton 3.6 the compiled walk
     # with 16-column state tiles returned NaN outputs (and the benchmark hit an
     # illegal address) where BV = 32 and 64 matched the reference to bf16
-    # rounding (2026-12-02, .dbg chunk sweep); the tests still run BV = 16 under
+    # rounding (2026-12-02, a chunk-config sweep); the tests still run BV = 16 under
     # the interpreter, where it is correct.
     for bv in (64, 32):
         if bv > head_v or head_v % bv:

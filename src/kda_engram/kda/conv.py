@@ -17,14 +17,9 @@ raw q, k and v bands of its input projection. Three kernels serve it:
   (together with the recurrent-state checkpoint the chunk kernel writes).
 
 Why the prefill conv is a launch of its own: fused into the prologue's first
-launch, which already holds 255 registers per thread, the four shifted taps of
-three bands tripled that kernel's time. H200, 1 x 32k tokens, H32, bf16, whole
-prologue: 2.11 ms without the conv; fused, 6.74 ms with the conv weight and
-14.0 ms with the conv state; with this launch first, 3.11 and 3.59 ms. One
-program per (chunk, head, band) then took this launch from 0.95 to 0.59 ms
-without the state and from 1.35 to 0.72 ms with it, against its 0.38 ms floor
-(the bands read and written once; the shifted taps hit L1); the table at
-``CONV_ROW_BLOCK`` has the variants measured.
+launch (255 registers per thread already) its shifted taps tripled that kernel's
+time; one program per (chunk, head, band) runs at about 65% of its HBM floor
+(measurements: docs/design/kda_conv.md).
 
 Machine fit of the decode and checkpoint kernels: pure copies plus a few FMAs
 per channel (12 KiB of state and 6 KiB of input per sequence at 16 heads x 128,
@@ -56,16 +51,8 @@ __all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "c
 
 BLOCK_C = 256
 # Launch geometry of the prefill conv: one program per (chunk, head, band), rows in
-# blocks of CONV_ROW_BLOCK (CONV_STATE_ROW_BLOCK with a conv state), 4 warps.
-# H200 (2026-12-03, 1 x 32k tokens, H32, K = V = 128, bf16; one process, shuffled
-# rounds), us and fraction of the 0.38 ms floor, without / with the conv state:
-#   one program per (chunk, head), 3 bands, 16-row blocks   952 (40%) / 1348 (28%)
-#   per band, 16-row blocks                                 588 (65%) /  784 (49%)
-#   per band, 8-row blocks                                  682 (56%) /  717 (53%)
-#   per band, 16 rows on 8 warps / 32 rows on 8 warps      1707 / 959, 1892 / 1273
-#   per band, the W taps as one [rows, 4, D] load          579 (66%, 8 rows) / 882
-#     (the state branch of that form spilled: 255 registers)
-# 64 x 512 tokens: the same order within 4%.
+# blocks of CONV_ROW_BLOCK (CONV_STATE_ROW_BLOCK with a conv state), 4 warps: the
+# fastest of the variants measured on an H200 (docs/design/kda_conv.md).
 CONV_ROW_BLOCK = 16
 CONV_STATE_ROW_BLOCK = 8
 CONV_PREFILL_WARPS = 4

@@ -10,7 +10,7 @@ Two entry points share one kernel:
   the state after token ``s`` is written to row ``state_indices[b, s]``, so an
   engine can roll back to the state after the last accepted draft token.
 
-Per head, with ``S`` the fp32 V-first state ``[V, K]`` (DESIGN.md)::
+Per head, with ``S`` the fp32 V-first state ``[V, K]``::
 
     q̂ = q / sqrt(Σq² + 1e-6),  k̂ likewise,  β = sigmoid(raw_beta)
     a  = -exp(A_log)·softplus(raw_g + dt_bias)           (lower_bound None)

@@ -4,8 +4,8 @@ The chunk walk of :func:`kda_engram.kda.chunk.fused_kda_chunk` is serial per
 sequence: one program per (sequence, head, V-tile) steps through every 64-token
 chunk, so a long prompt on the few heads that tensor parallelism leaves on a GPU
 (4-8) occupies a handful of the compute units and the launch is latency-bound
-(ANCHORS.md: fla-core 4.2 ms for 1 x 131072 tokens, H = 4, against a 0.16 ms
-HBM floor). Cutting each sequence into ``G`` contiguous groups of chunks turns
+(fla-core takes 4.2 ms for 1 x 131072 tokens, H = 4, on an H200, against a
+0.16 ms HBM floor). Cutting each sequence into ``G`` contiguous groups of chunks turns
 one walk of ``n`` steps into
 
 * **pass one**: every group but the last walks its ``L = n / G`` chunks from a
@@ -23,27 +23,12 @@ drops from ``n`` to about ``2 n / G`` steps for about three times the work
 (pass one has ``V + K`` rows). That trade pays only where the machine is
 otherwise idle, which is what :func:`chunk_groups` decides.
 
-Numerics, measured on the CPU (interpreter, fp32 operands, one 4096-token
-sequence, weak decay so the operators carry, the fp64 chunk walk as reference;
-``tests/kda/test_groups.py::test_error_bound_vs_fp64``): max abs error of the
-outputs / final state at K = V = 16: 1.75e-7 / 1.15e-7 for G = 1, 1.75e-7 /
-1.20e-7 for G = 8, 1.75e-7 / 1.31e-7 for G = 32 (outputs up to 0.8, states up
-to 0.7); at K = V = 32: 1.22e-7 / 1.22e-7 (G = 1), 1.22e-7 / 1.37e-7 (G = 8),
-1.22e-7 / 1.07e-7 (G = 32). So the grouped walk stays within the serial walk's
-bound (the tests hold both to the chunk kernel's ``2e-4`` and the grouped one
-to 4x the serial error + 1e-6). ``M_g`` is therefore kept in fp32 in the
-workspace (the seed's bf16 operator is not needed: the workspace is small next
-to the operands, and fp32 keeps the composition at the walk's own precision);
-the scan's products are fp32 ``ieee`` for fp32 operands and on AMD, and
-``tf32x3`` (three TF32 tensor-core products, within a few bits of fp32) where
-the walk's dots are bf16/fp16 on NVIDIA: 3.6-4.9x faster than the FMA product on
-the H200 and far below the bf16 walk's own rounding
-(``tests/kda/test_groups.py::test_gpu_scan_precision`` bounds its start states
-against the ``ieee`` scan). On the GPU the walk's dots run in bf16
-with fp32 accumulation for both the state rows and the operator rows, exactly
-as the serial walk does; ``tests/kda/test_groups.py`` holds the bf16 grouped
-walk to 1.5x the serial walk's relative RMS error (+1e-3) against the fp32
-reference, up to 131072 tokens (GPU tests).
+Numerics: the grouped walk stays within the serial walk's error bound (fp32: the
+same max error as G = 1 up to G = 32; bf16: within 1.5x the serial walk's
+relative RMS error), so ``M_g`` is kept in fp32 and the scan's products run as
+fp32 ``ieee`` (fp32 operands, AMD) or ``tf32x3`` (bf16/fp16 walks on NVIDIA, 3.6-4.9x
+faster than FMAs and far below the walk's own rounding). Measurements:
+docs/design/kda_prefill.md; the bounds are tests in ``tests/kda/test_groups.py``.
 """
 
 from __future__ import annotations
@@ -76,21 +61,14 @@ MIN_GROUP_CHUNKS = 8
 # the workspace grows with G; past 32 the scan's depth starts to matter.
 MAX_GROUPS = 32
 
-# Cost model of chunk_groups, in units of one chunk step of a lone program.
-# _OVERLAP: 32-column programs one compute unit runs side by side before they
-# slow each other down (a step is a chain of dependent dots, so a lone program
-# leaves the SM mostly idle; two fit a Hopper SM's shared memory, one an AMD CU's
-# 64 KiB LDS). _PASS_ONE_STEP: pass one skips the output's two dots and loads
-# (qg, aqk). _SCAN_STEP: one scan step (a 64 KiB operator read + a [K, K] x
-# [K, 32] product, latency-bound). NVIDIA: 2.0 since the product runs as tf32x3
-# on the tensor cores (4.4-5.8 us per step against 2.4 us per chunk step; H200,
-# 2026-12-04, see chunk_groups); it was 3.0 while the product ran on fp32 FMAs
-# (about 21 us per step), which AMD still does (ieee; not measured there).
-# _FIXED: the two extra launches and the group state traffic. _OVERLAP_NVIDIA
-# was 2.0 in the first model, which picked G = 13 for 1 x 32768 H4; the H200
-# sweep (chunk kernel alone, 2026-12-03, see chunk_groups) measured G = 8
-# fastest there and G = 16 at 1 x 131072 H4, which is what 1.5 (programs beyond
-# the first on an SM overlap only partly) gives.
+# Cost model of chunk_groups, in units of one chunk step of a lone program
+# (the measurements that set each: docs/design/kda_prefill.md).
+# _OVERLAP: 32-column programs one compute unit runs side by side before they slow
+# each other down (partial overlap on NVIDIA; one per AMD CU's 64 KiB LDS).
+# _PASS_ONE_STEP: pass one skips the output's two dots and loads (qg, aqk).
+# _SCAN_STEP: one scan step (a 64 KiB operator read + a [K, K] x [K, 32] product,
+# latency-bound; tf32x3 tensor-core product on NVIDIA, fp32 FMAs on AMD).
+# _FIXED: the two extra launches and the group state traffic.
 _OVERLAP_NVIDIA = 1.5
 _OVERLAP_AMD = 1.0
 _PASS_ONE_STEP = 0.6

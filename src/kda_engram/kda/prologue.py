@@ -11,7 +11,7 @@ head)) does, for its 64-token chunk:
 
 1. the L2 norms of ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``);
 2. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
-   otherwise, see DESIGN.md), its chunk-local cumulative sum in log2 units, and
+   otherwise: :func:`kda_engram.kda.reference.kda_gate`), its chunk-local cumulative sum in log2 units, and
    ``beta = sigmoid(raw_beta)``;
 3. ``A_qk`` and ``A_kk`` (A_kk strictly lower, rows scaled by beta) from 16-row
    sub-chunk blocks, plus ``qg``, ``kg_t``, ``decay``; it writes the right-hand
@@ -26,45 +26,9 @@ substitution, ``w_I = T_II (beta k̂_I 2^g_I - sum_{J<I} A_IJ w_J)`` (same for
 ``u``); ``T``'s off-diagonal blocks are never formed.
 
 Why two launches: fused into one program the work needs far more than the 255
-registers a thread may hold (Nsight Compute on the H200: 12.5% occupancy, most
-stall cycles waiting for instruction fetch, 3.0 ms at 1 x 32k, H32). Split, each
-kernel is half the code and the pair runs 2.1 ms, although the split moves
-``A_kk`` (256 bytes per token and head, fp32) and the right-hand sides of ``w``
-and ``u`` through HBM once more. Cutting the first launch further, one program per
-16-row sub-chunk that recomputes the column keys of the earlier sub-chunks
-and the gate totals of the later ones, was slower (H200, 1 x 32k H32: 4.06 ms
-at 4 warps against 2.10 ms, 2.05 against 1.08 at 1 x 128k H4): it still took
-236 registers, so the pressure comes from the ``[16, 128] x [128, 16]``
-products, whose operands Triton replicates across the warps of a program,
-not from carrying the sub-chunks. Wider products do not rescue one launch
-either: a bounded-gate kernel forming ``A_qk`` / ``A_kk`` on the whole chunk as
-four ``[64, K] x [K, 64]`` products (one per column sub-chunk, anchored at the
-sub-chunk midpoints) and then solving after a barrier ran 3.36 ms at 8 warps
-(255 registers, 60 spills; 2.34 ms without the solve), and slicing its
-channels into 16-64 wide passes to cut the live tiles ran 4.1-6.8 ms (CK 16 at
-8 warps: no spills, 5.65 ms): the per-sub-chunk selects, broadcasts and
-reshapes of the gate factors cost more than the registers they save.
-
-Where the 2.1 ms go (H200, 1 x 32k H32, torch.profiler, 2026-12-03): the first
-launch 1.51 ms, the solve 0.60 ms. Nsight Compute (1 x 8k H32): both kernels at
-255 registers and 12.5% occupancy (2 warps per scheduler), issuing an instruction
-every 3.0 (first launch) and 3.5 (solve) cycles; the first launch's shared-memory
-accesses (the layout changes around its products) are 37% bank-conflict
-wavefronts. Three changes that looked like they would help and did not (same
-process, shuffled rounds, whole prologue at 1 x 32k H32; the 64 x 512 H32 and
-1 x 128k H4 rows moved the same way):
-
-* ``u``'s right-hand side ``beta v`` formed by the solve from ``v`` and the raw
-  beta (the first launch then never touches ``v``: 512 bytes less HBM traffic
-  per token and head), with ``w`` and ``u`` solved by two programs per chunk
-  instead of one: 2.56 ms against 2.09 (the first launch still took 255
-  registers, and each half of the solve runs the whole serial chain of four
-  16x16 inverses and block substitutions for half the work); 2.32 ms with
-  those solve programs on 4 warps capped at 128 registers;
-* on top of that change, the first launch capped at 168 registers by
-  ``maxnreg`` (632 bytes of spills per thread, 3 programs per SM instead of
-  2): 2.92 ms against its 2.56;
-* and on 8 warps capped at 128 registers: 3.73 ms.
+registers a thread may hold; split, each kernel is half the code and the pair
+runs faster although ``A_kk`` makes one more HBM round trip (measurements and the
+variants tried: docs/design/kda_prefill.md).
 
 Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
 which the tests compare against). With ``g`` the chunk-local inclusive cumsum
@@ -95,29 +59,14 @@ never written: their contents are undefined (``torch.empty``) and the chunk
 kernel never reads them. Token rows of ``qg/w/u/aqk`` outside every sequence
 (none, when ``cu_seqlens[-1] == T``) are not written either.
 
-Numerics. The decays are per channel, so ``2^(g_i - g_j)`` does not factor into
-a row and a column term without an anchor. With ``lower_bound = -5`` the
-cumulative gate of a 64-token chunk reaches ``-64 * 5 * log2(e) = -462``, far
-past fp32's exponent range, so the kernel never forms ``2^(+-g)`` of a whole
-chunk. Each 16-row sub-chunk ``I`` uses the boundary anchor ``b_I`` (the
-cumulative gate just before its first row), which is never in the future of
-any of its rows:
-
-* off-diagonal block ``(I, J < I)``:
-  ``2^(g_i - g_j) = 2^(g_i - b_I) * 2^(b_I - b_(J+1)) * 2^(b_(J+1) - g_j)``;
-  all three factors are ``<= 1`` (only terms that are truly negligible, below
-  2^-126, can underflow);
-* diagonal block, bounded gate: ``(2^(g_i - b_I) * 2^s) * (2^(b_I - g_j) * 2^-s)``
-  with ``s = 8 |L| log2(e)`` (half the largest decay over 16 rows, 57.7 for
-  ``L = -5``): both factors lie in ``[2^-s, 2^s]``, inside bf16/fp32 range. They
-  are formed from ``2^(g_i - b_I)`` and ``k̂_j 2^(b_(I+1) - g_j)``, which must not
-  underflow first: that holds while ``2 s <= 126``, i.e. ``|L| <= 5.45``; steeper
-  bounds take the exact path below;
-* diagonal block, softplus gate (no bound): the exact, unfactored
-  ``2^(g_i - g_j)`` per channel, formed element by element for ``j <= i`` only.
-
-The local cumsums are kept per sub-chunk (small numbers), so differences inside
-a sub-chunk are exact in fp32; only the block totals are carried.
+Numerics. The decays are per channel and the cumulative gate of a chunk can
+pass fp32's exponent range (``-462`` in log2 units for ``lower_bound = -5``), so
+the kernel never forms ``2^(+-g)`` of a whole chunk: each 16-row sub-chunk is
+anchored at the cumulative gate just before its first row, every off-diagonal
+factor is ``<= 1``, the bounded gate's diagonal blocks are split symmetrically
+around the anchor (while ``|L| <= 5.45``), and the softplus gate's diagonal
+blocks use the exact per-channel ``2^(g_i - g_j)`` (derivation:
+docs/design/kda_prefill.md).
 
 Precision: with bf16 inputs the tensor-core products take bf16 operands and
 accumulate in fp32 (the rounding matches that of the bf16 inputs and outputs;
@@ -145,13 +94,9 @@ Why the conv state needs no staging copy: the only program that reads sequence
 also the one that writes it, after a barrier; every other program reads the raw inputs
 of earlier tokens from ``q/k/v`` themselves, which nobody writes.
 
-Why the conv is not fused into the first launch (it was until 2026-12-03): that
-kernel already holds 255 registers per thread, and the four shifted taps of
-three bands tripled its time (H200, 1 x 32k, H32, bf16, whole prologue: 2.11 ms
-without the conv; fused, 6.74 ms with the conv and 14.0 ms with the conv state;
-with the separate launch, 3.11 and 3.59 ms; with one program per band of it,
-2.67 and 2.91 ms). The separate pass moves the three bands through HBM once more
-(read and written in the input dtype).
+Why the conv is a launch of its own: fused into the first launch (255 registers
+already) its taps tripled that kernel's time (docs/design/kda_prefill.md); the
+separate pass moves the three bands through HBM once more.
 
 Memory ownership: all outputs are allocated here with ``torch.empty`` in
 PyTorch's caching allocator and returned to the caller; so are the ``A_kk``

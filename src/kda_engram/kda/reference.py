@@ -10,7 +10,7 @@ Three formulations of the same function, which the tests prove equal in fp64:
 * :func:`naive_group_chunk_kda` -- the chunk walk cut into groups joined by the
   exact transfer-operator scan (parallel chunk groups).
 
-Conventions (see DESIGN.md): inputs ``[1, T, H, K]`` flattened over a varlen batch
+Conventions: inputs ``[1, T, H, K]`` flattened over a varlen batch
 described by ``cu_seqlens [N+1]`` (or ``[B, T, H, K]`` without ``cu_seqlens``);
 ``raw_beta [1, T, H]``; recurrent state fp32/fp64 and V-first ``[N, H, V, K]``.
 Everything is computed in fp64 when any floating input is fp64, else in fp32.

@@ -523,13 +523,17 @@ class KimiDeltaAttention(nn.Module):
             k = xp[:, H * K : 2 * H * K].view(1, Tp, H, K)
             v = xp[:, 2 * H * K : C].view(1, Tp, H, V)
             ckpt = batch.checkpoint_offsets is not None
-            o_p, _ = ops._chunk_kda_prefill_op(
+            o_p, _ = ops.chunk_kda_prefill(
                 q, k, v, raw_g[B:].view(1, Tp, H, K), raw_beta[B:].unsqueeze(0), self.A_log, self.dt_bias,
-                batch.prefill_cu_seqlens, self.scale, self.lower_bound, None, False,
-                state_cache, batch.prefill_state_indices, batch.prefill_has_initial_state,
-                checkpoint_state if ckpt else None, batch.checkpoint_offsets if ckpt else None,
-                batch.checkpoint_indices if ckpt else None, ckpt and checkpoint_state is None,
-                self.conv_weight, conv_state, batch.prefill_conv_indices, batch.prefill_has_initial_state,
+                cu_seqlens=batch.prefill_cu_seqlens, scale=self.scale, lower_bound=self.lower_bound,
+                state_cache=state_cache, state_indices=batch.prefill_state_indices,
+                has_initial_state=batch.prefill_has_initial_state,
+                # No separate buffer: the snapshots go to rows of the state cache itself.
+                checkpoint_state=(checkpoint_state if checkpoint_state is not None else state_cache) if ckpt else None,
+                checkpoint_offsets=batch.checkpoint_offsets if ckpt else None,
+                checkpoint_state_indices=batch.checkpoint_indices if ckpt else None,
+                conv_weight=self.conv_weight, conv_state=conv_state, conv_state_indices=batch.prefill_conv_indices,
+                conv_has_initial_state=batch.prefill_has_initial_state,
             )
             if ckpt:
                 ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,

@@ -1,0 +1,105 @@
+"""What the benchmark scripts share: path setup, timing, copy bandwidth and
+CUDA-graph timing.
+
+Importing it makes ``kda_engram`` importable from a source checkout that was not
+installed (``src/`` beside this folder goes on ``sys.path``) and puts this folder
+on ``sys.path`` for the sibling scripts. The scripts run as ``python
+benchmarks/NAME.py``, under ``torchrun``, or through ``kda-engram bench`` (which
+puts this folder on ``sys.path`` before loading them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def setup_path() -> None:
+    """This folder on ``sys.path``; ``src/`` too when ``kda_engram`` is not installed."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    try:
+        import kda_engram  # noqa: F401
+    except ImportError:  # a source checkout without an install
+        sys.path.insert(0, str(HERE.parent / "src"))
+
+
+setup_path()
+
+
+def bench_ms(fn, quick: bool = False, *, return_mode: str = "median") -> float:
+    """``triton.testing.do_bench`` of ``fn`` in ms (it flushes L2 between calls):
+    warm-up 25 ms and 100 ms of repetitions, or 10 and 40 when ``quick``."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                         return_mode=return_mode))
+
+
+_COPY_BW: dict = {}
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of an ``nbytes`` device-to-device copy, the read and the write counted
+    (median of :func:`bench_ms`); measured once per (device, size)."""
+    import torch
+
+    key = (str(device), nbytes)
+    if key not in _COPY_BW:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        ms = bench_ms(lambda: dst.copy_(src))
+        _COPY_BW[key] = 2 * nbytes / (ms * 1e-3)
+        del src, dst
+    return _COPY_BW[key]
+
+
+def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
+    """:func:`copy_bandwidth` in GB/s."""
+    return copy_bandwidth(device, nbytes) / 1e9
+
+
+def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
+    """ms per call of ``fn`` replayed from a CUDA graph, as an engine runs it: one
+    graph of ``iters`` x (L2 flush, ``fn``) minus one of ``iters`` flushes alone,
+    median over ``repeats`` replays.
+
+    Why beside ``do_bench``: its eager loop records the timing events around a
+    host call, so when a kernel takes less than the host needs to launch it (a few
+    tens of microseconds: the Engram gate at T = 64, a 64-token table lookup),
+    argument handling and launch time fall between the events. In a replayed graph
+    no host work lies between them. ``fn`` must be capturable (no host syncs);
+    it runs once outside the capture to compile and warm up.
+    """
+    import torch
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    per = []
+    for g in graphs:
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        per.append(statistics.median(times))
+    return max(per[0] - per[1], 0.0)

@@ -1,0 +1,103 @@
+"""What several test modules share: input builders, error metrics, a simulated
+process group and free ports. Test modules import from here, never from each other.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import torch
+
+from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.metadata import max_chunks
+from kda_engram.kda.reference import chunk_operands
+
+# ----------------------------------------------------------------------- error metrics
+
+#: The chunk kernel's absolute bound in fp32 (tests/kda/test_chunk.py, test_groups.py).
+CHUNK_ATOL = 2e-4
+
+
+def close(a: torch.Tensor, b: torch.Tensor, atol: float = CHUNK_ATOL) -> None:
+    """Same shape and max |a - b| < ``atol`` (0 for empty tensors)."""
+    assert a.shape == b.shape
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    assert err < atol, err
+
+
+def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``rms(a - b) / rms(b)``, in fp64 on the host (the bf16 GPU tests' metric)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------- KDA chunk inputs
+
+#: The chunk kernel's operands, in its argument order.
+OPS = ("qg", "w", "u", "kg_t", "aqk", "decay")
+
+
+def make_raw(lengths, *, H=2, K=32, V=32, seed=0, device="cpu"):
+    """Raw KDA inputs (fp32) for a varlen batch of ``lengths`` and its ``cu_seqlens``
+    (int64): ``({q, k, v, raw_g, raw_beta, A_log, dt_bias}, cu)``."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    raw = dict(
+        q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, H, V), raw_g=rnd(1, T, H, K) * 2.0,
+        raw_beta=rnd(1, T, H), A_log=rnd(H) * 0.5, dt_bias=rnd(H * K),
+    )
+    cu = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
+    return {n: t.to(device) for n, t in raw.items()}, cu.to(device)
+
+
+def make_ops(raw, cu, lower_bound, *, dtype=torch.float32, pad_rows=True):
+    """chunk_operands, with kg_t/decay padded to the prologue's static row bound
+    and the padding filled with NaN (the kernel must never read it)."""
+    ops = chunk_operands(**raw, cu_seqlens=cu, lower_bound=lower_bound)
+    out = {n: ops[n].to(dtype) for n in ("qg", "w", "u", "aqk")}
+    out["decay"] = ops["decay"].float()
+    out["kg_t"] = ops["kg_t"].to(dtype)
+    if pad_rows:
+        T, N = raw["q"].shape[1], cu.numel() - 1
+        rows = max_chunks(T, N)
+        for name in ("kg_t", "decay"):
+            x = out[name]
+            padded = torch.full((rows, *x.shape[1:]), math.nan, dtype=x.dtype, device=x.device)
+            padded[: x.shape[0]] = x
+            out[name] = padded
+    return out, ops
+
+
+def run_chunk(ops, cu, scale, out=None, **kw):
+    """``fused_kda_chunk`` on ``ops`` (a NaN-filled ``out`` unless given)."""
+    if out is None:
+        u = ops["u"]
+        out = torch.full(u.shape, math.nan, dtype=u.dtype, device=u.device)
+    kw.setdefault("initial_state", None)
+    kw.setdefault("output_final_state", False)
+    return fused_kda_chunk(*(ops[n] for n in OPS), out, scale, cu, kw.pop("initial_state"),
+                           kw.pop("output_final_state"), **kw)
+
+
+# ----------------------------------------------------------------------- process groups
+
+
+class SimulatedGroup:
+    """Stands in for a TP group: all_gather returns the pieces every rank made
+    (collected beforehand), after checking this rank's own one came in."""
+
+    def __init__(self, rank, world_size, pieces):
+        self.rank, self.world_size, self.pieces = rank, world_size, pieces
+
+    def all_gather(self, x, dim):
+        assert torch.equal(x, self.pieces[self.rank])
+        return torch.cat(self.pieces, dim=dim)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free at the time of the call (for gloo ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,120 @@
+"""The command line's errors: bad options, a device that is not there, ``bench``
+without a GPU or without its scripts -- each one line on stderr and exit status 2,
+before any work is done."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_engram import bench, check, demo
+from kda_engram.cli import build_parser, main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _refused(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def _fails(capsys, argv):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    return captured.err
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """Any run that gets past the option checks fails the test."""
+    def ran(*args, **kwargs):
+        raise AssertionError("the command ran instead of refusing its options")
+
+    monkeypatch.setattr(demo, "run_demo", ran)
+    monkeypatch.setattr(check, "run_check", ran)
+    monkeypatch.setattr(bench, "run_bench", ran)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--seed", "-1"], "--seed: expected a non-negative integer, got -1"),
+    (["check", "--seed", "-3"], "--seed: expected a non-negative integer, got -3"),
+    (["check", "--examples", "0"], "--examples: expected at least 1 case per kernel, got 0"),
+    (["check", "--examples", "-2"], "--examples: expected at least 1 case per kernel, got -2"),
+    (["demo", "--seed", "x"], "--seed: expected an integer, got 'x'"),
+    (["bench", "nonsense"], "invalid choice: 'nonsense'"),
+])
+def test_bad_options_are_one_line_and_exit_2(capsys, nothing_runs, argv, says):
+    assert says in _refused(capsys, argv)
+
+
+@pytest.mark.parametrize("command", ["demo", "check"])
+def test_unknown_device_is_one_line_and_exit_2(capsys, nothing_runs, command):
+    err = _fails(capsys, [command, "--device", "tpu"])
+    assert err.startswith(f"kda-engram {command}: error: --device: expected one of cpu, cuda, got 'tpu'")
+
+
+@pytest.mark.parametrize("command", ["demo", "check"])
+def test_cuda_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch, nothing_runs, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _fails(capsys, [command, "--device", "cuda"])
+    assert "this torch sees no GPU" in err and "--device cpu" in err
+
+
+def test_bench_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch, nothing_runs):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "bench needs a GPU" in _fails(capsys, ["bench", "--quick"])
+
+
+def test_bench_without_its_scripts_is_one_line_and_exit_2(capsys, monkeypatch, nothing_runs, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)  # no benchmarks/ here
+    err = _fails(capsys, ["bench"])
+    assert "no benchmarks in" in err and "--benchmarks DIR" in err
+    err = _fails(capsys, ["bench", "--benchmarks", str(tmp_path / "elsewhere")])
+    assert str(tmp_path / "elsewhere") in err
+
+
+def test_the_benchmarks_are_found_from_the_checkout_root_an_option_or_the_environment(monkeypatch, tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
+    monkeypatch.chdir(root)
+    assert bench.find_benchmarks() == root / "benchmarks"
+    monkeypatch.chdir(tmp_path)
+    assert bench.find_benchmarks(root / "benchmarks") == root / "benchmarks"
+    monkeypatch.setenv(bench.BENCH_DIR_ENV, str(root / "benchmarks"))
+    assert bench.find_benchmarks() == root / "benchmarks"
+
+
+def test_the_library_calls_refuse_what_the_cli_refuses():
+    with pytest.raises(ValueError, match="examples: expected a positive number"):
+        check.run_check(device="cpu", examples=0)
+    with pytest.raises(ValueError, match="seed: expected a non-negative integer"):
+        demo.run_demo(device="cpu", seed=-1)
+
+
+def test_every_subcommand_has_a_description_and_bench_says_it_needs_a_gpu():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    for name, sub in subparsers.choices.items():
+        assert sub.description and len(sub.description) > 40, name
+    helps = {a.dest: a.help for a in subparsers._choices_actions}
+    assert "GPU" in helps["bench"] and "GPU" in subparsers.choices["bench"].description
+
+
+def test_the_installed_entry_point_refuses_in_one_line():
+    # Through a fresh interpreter, as a user runs it: nothing of the test process leaks in.
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run([sys.executable, "-m", "kda_engram.cli", "demo", "--device", "tpu"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "kda-engram demo: error: --device: expected one of cpu, cuda, got 'tpu'"
+    assert "Traceback" not in done.stdout + done.stderr
