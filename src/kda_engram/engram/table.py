@@ -49,7 +49,7 @@ import triton.language as tl
 
 from kda_engram._validation import INDEX_DTYPES, check_tensor
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.platform import interpreting, num_compute_units
+from kda_engram.platform import interpreting, is_amd, num_compute_units
 
 SCALE_BLOCK = 32
 FP8_MAX = 448.0
@@ -156,7 +156,7 @@ def native_fp8_decode(device: torch.device) -> bool:
     rebuild (AMD, whose native fp8 is e4m3fnuz, older NVIDIA GPUs, the
     interpreter). Both are exact on every byte the quantiser writes; they
     differ only on e4m3's NaN pattern (native: NaN; integer rebuild: 480)."""
-    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
+    if device.type != "cuda" or interpreting() or is_amd():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
