@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram._validation import INDEX_DTYPES, check_tensor
+from kda_engram.validation.common import INDEX_DTYPES, check_tensor
+from kda_engram.validation.engram import check_column_sizes, check_finite_weight
 from kda_engram.engram.layout import EngramLayout
 from kda_engram.platform import interpreting, is_amd, num_compute_units
 
@@ -252,9 +253,7 @@ class EngramTable:
         group=None,
         out_dtype: torch.dtype | None = None,
     ):
-        sizes = np.asarray([int(s) for s in column_sizes], dtype=np.int64)
-        if sizes.ndim != 1 or sizes.size == 0 or (sizes < 1).any():
-            raise ValueError(f"column_sizes: expected positive sizes, one per hash column, got {list(column_sizes)}")
+        sizes = np.asarray(check_column_sizes(column_sizes), dtype=np.int64)
         if storage not in _STORAGE:
             raise ValueError(f"storage: expected one of {sorted(_STORAGE)}, got {storage!r}")
         head_dim = int(head_dim)
@@ -345,7 +344,8 @@ class EngramTable:
         fp8 storage (in chunks, bounding the temporary memory); fp8 weights
         (``float8_e4m3fn`` or raw ``uint8`` bits) need ``scale [R, head_dim/32]``
         (uint8 exponents, ``float8_e8m0fnu`` or power-of-two floats) and are copied
-        as they are. Returns ``self``.
+        as they are; float weights with NaN or inf are refused for fp8 storage
+        (``ValueError``: quantisation cannot represent them). Returns ``self``.
         """
         check_tensor("weight", weight, shape=[None, self.head_dim])
         R = weight.shape[0]
@@ -361,6 +361,10 @@ class EngramTable:
             raise TypeError(f"weight: expected a float or fp8 tensor, got {weight.dtype}")
         if hi <= lo:
             return self
+        if not is_fp8 and self.storage == "fp8":
+            # Quantisation would turn NaN into 480.0 (e4m3fn saturates): refuse it,
+            # before any row is written.
+            check_finite_weight("weight", weight, slice(lo - row_start, hi - row_start), _QUANT_CHUNK_ROWS)
         src = slice(lo - row_start, hi - row_start)
         dst = slice(lo - self.row_lo, hi - self.row_lo)
         if self.storage != "fp8":

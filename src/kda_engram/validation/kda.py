@@ -132,12 +132,12 @@ def check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias) -> tuple[int,
     return T, H, K, V
 
 
-def check_chunk_indices(chunk_indices, num_seqs: int, device, checks: DeviceChecks,
+def check_chunk_indices(chunk_indices, num_seqs: int, device, checks: DeviceChecks | None,
                         lengths: torch.Tensor | None) -> None:
     """``chunk_indices`` ``[rows, 2]`` (sequence id, chunk index): ids in ``[-1, N)``,
     and every live row's chunk inside its sequence (queued)."""
     check_tensor("chunk_indices", chunk_indices, shape=[None, 2], dtypes=INDEX_DTYPES, device=device)
-    if chunk_indices.shape[0] == 0:
+    if checks is None or chunk_indices.shape[0] == 0:
         return
     ci = chunk_indices.to(torch.int64)
     seq, c = ci[:, 0], ci[:, 1]
@@ -179,7 +179,8 @@ def check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_i
 
 
 def check_chunk_operands(qg, w, u, kg_t, aqk, decay, out) -> tuple[int, int, int, int]:
-    """The chunk walk's operands (host only). Returns ``(T, H, K, V)``."""
+    """The chunk walk's operands (host only; ``out`` None: allocated by the caller's
+    wrapper). Returns ``(T, H, K, V)``."""
     check_tensor("qg", qg, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
     check_kernel_device("qg", qg)
     device = qg.device
@@ -192,7 +193,8 @@ def check_chunk_operands(qg, w, u, kg_t, aqk, decay, out) -> tuple[int, int, int
     check_tensor("kg_t", kg_t, shape=[None, H, K, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
     check_same_dtype(["qg", "w", "u", "aqk", "kg_t"], [qg, w, u, aqk, kg_t])
     check_tensor("decay", decay, shape=[kg_t.shape[0], H, K], dtypes=FLOAT_DTYPES, device=device)
-    check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
+    if out is not None:
+        check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
     return T, H, K, V
 
 
