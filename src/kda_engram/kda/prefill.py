@@ -103,9 +103,9 @@ def chunk_kda_prefill(
     chunk metadata is built on the device with the static bound ``T // 64 + N``
     rows), so the call can be captured in a CUDA graph.
 
-    A non-finite input at token ``t`` reaches the outputs of the whole chunk of 64
-    tokens holding ``t`` (the chunk form solves the chunk as one system), not only
-    the tokens from ``t`` on; earlier chunks stay clean.
+    A NaN in ``k``, ``v``, the gate or beta at token ``t`` reaches every output of
+    its 64-token chunk, also those before ``t`` (the chunk form solves the chunk
+    as one system); earlier chunks stay clean.
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
