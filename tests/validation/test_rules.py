@@ -211,3 +211,14 @@ def test_constants_defined_once():
 
 def test_is_amd():
     assert platform.is_amd() == (torch.version.hip is not None)
+
+
+def test_kernels_take_constants_from_constants():
+    """No kernel module reaches up into a reference module for its constants."""
+    import importlib
+    import inspect
+
+    for name in ("kda.chunk", "kda.decode", "kda.prologue", "kda.conv", "kda.metadata", "kda.prefill",
+                 "engram.gate", "engram.sharded_gate", "engram.table", "engram.hashing"):
+        source = inspect.getsource(importlib.import_module(f"kda_engram.{name}"))
+        assert "from .reference import" not in source and "reference import" not in source, name

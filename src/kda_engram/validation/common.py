@@ -129,7 +129,8 @@ class DeviceChecks:
 
     Every :meth:`add` queues a 0-d bool tensor ``bad`` (true = the rule is broken)
     with its message; ``{}`` fields in the message are filled with the values of
-    the ``details`` tensors (0-d, integer), which travel in the same transfer.
+    the ``details`` tensors (0-d, integer; int64 saves a conversion), which travel
+    in the same transfer.
     :meth:`run` stacks everything into one int64 tensor and reads it with one
     ``.tolist()`` (the only host sync), then raises the first broken rule in the
     order the rules were added. Nothing queued here writes caller-visible memory.
@@ -147,17 +148,19 @@ class DeviceChecks:
     def run(self) -> None:
         if not self._items:
             return
-        flat = []
-        for bad, _, details in self._items:
-            flat.append(bad.reshape(()).to(torch.int64))
-            flat.extend(d.reshape(()).to(torch.int64) for d in details)
-        values = torch.stack(flat).tolist()  # the one host sync
-        self._items, items = [], self._items
-        pos = 0
-        for _bad, message, details in items:
-            failed, got = values[pos], values[pos + 1: pos + 1 + len(details)]
-            pos += 1 + len(details)
-            if failed:
+        items, self._items = self._items, []
+        # Few device ops whatever the number of rules: one stack of the flags, one of
+        # the details (converted only where a rule produced another dtype), one cat.
+        flags = torch.stack([bad for bad, _, _ in items]).to(torch.int64)
+        details = [d if d.dtype == torch.int64 else d.to(torch.int64) for _, _, ds in items for d in ds]
+        if details:
+            flags = torch.cat([flags, torch.stack(details)])
+        values = flags.tolist()  # the one host sync
+        pos = len(items)
+        for i, (_bad, message, ds) in enumerate(items):
+            got = values[pos: pos + len(ds)]
+            pos += len(ds)
+            if values[i]:
                 raise ValueError(message.format(*got))
 
 
