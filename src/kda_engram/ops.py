@@ -57,7 +57,6 @@ from .kda.conv import kda_conv_decode as _kda_conv_decode
 from .kda.decode import kda_decode as _kda_decode
 from .kda.decode import kda_decode_multi as _kda_decode_multi
 from .kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
-from .kda.prologue import check_prologue_arguments
 from .kda.prologue import fused_kda_prologue as _fused_kda_prologue
 from .validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from .validation.engram import check_gate_common, check_gate_scalars
@@ -69,6 +68,7 @@ from .validation.kda import (
     check_decode_indices,
     check_decode_inputs,
     check_decode_multi_indices,
+    check_prologue_arguments,
     check_scale,
     check_state_arguments,
     check_state_structure,

@@ -569,8 +569,9 @@ def fused_kda_chunk(
       snapshots it can place exactly; with ``check_inputs`` any other offset is a
       ``ValueError``, so nothing is dropped silently.
 
-    ``check_inputs=True`` validates everything, which reads ``cu_seqlens``, the
-    indices and offsets back to the host; with ``False`` the call launches one
+    ``check_inputs=True`` validates everything; the rules on ``cu_seqlens``, the
+    indices and offsets are vectorised and read back in one transfer (one host
+    sync) right before the first launch; with ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
     :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning;

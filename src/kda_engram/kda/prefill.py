@@ -19,10 +19,10 @@ import torch
 
 from ..constants import CHUNK_SIZE
 from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
-from ..validation.kda import check_state_arguments, check_state_structure
+from ..validation.kda import check_prologue_arguments, check_state_arguments, check_state_structure
 from .chunk import fused_kda_chunk
 from .metadata import prepare_chunk_metadata
-from .prologue import check_prologue_arguments, fused_kda_prologue
+from .prologue import fused_kda_prologue
 
 __all__ = ["chunk_kda_prefill"]
 

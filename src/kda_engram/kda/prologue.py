@@ -173,14 +173,7 @@ import triton.language as tl
 from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
 from ..platform import is_gpu
 from ..validation.common import DeviceChecks
-from ..validation.kda import (
-    check_chunk_indices,
-    check_conv_arguments,
-    check_cu_seqlens,
-    check_lower_bound,
-    check_prefill_inputs,
-    check_scale,
-)
+from ..validation.kda import check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
 from .metadata import chunk_row, prepare_chunk_metadata
 
@@ -584,25 +577,6 @@ def _kda_prologue_solve_kernel(
 
 
 # --------------------------------------------------------------------------- entry
-
-
-def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                             conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                             checks: DeviceChecks | None, *, scale_optional: bool = False):
-    """Every rule of :func:`fused_kda_prologue` (and of the prefill's raw inputs):
-    host rules at once, value rules queued on ``checks`` (None: host rules only).
-    ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
-    Returns ``(T, H, K, V)``."""
-    T, H, K, V = check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias)
-    check_scale(scale, allow_none=scale_optional)
-    check_lower_bound(lower_bound)
-    lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True)
-    N = cu_seqlens.numel() - 1
-    if chunk_indices is not None:
-        check_chunk_indices(chunk_indices, N, q.device, checks, lengths)
-    check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
-                         channels=2 * H * K + H * V, num_seqs=N, device=q.device, checks=checks)
-    return T, H, K, V
 
 
 def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:

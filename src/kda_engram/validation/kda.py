@@ -38,6 +38,7 @@ __all__ = [
     "check_prefill_inputs",
     "check_chunk_indices",
     "check_conv_arguments",
+    "check_prologue_arguments",
     "check_chunk_operands",
     "check_chunk_offsets",
     "check_state_arguments",
@@ -176,6 +177,25 @@ def check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_i
                      device=device)
     if checks is not None:
         check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+
+
+def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                             conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                             checks: DeviceChecks | None, *, scale_optional: bool = False):
+    """Every rule of :func:`fused_kda_prologue` (and of the prefill's raw inputs):
+    host rules at once, value rules queued on ``checks`` (None: host rules only).
+    ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
+    Returns ``(T, H, K, V)``."""
+    T, H, K, V = check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias)
+    check_scale(scale, allow_none=scale_optional)
+    check_lower_bound(lower_bound)
+    lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True)
+    N = cu_seqlens.numel() - 1
+    if chunk_indices is not None:
+        check_chunk_indices(chunk_indices, N, q.device, checks, lengths)
+    check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                         channels=2 * H * K + H * V, num_seqs=N, device=q.device, checks=checks)
+    return T, H, K, V
 
 
 def check_chunk_operands(qg, w, u, kg_t, aqk, decay, out) -> tuple[int, int, int, int]:
