@@ -19,10 +19,15 @@ import torch
 
 from ..constants import CHUNK_SIZE
 from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
-from ..validation.kda import check_prologue_arguments, check_state_arguments, check_state_structure
+from ..validation.kda import (
+    check_lower_bound,
+    check_prologue_arguments,
+    check_state_arguments,
+    check_state_structure,
+)
 from .chunk import fused_kda_chunk
 from .metadata import prepare_chunk_metadata
-from .prologue import fused_kda_prologue
+from .prologue import prepare_kda_prologue
 
 __all__ = ["chunk_kda_prefill"]
 
@@ -113,6 +118,7 @@ def chunk_kda_prefill(
     # device read, and a wrong combination would otherwise drop state silently.
     check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
                           checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
     checks = None
     if check_inputs:
         # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
@@ -144,15 +150,14 @@ def chunk_kda_prefill(
     chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
+    launch_prologue = prepare_kda_prologue(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
+        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
+        conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
+    )
     if checks is not None:
         checks.run()  # the one host sync of the call; the launches follow at once
-
-    ops = fused_kda_prologue(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
-        conv_has_initial_state=conv_has_initial_state,
-        chunk_indices=chunk_indices, check_inputs=False,  # validated above
-    )
+    ops = launch_prologue()
     return fused_kda_chunk(
         ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
         initial_state, output_final_state,

@@ -603,6 +603,84 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
+                         conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
+                         *, num_warps=None):
+    """The host half of :func:`fused_kda_prologue` (arguments as there, assumed
+    valid): chunk metadata, operand and workspace allocation, launch settings.
+    Returns ``launch()``, which makes the launches (the conv's first, when on) and
+    returns the operand dict. A caller that validates device values does its one
+    read-back between the two, so that only the launches follow the sync."""
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    dev = q.device
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
+    num_chunks = chunk_indices.shape[0]
+    intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
+    out = dict(
+        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        u=torch.empty(1, T, H, V, dtype=q.dtype, device=dev),
+        kg_t=torch.empty(num_chunks, H, K, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        aqk=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
+    )
+    if num_chunks == 0 or H == 0:
+        return lambda: out
+
+    bounded = lower_bound is not None
+    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
+    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
+    if exact_diag:
+        shift = 0.0
+    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
+
+    if dt_bias.dim() == 1:
+        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
+    else:
+        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
+    # in fp32) passes from the first launch to the second through this
+    # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
+    akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
+    grid = (num_chunks * H,)
+
+    def launch():
+        qb, kb, vb = q, k, v
+        if conv_weight is not None:
+            # The conv runs as a launch of its own (see kda/conv.py for the measured
+            # reason); the rest of the prologue reads its bands like raw inputs.
+            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
+                                            conv_state_indices, conv_has_initial_state)
+        _kda_prologue_intra_kernel[grid](
+            qb, qb.stride(1), qb.stride(2), qb.stride(3),
+            kb, kb.stride(1), kb.stride(2), kb.stride(3),
+            vb, vb.stride(1), vb.stride(2), vb.stride(3),
+            raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
+            raw_beta, raw_beta.stride(1), raw_beta.stride(2),
+            A_log, A_log.stride(0),
+            dt_bias, sdtb_h, sdtb_c,
+            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+            out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
+            H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
+            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
+            BOUNDED=bounded, EXACT_DIAG=exact_diag,
+            DOT=dot_dtype,
+            num_warps=intra_warps, num_stages=1,
+        )
+        _kda_prologue_solve_kernel[grid](
+            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+            out["w"], out["u"], akk,
+            H,
+            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype,
+            num_warps=solve_warps, num_stages=1,
+        )
+        return out
+
+    return launch
+
+
 def fused_kda_prologue(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -665,25 +743,12 @@ def fused_kda_prologue(
         check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                                  checks)
-    _, T, H, K = q.shape
-    V = v.shape[3]
-    dev = q.device
-    if chunk_indices is None:
-        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
-    num_chunks = chunk_indices.shape[0]
-    intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
+    launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
+                                  conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                  num_warps=num_warps)
     if checks is not None:
         checks.run()  # the one read-back, before anything writes conv_state
-    out = dict(
-        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        u=torch.empty(1, T, H, V, dtype=q.dtype, device=dev),
-        kg_t=torch.empty(num_chunks, H, K, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        aqk=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
-    )
-    if num_chunks == 0 or H == 0:
-        return out
+    return launch()
 
     bounded = lower_bound is not None
     shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
