@@ -59,7 +59,7 @@ from .kda.decode import kda_decode_multi as _kda_decode_multi
 from .kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from .kda.prologue import fused_kda_prologue as _fused_kda_prologue
 from .validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from .validation.engram import check_gate_common, check_gate_scalars
+from .validation.engram import check_gate_common, check_gate_scalars, check_hash_arguments
 from .validation.kda import (
     check_chunk_operands,
     check_conv_checkpoint,
@@ -527,17 +527,21 @@ def _(token_ids, cu_seqlens, layout, history, dead_mask, token_map, global_rows)
     return torch.empty(token_ids.shape[0], lay.n_layers, lay.n_hash_cols, dtype=torch.int32, device=token_ids.device)
 
 
+def _check_hash(token_ids, cu_seqlens, layout, token_map, history, dead_mask):
+    """The hashing rules without their device-value part (the ops stay sync-free)."""
+    # A handle is not resolved here (a weakref lookup breaks a Dynamo graph); the
+    # history width is then the op's to check.
+    max_ngram = layout.max_ngram if isinstance(layout, EngramLayout) else None
+    check_hash_arguments(token_ids, cu_seqlens, max_ngram, 0, token_map, history, dead_mask, None)
+
+
 def ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, token_map=None,
                global_rows: bool = False) -> Tensor:
     """:func:`kda_engram.engram.hashing.ngram_hash` as an op; ``layout`` (an
     ``EngramLayout`` or its :func:`handle`) travels as a handle. Call it once
     eagerly before a CUDA-graph capture: the layout's device arrays are copied to
     the device on first use."""
-    check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=token_ids.device)
-    if history is not None:
-        check_tensor("history", history, shape=[cu_seqlens.shape[0] - 1, None], dtypes=INDEX_DTYPES,
-                     device=token_ids.device)
+    _check_hash(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
     return _ngram_hash_op(token_ids, cu_seqlens, handle(layout), history, dead_mask, token_map, bool(global_rows))
 
 
@@ -558,8 +562,7 @@ def _(token_ids, cu_seqlens, layout, history, dead_mask):
 def next_history(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None) -> Tensor:
     """:func:`kda_engram.engram.hashing.next_history` as an op (a new tensor: the
     in-place ``out=history`` form is :func:`engram_history_scatter`'s job)."""
-    check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=token_ids.device)
+    _check_hash(token_ids, cu_seqlens, layout, None, history, dead_mask)
     return _next_history_op(token_ids, cu_seqlens, handle(layout), history, dead_mask)
 
 

@@ -82,11 +82,12 @@ def check_finite_weight(name: str, weight: torch.Tensor, rows: slice, chunk_rows
             raise ValueError(f"{name}: expected finite values, got NaN or inf in rows [{a}, {a + part.shape[0]})")
 
 
-def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int, vocab: int, token_map, history, dead_mask,
+def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vocab: int, token_map, history, dead_mask,
                          checks: DeviceChecks | None, *, check_ids: bool = True) -> None:
     """``ngram_hash`` / ``next_history``: ``token_ids [T]``; ``cu_seqlens [N+1]``
     non-decreasing within ``[0, T]``; ``token_map [vocab]`` with compressed ids in
-    ``[0, vocab)``; ``history [N, max_ngram - 1]``; ``dead_mask [T]``. With
+    ``[0, vocab)``; ``history [N, max_ngram - 1]`` (any width when
+    ``layout_max_ngram`` is None); ``dead_mask [T]``. With
     ``checks``, the values are queued (ids of the live tokens and history entries
     must index the map or the compressed vocabulary)."""
     check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
@@ -103,7 +104,8 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int, vocab: in
         if token_map.dim() != 1:
             raise ValueError(f"token_map: expected shape [vocab], got {list(token_map.shape)}")
     if history is not None:
-        check_tensor("history", history, shape=[num_seqs, layout_max_ngram - 1], dtypes=INDEX_DTYPES, device=device)
+        width = None if layout_max_ngram is None else layout_max_ngram - 1
+        check_tensor("history", history, shape=[num_seqs, width], dtypes=INDEX_DTYPES, device=device)
     if dead_mask is not None:
         check_tensor("dead_mask", dead_mask, shape=[num_tokens], dtypes=(torch.bool, torch.uint8, torch.int8),
                      device=device)
