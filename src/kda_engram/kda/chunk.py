@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, MAX_GRID_DIM
 from ..platform import arch, interpreting, num_compute_units
-from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
+from ..validation.common import DeviceChecks, check_tensor
 from ..validation.kda import (
     check_chunk_offsets,
     check_chunk_operands,

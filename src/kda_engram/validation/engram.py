@@ -118,8 +118,9 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
     checks.add(bad_cu, f"cu_seqlens: expected non-decreasing offsets in [0, {num_tokens}] (T = token_ids.shape[0]), "
                "got first {} last {}", cu[0], cu[-1])
     if token_map is not None and token_map.numel():
-        checks.add((token_map.min() < 0) | (token_map.max() >= vocab),
-                   f"token_map: expected compressed ids in [0, {vocab}), got [{{}}, {{}}]", token_map.min(), token_map.max())
+        low, high = token_map.min(), token_map.max()
+        checks.add((low < 0) | (high >= vocab), f"token_map: expected compressed ids in [0, {vocab}), got [{{}}, {{}}]",
+                   low, high)
         vocab = token_map.numel()
     if not check_ids:
         return
@@ -129,8 +130,8 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
     ids = token_ids.to(torch.int64)
     pos = torch.arange(num_tokens, device=device)
     live = (pos >= cu[0]) & (pos < cu[-1]) if num_seqs else torch.zeros_like(pos, dtype=torch.bool)
-    lows = [torch.where(live, ids, big).min() if num_tokens else torch.tensor(big, device=device)]
-    highs = [torch.where(live, ids, -1).max() if num_tokens else torch.tensor(-1, device=device)]
+    lows = [torch.where(live, ids, big).min() if num_tokens else torch.full((), big, dtype=torch.int64, device=device)]
+    highs = [torch.where(live, ids, -1).max() if num_tokens else torch.full((), -1, dtype=torch.int64, device=device)]
     if history is not None and history.numel():
         hist = history.to(torch.int64)
         lows.append(torch.where(hist >= 0, hist, big).min())
