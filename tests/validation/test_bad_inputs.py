@@ -189,3 +189,13 @@ def test_prefill_nan_input_poisons_its_chunk_only_from_its_start(name):
     finite = torch.isfinite(o[0]).all(-1).all(-1)
     assert finite[:64].all()
     assert not finite[64:].any()
+
+
+def test_table_rows_outside_their_column():
+    table = EngramTable([4, 4], 32, device="cpu").load_(torch.randn(8, 32))
+    rows = torch.tensor([[0, 4], [5, 7], [-1, -1]])
+    with pytest.raises(ValueError) as info:
+        table.lookup(rows)
+    one_line(info, "rows")
+    assert "entry [1, 0] = 5 lies outside hash column 0's table [0, 4)" in str(info.value)
+    assert table.lookup(torch.tensor([[3, 4], [-1, 7]])).shape[0] == 2

@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import INDEX_DTYPES, check_tensor
-from kda_engram.validation.engram import check_column_sizes, check_finite_weight
+from kda_engram.validation.common import DeviceChecks, check_tensor
+from kda_engram.validation.engram import check_column_sizes, check_finite_weight, check_table_rows
 from kda_engram.engram.layout import EngramLayout
 from kda_engram.platform import interpreting, is_amd, num_compute_units
 
@@ -395,21 +395,10 @@ class EngramTable:
         return got
 
     def _check_rows(self, rows: torch.Tensor) -> None:
-        check_tensor("rows", rows, dtypes=INDEX_DTYPES)
-        if rows.dim() != 2 or rows.shape[1] != self.n_cols:
-            raise ValueError(f"rows: expected shape [T, {self.n_cols}] (all hash columns), got {list(rows.shape)}")
         allowed = {self.device, torch.device("cpu")} if self.host_mode == "staged" else {self.device}
-        if rows.device not in allowed:
-            raise ValueError(f"rows: expected a tensor on {self.device}, got one on {rows.device}")
-        if rows.numel():
-            starts, ends = self._bounds(rows.device)
-            bad = (rows >= 0) & ((rows < starts) | (rows >= ends))
-            if bool(bad.any()):
-                t, c = (int(v) for v in bad.nonzero()[0])
-                raise ValueError(
-                    f"rows: entry [{t}, {c}] = {int(rows[t, c])} lies outside hash column {c}'s table "
-                    f"[{int(starts[c])}, {int(ends[c])})"
-                )
+        checks = DeviceChecks()
+        check_table_rows(rows, self.n_cols, allowed, self._bounds, checks)
+        checks.run()  # one read-back
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
         check_tensor("out", out, shape=shape, dtypes=(self.out_dtype,), device=self.device, last_dim_contiguous=True)

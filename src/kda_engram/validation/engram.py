@@ -26,6 +26,7 @@ __all__ = [
     "check_column_sizes",
     "check_finite_weight",
     "check_hash_arguments",
+    "check_table_rows",
 ]
 
 
@@ -141,3 +142,24 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
     checks.add((low < 0) | (high >= vocab),
                f"token_ids: expected ids in [0, {vocab}) ({what}; history may also hold -1), got [{{}}, {{}}]",
                low, high)
+
+
+def check_table_rows(rows, n_cols: int, allowed_devices, bounds, checks: DeviceChecks | None) -> None:
+    """``EngramTable`` lookups: ``rows [T, n_cols]`` int32/int64 on one of
+    ``allowed_devices``; with ``checks``, every non-negative entry of column ``c``
+    lies in ``[starts[c], ends[c])`` (queued; negative = no row), where
+    ``bounds(device)`` gives the ``(starts, ends)`` column bounds on ``rows``' device."""
+    check_tensor("rows", rows, dtypes=INDEX_DTYPES)
+    if rows.dim() != 2 or rows.shape[1] != n_cols:
+        raise ValueError(f"rows: expected shape [T, {n_cols}] (all hash columns), got {list(rows.shape)}")
+    if rows.device not in allowed_devices:
+        want = " or ".join(sorted(str(d) for d in allowed_devices))
+        raise ValueError(f"rows: expected a tensor on {want}, got one on {rows.device}")
+    if checks is None or rows.numel() == 0:
+        return
+    starts, ends = bounds(rows.device)
+    bad = ((rows >= 0) & ((rows < starts) | (rows >= ends))).reshape(-1)
+    first = torch.argmax(bad.to(torch.int8))
+    t, c = torch.div(first, n_cols, rounding_mode="floor"), first % n_cols
+    checks.add(bad.any(), "rows: entry [{}, {}] = {} lies outside hash column {}'s table [{}, {})",
+               t, c, rows.reshape(-1)[first], c, starts[c], ends[c])
