@@ -55,6 +55,11 @@ POST_WKV_CASES = [(64, 5120), (2048, 5120), (16384, 5120), (16384, 2560)]
 ANCHOR_COMPILE_MS = {(64, 5120): 0.0152, (2048, 5120): 0.0923, (16384, 5120): 0.633, (16384, 2560): 0.815}
 SHARDED_CASES = [(T, 5120, P) for T in (2048, 16384) for P in (2, 4, 8)]
 SHARDED_CASES_QUICK = [(16384, 5120, P) for P in (2, 4, 8)] + [(2048, 5120, P) for P in (4, 8)]
+# The default (check_inputs=True) against check_inputs=False: issue 27 bounds the
+# added time by max(CHECK_BOUND_MS, CHECK_BOUND_FRACTION of the no-check time).
+CHECK_CASE = (2048, 5120)
+CHECK_BOUND_MS = 0.05
+CHECK_BOUND_FRACTION = 0.03
 # Launch variants of engram_post_wkv measured (not quick) to check the default choice.
 VARIANT_CASE = (16384, 5120)
 VARIANTS = [dict(tokens=1), dict(tokens=2), dict(tokens=4), dict(chunk=2048), dict(chunk=1024), dict(chunk=512),
@@ -176,6 +181,8 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
                         floor(post_wkv_bytes(T, dim)),
                     )
                 )
+        if (T, dim) == CHECK_CASE:
+            rows.append(check_cost_row(hidden, kv, q, k, out, floor(post_wkv_bytes(T, dim))))
         del hidden, kv, q, k, out
 
     for T, dim, P in SHARDED_CASES_QUICK if quick else SHARDED_CASES:
@@ -212,6 +219,20 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
     return rows
 
 
+def check_cost_row(hidden, kv, q, k, out, floor_ms: float) -> dict:
+    """``engram_post_wkv`` with its defaults (host-side input checks on) against
+    ``check_inputs=False``, both timed the same way; ``added_ms`` is the difference
+    and ``bound_ms`` what issue 27 allows (``within_bound`` says whether it holds)."""
+    T, _, dim = hidden.shape
+    checked_ms = _bench(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out))
+    unchecked_ms = _bench(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False))
+    added = checked_ms - unchecked_ms
+    bound = max(CHECK_BOUND_MS, CHECK_BOUND_FRACTION * unchecked_ms)
+    return _row(f"post_wkv T={T} d={dim} [default checks]", checked_ms, unchecked_ms, "check_inputs=False", floor_ms,
+                default_ms=checked_ms, no_check_ms=unchecked_ms, added_ms=added, bound_ms=bound,
+                within_bound=added <= bound)
+
+
 def print_rows(rows: list[dict]) -> None:
     def f(x, spec=".4f"):
         return "-" if x is None else format(x, spec)
@@ -233,6 +254,9 @@ def print_rows(rows: list[dict]) -> None:
             if r.get("hbm_floor_ms"):
                 line += f", {r['hbm_floor_ms'] / max(r['graph_ms'], 1e-9):.0%} of floor"
             print(line)
+        if r.get("added_ms") is not None:
+            print(f"{'':<36}   default {r['default_ms']:.4f} ms, no-check {r['no_check_ms']:.4f} ms, added "
+                  f"{r['added_ms']:.4f} ms (bound {r['bound_ms']:.4f} ms: {'ok' if r['within_bound'] else 'OVER'})")
         if r.get("anchor_compile_ms") is not None:
             print(f"{'':<36}   anchor torch.compile: {r['anchor_compile_ms']:.4f} ms")
     print("\nbytes all-gathered per token (dim 5120, hc 4, bf16):")

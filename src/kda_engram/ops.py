@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from ._validation import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .constants import CHUNK_SIZE
 from .engram.gate import engram_post_wkv as _engram_post_wkv
 from .engram.hashing import next_history as _next_history
 from .engram.hashing import ngram_hash as _ngram_hash
@@ -54,16 +54,28 @@ from .engram.sharded_gate import engram_gate_finish as _engram_gate_finish
 from .engram.sharded_gate import engram_gate_partials as _engram_gate_partials
 from .engram.sharded_gate import send_width
 from .engram.table import EngramTable
-from .kda.chunk import _structure_checks
 from .kda.chunk import fused_kda_chunk as _fused_kda_chunk
 from .kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from .kda.conv import kda_conv_decode as _kda_conv_decode
-from .kda.decode import _check_common as _decode_checks
 from .kda.decode import kda_decode as _kda_decode
 from .kda.decode import kda_decode_multi as _kda_decode_multi
-from .kda.metadata import CHUNK_SIZE
 from .kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from .kda.prologue import fused_kda_prologue as _fused_kda_prologue
+from .validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from .validation.engram import check_gate_common, check_gate_scalars, check_hash_arguments
+from .validation.kda import (
+    check_chunk_operands,
+    check_conv_checkpoint,
+    check_conv_decode,
+    check_cu_seqlens,
+    check_decode_indices,
+    check_decode_inputs,
+    check_decode_multi_indices,
+    check_prologue_arguments,
+    check_scale,
+    check_state_arguments,
+    check_state_structure,
+)
 
 Tensor = torch.Tensor
 NAMESPACE = "kda_engram"
@@ -163,8 +175,9 @@ def kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indi
                scale: float | None = None, lower_bound: float | None = None) -> Tensor:
     """:func:`kda_engram.kda.decode.kda_decode` as an op (``state_cache`` mutated).
     Host-side shape checks only; index ranges are the caller's contract."""
-    _decode_checks(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound, lead=[None])
-    check_tensor("state_indices", state_indices, shape=[q.shape[0]], dtypes=INDEX_DTYPES, device=state_cache.device)
+    (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
+                                   lead=1)
+    check_decode_indices(state_indices, batch, state_cache, None)
     return _kda_decode_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
                           _opt_float(scale), _opt_float(lower_bound))
 
@@ -173,10 +186,9 @@ def kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, stat
                      initial_state_indices=None, *, scale: float | None = None,
                      lower_bound: float | None = None) -> Tensor:
     """:func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache`` mutated)."""
-    _decode_checks(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
-                   lead=[None, None])
-    check_tensor("state_indices", state_indices, shape=[q.shape[0], q.shape[1]], dtypes=INDEX_DTYPES,
-                 device=state_cache.device)
+    B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
+                               lead=2)
+    check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, None)
     return _kda_decode_multi_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
                                 initial_state_indices, _opt_float(scale), _opt_float(lower_bound))
 
@@ -227,22 +239,12 @@ def fused_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale: float, l
                        conv_has_initial_state=None, chunk_indices=None) -> dict[str, Tensor]:
     """:func:`kda_engram.kda.prologue.fused_kda_prologue` as an op (``conv_state``
     mutated); returns the same dict of operands."""
-    _check_raw(q, k, v, raw_g, raw_beta, cu_seqlens)
+    check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight,
+                             conv_state, conv_state_indices, conv_has_initial_state, chunk_indices, None)
     out = _fused_kda_prologue_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, float(scale), _opt_float(lower_bound),
                                  cu_seqlens, conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
                                  chunk_indices)
     return dict(zip(("qg", "w", "u", "kg_t", "aqk", "decay"), out))
-
-
-def _check_raw(q, k, v, raw_g, raw_beta, cu_seqlens):
-    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
-    _, T, H, K = q.shape
-    dev = q.device
-    check_tensor("k", k, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("raw_g", raw_g, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("raw_beta", raw_beta, shape=[1, T, H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
 
 
 def _chunk_launch(qg, w, u, kg_t, aqk, decay, scale, cu_seqlens, initial_state, output_final_state,
@@ -296,6 +298,17 @@ def _split_checkpoint(checkpoint_state, state_cache):
     return checkpoint_state, False
 
 
+def _check_state_host(cu_seqlens, H, V, K, device, initial_state, state_cache, state_indices, has_initial_state,
+                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices):
+    """The state / checkpoint rules without their device-value part (the ops stay sync-free)."""
+    check_state_arguments(
+        None, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K, device=device, lengths=None,
+        initial_state=initial_state, state_cache=state_cache, state_indices=state_indices,
+        has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+        checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
+    )
+
+
 def fused_kda_chunk(qg, w, u, kg_t, aqk, decay, scale: float, cu_seqlens, initial_state=None,
                     output_final_state: bool = False, chunk_offsets=None, checkpoint_state=None,
                     checkpoint_offsets=None, checkpoint_state_indices=None, state_cache=None, state_indices=None,
@@ -303,8 +316,16 @@ def fused_kda_chunk(qg, w, u, kg_t, aqk, decay, scale: float, cu_seqlens, initia
     """:func:`kda_engram.kda.chunk.fused_kda_chunk` as an op; ``out`` is allocated by
     the op. Returns ``(out, final_state | None)``. ``checkpoint_state`` may be
     ``state_cache`` itself."""
-    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    T, H, K, V = check_chunk_operands(qg, w, u, kg_t, aqk, decay, None)
+    check_scale(scale, allow_none=False)
+    check_cu_seqlens(cu_seqlens, T, qg.device, None, covers_all=False)
+    _check_state_host(cu_seqlens, H, V, K, qg.device, initial_state, state_cache, state_indices, has_initial_state,
                       checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    if chunk_offsets is not None:
+        check_tensor("chunk_offsets", chunk_offsets, shape=[cu_seqlens.numel()], dtypes=INDEX_DTYPES,
+                     device=qg.device)
     ck, into = _split_checkpoint(checkpoint_state, state_cache)
     out, final = _fused_kda_chunk_op(qg, w, u, kg_t, aqk, decay, float(scale), cu_seqlens, initial_state,
                                      bool(output_final_state), chunk_offsets, ck, checkpoint_offsets,
@@ -362,13 +383,13 @@ def chunk_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, cu_seqlens, s
     """:func:`kda_engram.kda.prefill.chunk_kda_prefill` (with the prologue's conv
     pass-through) as an op: ``state_cache``, ``checkpoint_state`` and ``conv_state``
     mutated, ``out`` allocated by the op. Returns ``(out, final_state | None)``."""
-    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    _, H, K, V = check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                          conv_weight, conv_state, conv_state_indices, conv_has_initial_state, None,
+                                          None, scale_optional=True)
+    _check_state_host(cu_seqlens, H, V, K, q.device, initial_state, state_cache, state_indices, has_initial_state,
                       checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
-    _check_raw(q, k, v, raw_g, raw_beta, cu_seqlens)
-    if conv_weight is None and any(x is not None for x in (conv_state, conv_state_indices, conv_has_initial_state)):
-        raise ValueError("conv_state/conv_state_indices/conv_has_initial_state: given without conv_weight")
-    if conv_state is not None and conv_state_indices is None:
-        raise ValueError("conv_state_indices: required with conv_state (int [N], negative = no row)")
     ck, into = _split_checkpoint(checkpoint_state, state_cache)
     out, final = _chunk_kda_prefill_op(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens, _opt_float(scale), _opt_float(lower_bound),
@@ -396,12 +417,7 @@ def _(x, conv_weight, conv_state, conv_state_indices, out_dtype):
 
 def kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out_dtype: torch.dtype | None = None) -> Tensor:
     """:func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state`` mutated)."""
-    check_tensor("x", x, shape=[None, None], dtypes=FLOAT_DTYPES)
-    B, C = x.shape
-    check_tensor("conv_weight", conv_weight, shape=[C, None], dtypes=FLOAT_DTYPES, device=x.device)
-    check_tensor("conv_state", conv_state, shape=[None, C, conv_weight.shape[1] - 1], dtypes=FLOAT_DTYPES,
-                 device=x.device)
-    check_tensor("conv_state_indices", conv_state_indices, shape=[B], dtypes=INDEX_DTYPES, device=x.device)
+    check_conv_decode(x, conv_weight, conv_state, conv_state_indices, None, None)
     return _kda_conv_decode_op(x, conv_weight, conv_state, conv_state_indices, out_dtype)
 
 
@@ -419,11 +435,7 @@ def _(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state):
 
 def kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state) -> None:
     """:func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state`` mutated)."""
-    check_tensor("x", x, shape=[None, None], dtypes=FLOAT_DTYPES)
-    check_tensor("conv_state", conv_state, shape=[None, x.shape[1], None], dtypes=FLOAT_DTYPES, device=x.device)
-    N = cu_seqlens.shape[0] - 1
-    check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=x.device)
-    check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=x.device)
+    check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, None)
     _kda_conv_checkpoint_op(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state)
 
 
@@ -447,22 +459,12 @@ def _(hidden_states, kv, q_weight, k_weight, eps, clamp_value, token_mask, num_k
 def engram_post_wkv(hidden_states, kv, q_weight, k_weight, *, eps: float, clamp_value: float = 1e-6,
                     token_mask=None, num_kv_tokens: int | None = None) -> Tensor:
     """:func:`kda_engram.engram.gate.engram_post_wkv` as an op (host checks run: they read no device memory)."""
-    _check_gate(hidden_states, q_weight, k_weight, token_mask)
+    check_gate_common(hidden_states, q_weight, k_weight, token_mask, None)
+    check_gate_scalars(eps, clamp_value)
     check_tensor("kv", kv, shape=[None, (hidden_states.shape[1] + 1) * hidden_states.shape[2]], dtypes=FLOAT_DTYPES,
                  device=hidden_states.device)
     return _engram_post_wkv_op(hidden_states, kv, q_weight, k_weight, float(eps), float(clamp_value), token_mask,
                                None if num_kv_tokens is None else int(num_kv_tokens))
-
-
-def _check_gate(hidden_states, q_weight, k_weight, token_mask):
-    check_tensor("hidden_states", hidden_states, shape=[None, None, None], dtypes=FLOAT_DTYPES)
-    T, hc, dim = hidden_states.shape
-    dev = hidden_states.device
-    if q_weight is not None:
-        check_tensor("q_weight", q_weight, shape=[hc, dim], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("k_weight", k_weight, shape=[hc, dim], dtypes=FLOAT_DTYPES, device=dev)
-    if token_mask is not None:
-        check_tensor("token_mask", token_mask, shape=[T], dtypes=(torch.bool,), device=dev)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::engram_gate_partials", mutates_args=())
@@ -481,7 +483,7 @@ def _(hidden_states, kv_local, q_weight, k_weight, rank, tp_size):
 
 def engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, *, rank: int, tp_size: int) -> Tensor:
     """:func:`kda_engram.engram.sharded_gate.engram_gate_partials` as an op."""
-    _check_gate(hidden_states, q_weight, k_weight, None)
+    check_gate_common(hidden_states, q_weight, k_weight, None, None)
     if not isinstance(tp_size, int) or tp_size < 1 or not isinstance(rank, int) or not 0 <= rank < tp_size:
         raise ValueError(f"rank, tp_size: expected ints with 0 <= rank < tp_size, got {rank!r}, {tp_size!r}")
     return _engram_gate_partials_op(hidden_states, kv_local, q_weight, k_weight, rank, tp_size)
@@ -504,7 +506,8 @@ def _(hidden_states, gathered, tp_size, eps, clamp_value, token_mask):
 def engram_gate_finish(hidden_states, gathered, *, tp_size: int, eps: float, clamp_value: float = 1e-6,
                        token_mask=None) -> Tensor:
     """:func:`kda_engram.engram.sharded_gate.engram_gate_finish` as an op."""
-    _check_gate(hidden_states, None, None, token_mask)
+    check_gate_common(hidden_states, None, None, token_mask, None, with_weights=False)
+    check_gate_scalars(eps, clamp_value)
     check_tensor("gathered", gathered, shape=[None, None], dtypes=FLOAT_DTYPES, device=hidden_states.device)
     return _engram_gate_finish_op(hidden_states, gathered, int(tp_size), float(eps), float(clamp_value), token_mask)
 
@@ -527,17 +530,21 @@ def _(token_ids, cu_seqlens, layout, history, dead_mask, token_map, global_rows)
     return torch.empty(token_ids.shape[0], lay.n_layers, lay.n_hash_cols, dtype=torch.int32, device=token_ids.device)
 
 
+def _check_hash(token_ids, cu_seqlens, layout, token_map, history, dead_mask):
+    """The hashing rules without their device-value part (the ops stay sync-free)."""
+    # A handle is not resolved here (a weakref lookup breaks a Dynamo graph); the
+    # history width is then the op's to check.
+    max_ngram = layout.max_ngram if isinstance(layout, EngramLayout) else None
+    check_hash_arguments(token_ids, cu_seqlens, max_ngram, 0, token_map, history, dead_mask, None)
+
+
 def ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, token_map=None,
                global_rows: bool = False) -> Tensor:
     """:func:`kda_engram.engram.hashing.ngram_hash` as an op; ``layout`` (an
     ``EngramLayout`` or its :func:`handle`) travels as a handle. Call it once
     eagerly before a CUDA-graph capture: the layout's device arrays are copied to
     the device on first use."""
-    check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=token_ids.device)
-    if history is not None:
-        check_tensor("history", history, shape=[cu_seqlens.shape[0] - 1, None], dtypes=INDEX_DTYPES,
-                     device=token_ids.device)
+    _check_hash(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
     return _ngram_hash_op(token_ids, cu_seqlens, handle(layout), history, dead_mask, token_map, bool(global_rows))
 
 
@@ -558,8 +565,7 @@ def _(token_ids, cu_seqlens, layout, history, dead_mask):
 def next_history(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None) -> Tensor:
     """:func:`kda_engram.engram.hashing.next_history` as an op (a new tensor: the
     in-place ``out=history`` form is :func:`engram_history_scatter`'s job)."""
-    check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=token_ids.device)
+    _check_hash(token_ids, cu_seqlens, layout, None, history, dead_mask)
     return _next_history_op(token_ids, cu_seqlens, handle(layout), history, dead_mask)
 
 

@@ -22,6 +22,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
+def is_amd() -> bool:
+    """True when torch is a ROCm build (the kernels then compile for AMD GPUs)."""
+    return torch.version.hip is not None
+
+
 def _as_device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
@@ -61,7 +66,7 @@ def arch(device: torch.device | str | int | None = None) -> str:
     if dev.type != "cuda":
         return "cpu"
     props = _cuda_properties(_cuda_index(dev))
-    if torch.version.hip is not None:
+    if is_amd():
         # gcnArchName looks like "gfx942:sramecc+:xnack-"; the feature flags do
         # not change which kernels fit.
         return str(props.gcnArchName).split(":")[0]

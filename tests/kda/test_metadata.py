@@ -75,7 +75,7 @@ def test_metadata_cpu_fallback(monkeypatch):
         prepare_chunk_metadata(torch.tensor([0.0, 1.0]), 1)
     with pytest.raises(ValueError, match="total_tokens"):
         prepare_chunk_metadata(cu, -1)
-    with pytest.raises(ValueError, match="total_tokens"):
+    with pytest.raises(TypeError, match="total_tokens"):
         prepare_chunk_metadata(cu, 66.0)
     with pytest.raises(ValueError, match="chunk_size"):
         prepare_chunk_metadata(cu, 66, 0)

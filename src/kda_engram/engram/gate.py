@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
 from kda_engram.platform import arch, interpreting, num_compute_units
+from kda_engram.validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
+from kda_engram.validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
 
 # Up to this dim the row stays in registers at warps_for(row lanes) warps and a
 # program may walk several tokens.
@@ -436,24 +437,6 @@ def resident_programs_per_cu(compiled, device) -> int:
     return max(1, min(fits))
 
 
-def check_gate_common(hidden_states, q_weight, k_weight, token_mask, out, *, with_weights: bool = True):
-    """Checks shared by the single-rank and the sharded gate (``with_weights=False``:
-    the entry point takes no weights). Returns ``(T, hc, dim)``."""
-    check_tensor("hidden_states", hidden_states, shape=(None, None, None), dtypes=FLOAT_DTYPES)
-    T, hc, dim = hidden_states.shape
-    if hc < 1 or dim < 1:
-        raise ValueError(f"hidden_states: expected hc >= 1 and dim >= 1, got shape {list(hidden_states.shape)}")
-    device = hidden_states.device
-    if with_weights:
-        check_tensor("q_weight", q_weight, shape=(hc, dim), dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("k_weight", k_weight, shape=(hc, dim), dtypes=FLOAT_DTYPES, device=device)
-    if token_mask is not None:
-        check_tensor("token_mask", token_mask, shape=(T,), dtypes=(torch.bool,), device=device)
-    if out is not None:
-        check_tensor("out", out, shape=(T, hc, dim), dtypes=(hidden_states.dtype,), device=device)
-    return T, hc, dim
-
-
 def engram_post_wkv(
     hidden_states: torch.Tensor,
     kv: torch.Tensor,
@@ -505,8 +488,8 @@ def engram_post_wkv(
         T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, token_mask, out)
         check_tensor("kv", kv, shape=(None, (hc + 1) * dim), dtypes=FLOAT_DTYPES, device=hidden_states.device)
         check_same_dtype(("hidden_states", "kv"), (hidden_states, kv))
-        if num_kv_tokens is not None and not (0 <= int(num_kv_tokens) <= kv.shape[0]):
-            raise ValueError(f"num_kv_tokens: expected 0 <= num_kv_tokens <= kv.shape[0] = {kv.shape[0]}, got {num_kv_tokens}")
+        check_gate_scalars(eps, clamp_value)
+        check_int("num_kv_tokens", num_kv_tokens, low=0, high=kv.shape[0], allow_none=True)
     T, hc, dim = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)

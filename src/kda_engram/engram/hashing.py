@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram._validation import INDEX_DTYPES, check_tensor
+from kda_engram.validation.common import DeviceChecks, check_tensor
+from kda_engram.validation.engram import check_hash_arguments
 from kda_engram.engram.layout import EngramLayout
 
 BLOCK_T = 128
@@ -185,62 +186,21 @@ def _next_history_kernel(
 
 
 def _check_history(history, num_seqs, hist_len, device):
-    check_tensor("history", history, shape=[num_seqs, hist_len], dtypes=INDEX_DTYPES, device=device)
-
-
-def _check_dead(dead_mask, num_tokens, device):
-    check_tensor("dead_mask", dead_mask, shape=[num_tokens], dtypes=(torch.bool, torch.uint8, torch.int8), device=device)
+    check_tensor("history", history, shape=[num_seqs, hist_len], dtypes=(torch.int32, torch.int64), device=device)
 
 
 def _dead_view(dead_mask):
     return dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask
 
 
-def _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask, check_ids=True):
+def _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask, check_ids=True) -> DeviceChecks:
+    """Host rules at once; the value rules queued on the returned checks."""
     if not isinstance(layout, EngramLayout):
         raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-    check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
-    if token_ids.dim() != 1:
-        raise ValueError(f"token_ids: expected shape [T] (a flattened varlen batch), got {list(token_ids.shape)}")
-    device = token_ids.device
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
-    num_seqs, num_tokens = cu_seqlens.numel() - 1, token_ids.shape[0]
-    cu = cu_seqlens.to("cpu", torch.int64)
-    if int(cu[0]) < 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > num_tokens:
-        raise ValueError(
-            f"cu_seqlens: expected non-decreasing offsets in [0, {num_tokens}] (T = token_ids.shape[0]), "
-            f"got {cu.tolist() if cu.numel() <= 16 else '[...]'}"
-        )
-    vocab = layout.compressed_vocab_size
-    if token_map is not None:
-        check_tensor("token_map", token_map, dtypes=INDEX_DTYPES, device=device)
-        if token_map.dim() != 1:
-            raise ValueError(f"token_map: expected shape [vocab], got {list(token_map.shape)}")
-        if token_map.numel() and (int(token_map.min()) < 0 or int(token_map.max()) >= vocab):
-            raise ValueError(f"token_map: expected compressed ids in [0, {vocab}), got [{int(token_map.min())}, {int(token_map.max())}]")
-        vocab = token_map.numel()
-    if history is not None:
-        _check_history(history, num_seqs, layout.max_ngram - 1, device)
-    if dead_mask is not None:
-        _check_dead(dead_mask, num_tokens, device)
-    if not check_ids:
-        return
-    # Ids of live tokens must index the map (or the compressed vocabulary, whose
-    # bound is what keeps tok * mult inside int64).
-    live = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-    if num_seqs:
-        live[int(cu[0]) : int(cu[-1])] = True
-    ids = token_ids[live]
-    if history is not None:
-        ids = torch.cat([ids, history[history >= 0].to(ids.dtype)])
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        what = "token_map's size" if token_map is not None else "layout.compressed_vocab_size"
-        raise ValueError(
-            f"token_ids: expected ids in [0, {vocab}) ({what}; history may also hold -1), got "
-            f"[{int(ids.min())}, {int(ids.max())}]"
-        )
+    checks = DeviceChecks()
+    check_hash_arguments(token_ids, cu_seqlens, layout.max_ngram, layout.compressed_vocab_size, token_map, history,
+                         dead_mask, checks, check_ids=check_ids)
+    return checks
 
 
 def ngram_hash(
@@ -284,8 +244,9 @@ def ngram_hash(
         for order ``n``, head ``j``; ``out[:, l, :]`` is what
         :meth:`kda_engram.engram.table.EngramTable.lookup` takes.
     """
+    checks = None
     if check_inputs:
-        _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
+        checks = _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
         if layout.total_rows(global_rows=global_rows) >= 2**31:
             raise ValueError(f"layout: {layout.total_rows(global_rows=global_rows)} rows do not fit the int32 output")
     num_tokens = token_ids.shape[0]
@@ -296,6 +257,8 @@ def ngram_hash(
         out = torch.empty((num_tokens, L, C), dtype=torch.int32, device=device)
     elif check_inputs:
         check_tensor("out", out, shape=[num_tokens, L, C], dtypes=(torch.int32,), device=device)
+    if checks is not None:
+        checks.run()  # the one read-back, before anything writes out
     if num_tokens == 0:
         return out
     if num_seqs == 0:
@@ -356,15 +319,18 @@ def next_history(
     was dead. ``out`` may be ``history`` itself (each program reads its row
     before writing it), so an engine can keep one persistent buffer per slot.
     """
+    checks = None
     if check_inputs:
         # Ids are only copied here, in whatever id space the caller hashes them.
-        _check_common(token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
+        checks = _check_common(token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
     num_seqs = cu_seqlens.numel() - 1
     hist_len = layout.max_ngram - 1
     if out is None:
         out = torch.empty((num_seqs, hist_len), dtype=token_ids.dtype, device=token_ids.device)
     elif check_inputs:
         _check_history(out, num_seqs, hist_len, token_ids.device)
+    if checks is not None:
+        checks.run()  # the one read-back, before anything writes out (which may be history)
     if num_seqs == 0:
         return out
     dead = _dead_view(dead_mask) if dead_mask is not None else None

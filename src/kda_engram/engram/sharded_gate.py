@@ -32,14 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
+from kda_engram.validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
+from kda_engram.validation.engram import check_gate_common, check_gate_scalars
 from kda_engram.engram.gate import (
     _check_num_warps,
     _load_qk,
     _row_piece,
     _signed_sqrt_gate,
     _store_piece,
-    check_gate_common,
     launch_geometry,
     tokens_per_program,
 )
@@ -343,6 +343,7 @@ def engram_gate_finish(
     """
     if check_inputs:
         T, hc, dim = check_gate_common(hidden_states, None, None, token_mask, out, with_weights=False)
+        check_gate_scalars(eps, clamp_value)
         check_tensor("gathered", gathered, shape=(None, None), dtypes=FLOAT_DTYPES, device=hidden_states.device)
         check_same_dtype(("hidden_states", "gathered"), (hidden_states, gathered))
         _check_slice(dim, tp_size, gathered.dtype, "gathered")

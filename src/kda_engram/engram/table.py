@@ -47,9 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram._validation import INDEX_DTYPES, check_tensor
+from kda_engram.validation.common import DeviceChecks, check_tensor
+from kda_engram.validation.engram import check_column_sizes, check_finite_weight, check_table_rows
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.platform import interpreting, num_compute_units
+from kda_engram.platform import interpreting, is_amd, num_compute_units
 
 SCALE_BLOCK = 32
 FP8_MAX = 448.0
@@ -156,7 +157,7 @@ def native_fp8_decode(device: torch.device) -> bool:
     rebuild (AMD, whose native fp8 is e4m3fnuz, older NVIDIA GPUs, the
     interpreter). Both are exact on every byte the quantiser writes; they
     differ only on e4m3's NaN pattern (native: NaN; integer rebuild: 480)."""
-    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
+    if device.type != "cuda" or interpreting() or is_amd():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -252,9 +253,7 @@ class EngramTable:
         group=None,
         out_dtype: torch.dtype | None = None,
     ):
-        sizes = np.asarray([int(s) for s in column_sizes], dtype=np.int64)
-        if sizes.ndim != 1 or sizes.size == 0 or (sizes < 1).any():
-            raise ValueError(f"column_sizes: expected positive sizes, one per hash column, got {list(column_sizes)}")
+        sizes = np.asarray(check_column_sizes(column_sizes), dtype=np.int64)
         if storage not in _STORAGE:
             raise ValueError(f"storage: expected one of {sorted(_STORAGE)}, got {storage!r}")
         head_dim = int(head_dim)
@@ -345,7 +344,8 @@ class EngramTable:
         fp8 storage (in chunks, bounding the temporary memory); fp8 weights
         (``float8_e4m3fn`` or raw ``uint8`` bits) need ``scale [R, head_dim/32]``
         (uint8 exponents, ``float8_e8m0fnu`` or power-of-two floats) and are copied
-        as they are. Returns ``self``.
+        as they are; float weights with NaN or inf are refused for fp8 storage
+        (``ValueError``: quantisation cannot represent them). Returns ``self``.
         """
         check_tensor("weight", weight, shape=[None, self.head_dim])
         R = weight.shape[0]
@@ -361,6 +361,10 @@ class EngramTable:
             raise TypeError(f"weight: expected a float or fp8 tensor, got {weight.dtype}")
         if hi <= lo:
             return self
+        if not is_fp8 and self.storage == "fp8":
+            # Quantisation would turn NaN into 480.0 (e4m3fn saturates): refuse it,
+            # before any row is written.
+            check_finite_weight("weight", weight, slice(lo - row_start, hi - row_start), _QUANT_CHUNK_ROWS)
         src = slice(lo - row_start, hi - row_start)
         dst = slice(lo - self.row_lo, hi - self.row_lo)
         if self.storage != "fp8":
@@ -391,21 +395,10 @@ class EngramTable:
         return got
 
     def _check_rows(self, rows: torch.Tensor) -> None:
-        check_tensor("rows", rows, dtypes=INDEX_DTYPES)
-        if rows.dim() != 2 or rows.shape[1] != self.n_cols:
-            raise ValueError(f"rows: expected shape [T, {self.n_cols}] (all hash columns), got {list(rows.shape)}")
         allowed = {self.device, torch.device("cpu")} if self.host_mode == "staged" else {self.device}
-        if rows.device not in allowed:
-            raise ValueError(f"rows: expected a tensor on {self.device}, got one on {rows.device}")
-        if rows.numel():
-            starts, ends = self._bounds(rows.device)
-            bad = (rows >= 0) & ((rows < starts) | (rows >= ends))
-            if bool(bad.any()):
-                t, c = (int(v) for v in bad.nonzero()[0])
-                raise ValueError(
-                    f"rows: entry [{t}, {c}] = {int(rows[t, c])} lies outside hash column {c}'s table "
-                    f"[{int(starts[c])}, {int(ends[c])})"
-                )
+        checks = DeviceChecks()
+        check_table_rows(rows, self.n_cols, allowed, self._bounds, checks)
+        checks.run()  # one read-back
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
         check_tensor("out", out, shape=shape, dtypes=(self.out_dtype,), device=self.device, last_dim_contiguous=True)

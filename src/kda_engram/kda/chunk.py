@@ -37,11 +37,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, MAX_GRID_DIM
 from ..platform import arch, interpreting, num_compute_units
+from ..validation.common import DeviceChecks, check_tensor
+from ..validation.kda import (
+    check_chunk_offsets,
+    check_chunk_operands,
+    check_cu_seqlens,
+    check_scale,
+    check_state_arguments,
+    check_state_structure,
+)
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
-from .metadata import CHUNK_SIZE, prepare_chunk_metadata, prepare_chunk_offsets
-from .reference import KDA_CHECKPOINT_ALIGNMENT
+from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 
 __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
@@ -53,7 +61,7 @@ __all__ = [
 # Head dims the kernel compiles for: the model's 128, and smaller powers of two
 # (the CPU tests use them to keep the interpreter fast). The state tile is
 # [K, BV] fp32 in registers, so K above 128 would spill.
-_HEAD_DIMS = (16, 32, 64, 128)
+_HEAD_DIMS = KDA_HEAD_DIMS
 
 
 @triton.jit
@@ -496,101 +504,6 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     return {"BV": bv, "num_warps": 4, "num_stages": stages}
 
 
-def _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices) -> None:
-    """Argument combinations (host-only, no device reads: always run)."""
-    if state_cache is not None:
-        if initial_state is not None or output_final_state:
-            raise ValueError(
-                "state_cache replaces initial_state/output_final_state: pass either state_cache "
-                "(with state_indices and has_initial_state) or initial_state/output_final_state"
-            )
-        if state_indices is None or has_initial_state is None:
-            raise ValueError("state_cache needs state_indices and has_initial_state")
-    elif state_indices is not None or has_initial_state is not None:
-        raise ValueError("state_indices/has_initial_state are only meaningful with state_cache")
-    if checkpoint_offsets is not None and checkpoint_state is None:
-        raise ValueError("checkpoint_offsets needs checkpoint_state (the destination of the snapshots)")
-    if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
-        raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
-
-
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int, device: torch.device) -> list[int]:
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
-    bounds = cu_seqlens.tolist()  # syncs: only with check_inputs
-    if bounds[0] != 0:
-        raise ValueError(f"cu_seqlens: must start at 0, got {bounds[0]}")
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: must be non-decreasing, got {bounds}")
-    if bounds[-1] > total_tokens:
-        raise ValueError(f"cu_seqlens: last entry {bounds[-1]} exceeds the {total_tokens} tokens of the inputs")
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def check_state_arguments(
-    *,
-    num_seqs: int,
-    num_heads: int,
-    head_v: int,
-    head_k: int,
-    device: torch.device,
-    lengths: list[int],
-    initial_state=None,
-    state_cache=None,
-    state_indices=None,
-    has_initial_state=None,
-    checkpoint_state=None,
-    checkpoint_offsets=None,
-    checkpoint_state_indices=None,
-) -> None:
-    """Shape/dtype/range checks of the state and checkpoint arguments (syncs).
-
-    Shared by :func:`fused_kda_chunk` and ``chunk_kda_prefill``; run only with
-    ``check_inputs``. ``lengths`` are the per-sequence token counts.
-    """
-    N, H, V, K = num_seqs, num_heads, head_v, head_k
-    if initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=[torch.float32], device=device)
-    if state_cache is not None:
-        check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
-        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=device)
-        check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=[torch.bool], device=device)
-        check_index_range("state_indices", state_indices, state_cache.shape[0])
-    if checkpoint_offsets is not None:
-        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
-        check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
-        offs = checkpoint_offsets.tolist()
-        for n, (p, length) in enumerate(zip(offs, lengths)):
-            if p < 0 or p % KDA_CHECKPOINT_ALIGNMENT or p > length:
-                raise ValueError(
-                    f"checkpoint_offsets[{n}]: expected 0 (none) or a multiple of KDA_CHECKPOINT_ALIGNMENT="
-                    f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {length}, got {p}"
-                )
-        rows = checkpoint_state.shape[0]
-        if checkpoint_state_indices is not None:
-            check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
-                         device=device)
-            # Only sequences that actually export claim their row.
-            active = checkpoint_state_indices[checkpoint_offsets > 0]
-            check_index_range("checkpoint_state_indices", active, rows)
-            ck_rows = {n: r for n, r in enumerate(checkpoint_state_indices.tolist()) if r >= 0 and offs[n] > 0}
-        else:
-            if rows < N:
-                raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
-            ck_rows = {n: n for n in range(N) if offs[n] > 0}
-        if state_cache is not None and checkpoint_state.data_ptr() == state_cache.data_ptr():
-            # Snapshots into the paged cache itself: one sequence's snapshot must not
-            # land on another sequence's state row (two programs would race on it).
-            owner = {r: n for n, r in enumerate(state_indices.tolist()) if r >= 0}
-            for n, r in ck_rows.items():
-                if owner.get(r, n) != n:
-                    raise ValueError(
-                        f"checkpoint_state_indices[{n}]={r} is the state_cache row of sequence {owner[r]}"
-                    )
-
-
 def fused_kda_chunk(
     qg: torch.Tensor,
     w: torch.Tensor,
@@ -656,8 +569,9 @@ def fused_kda_chunk(
       snapshots it can place exactly; with ``check_inputs`` any other offset is a
       ``ValueError``, so nothing is dropped silently.
 
-    ``check_inputs=True`` validates everything, which reads ``cu_seqlens``, the
-    indices and offsets back to the host; with ``False`` the call launches one
+    ``check_inputs=True`` validates everything; the rules on ``cu_seqlens``, the
+    indices and offsets are vectorised and read back in one transfer (one host
+    sync) right before the first launch; with ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
     :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning;
@@ -692,51 +606,41 @@ def fused_kda_chunk(
 
     Returns ``(out, final_state | None)``.
     """
-    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
     num_seqs = cu_seqlens.numel() - 1
+    checks = None
     if check_inputs:
-        check_tensor("qg", qg, shape=[1, None, None, None], dtypes=FLOAT_DTYPES, device=device)
-        if K not in _HEAD_DIMS or V not in _HEAD_DIMS:
-            raise ValueError(f"qg/u: head dims K, V must be one of {_HEAD_DIMS}, got K={K}, V={V}")
-        check_tensor("w", w, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("u", u, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("aqk", aqk, shape=[1, T, H, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("kg_t", kg_t, shape=[None, H, K, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
-        check_same_dtype(["qg", "w", "u", "aqk", "kg_t"], [qg, w, u, aqk, kg_t])
-        check_tensor("decay", decay, shape=[kg_t.shape[0], H, K], dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
-        lengths = _check_cu_seqlens(cu_seqlens, T, device)
+        check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
+        check_scale(scale, allow_none=False)
+        checks = DeviceChecks()
+        lengths = check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False)
         expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-        if chunk_offsets is not None:
-            check_tensor("chunk_offsets", chunk_offsets, shape=[num_seqs + 1], dtypes=INDEX_DTYPES, device=device)
-            if not torch.equal(chunk_offsets.to(torch.int64), expected.to(torch.int64)):
-                raise ValueError("chunk_offsets: does not match prepare_chunk_offsets(cu_seqlens)")
-        if int(expected[-1]) > kg_t.shape[0]:
-            raise ValueError(f"kg_t/decay: the batch has {int(expected[-1])} chunks, got {kg_t.shape[0]} rows")
+        check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
         check_state_arguments(
-            num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, lengths=lengths,
+            checks, num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, lengths=lengths,
             initial_state=initial_state, state_cache=state_cache, state_indices=state_indices,
             has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
         )
     if chunk_offsets is None:
-        # The checks above have built it already; otherwise one launch, no host sync.
+        # The checks have built it already; otherwise one launch, no host sync.
         chunk_offsets = expected if check_inputs else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
-
     final_state = None
     if output_final_state:
         final_state = torch.empty(num_seqs, H, V, K, dtype=torch.float32, device=device)
     if num_seqs == 0 or H == 0:
+        if checks is not None:
+            checks.run()
         return out, final_state
-    if num_seqs > 65535 or H > 65535:
+    if num_seqs > MAX_GRID_DIM or H > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
 
     n_groups, min_len = _resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
     if n_groups > 1:
-        if num_seqs * n_groups > 65535:
+        if num_seqs * n_groups > MAX_GRID_DIM:
             raise ValueError(f"groups: N x G must be at most 65535 (grid), got N={num_seqs}, G={n_groups}")
         if n_groups * H * max(V, K) * K >= 2**31:
             raise ValueError(f"groups: G x H x max(V, K) x K must stay below 2^31 (32-bit workspace offsets), "
@@ -803,6 +707,8 @@ def fused_kda_chunk(
         precision = (config or {}).get("scan_precision", _scan_precision(ieee, device))
         if precision not in ("ieee", "tf32x3", "tf32"):
             raise ValueError(f"config: scan_precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
+        if checks is not None:
+            checks.run()  # the one read-back, right before the first launch
         _kda_group_pass_one_kernel[((V + K) // bv1, H, num_seqs * (n_groups - 1))](
             w, u, kg_t, decay, cu_seqlens, chunk_offsets, h_ws, m_ws,
             n_groups, min_len,
@@ -829,6 +735,8 @@ def fused_kda_chunk(
         walk_in_strides, walk_load = (st_in[0], 0, *st_in[1:]), load_mode
 
     grid = (V // bv, H, num_seqs * n_groups)
+    if checks is not None:
+        checks.run()  # the one read-back (a no-op if the grouped path ran it)
     _kda_chunk_walk_kernel[grid](
         qg, w, u, kg_t, aqk, decay, out,
         cu_seqlens, chunk_offsets,

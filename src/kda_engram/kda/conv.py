@@ -44,8 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
-from .metadata import CHUNK_SIZE, chunk_row
+from ..constants import CHUNK_SIZE
+from ..validation.common import DeviceChecks
+from ..validation.kda import check_conv_checkpoint, check_conv_decode
+from .metadata import chunk_row
 
 __all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "conv_checkpoint_reference"]
 
@@ -317,18 +319,6 @@ def _conv_checkpoint_kernel(
     tl.store(dst, xv.to(cs_ptr.dtype.element_ty), mask=m)
 
 
-def _check_conv(x_name, x, conv_weight, conv_state, lead):
-    check_tensor(x_name, x, shape=[lead, None], dtypes=FLOAT_DTYPES)
-    C = x.shape[1]
-    dev = x.device
-    check_tensor("conv_weight", conv_weight, shape=[C, None], dtypes=FLOAT_DTYPES, device=dev)
-    W = conv_weight.shape[1]
-    if W < 2:
-        raise ValueError(f"conv_weight: expected a width of at least 2 taps, got {W}")
-    check_tensor("conv_state", conv_state, shape=[None, C, W - 1], dtypes=FLOAT_DTYPES, device=dev)
-    return C, W
-
-
 def kda_conv_decode(
     x: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -364,18 +354,18 @@ def kda_conv_decode(
     Returns ``out [B, C]``: ``silu(sum_w weight[c, w] * [window | x][w])`` in fp32
     arithmetic.
     """
+    checks = None
     if check_inputs:
-        C, W = _check_conv("x", x, conv_weight, conv_state, None)
-        check_tensor("conv_state_indices", conv_state_indices, shape=[x.shape[0]], dtypes=INDEX_DTYPES, device=x.device)
-        check_index_range("conv_state_indices", conv_state_indices, conv_state.shape[0])
-        if out is not None:
-            check_tensor("out", out, shape=[x.shape[0], C], dtypes=FLOAT_DTYPES, device=x.device)
+        checks = DeviceChecks()
+        check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks)
     B, C = x.shape
     W = conv_weight.shape[1]
     if out is None:
         out = torch.empty(B, C, dtype=out_dtype or x.dtype, device=x.device)
     if B == 0 or C == 0:
         return out
+    if checks is not None:
+        checks.run()  # the one read-back, then the launch
     grid = (B, triton.cdiv(C, BLOCK_C))
     _conv_decode_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -415,36 +405,20 @@ def kda_conv_checkpoint(
         checkpoint_indices: int ``[N]`` destination rows; negative = none.
         conv_state: ``[rows, C, W - 1]`` (often the conv cache itself), written in place
             at the named rows only.
-        check_inputs: shapes, dtypes and (syncing) offset / index checks.
+        check_inputs: shapes, dtypes and the offset / index values (read back in
+            one transfer: one host sync).
 
     Returns ``conv_state``.
     """
     W = conv_state.shape[2] + 1 if conv_state.dim() == 3 else 0
+    checks = None
     if check_inputs:
-        check_tensor("x", x, shape=[None, None], dtypes=FLOAT_DTYPES)
-        dev = x.device
-        C = x.shape[1]
-        check_tensor("conv_state", conv_state, shape=[None, C, None], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
-        N = cu_seqlens.numel() - 1
-        if N < 0:
-            raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
-        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        cu = cu_seqlens.tolist()
-        if cu and (cu[0] != 0 or cu[-1] > x.shape[0] or any(b < a for a, b in zip(cu, cu[1:]))):
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to at most T={x.shape[0]}, got {cu}")
-        offs = checkpoint_offsets.tolist()
-        for n, p in enumerate(offs):
-            if p < 0 or (p and (p < W - 1 or p > cu[n + 1] - cu[n])):
-                raise ValueError(
-                    f"checkpoint_offsets[{n}]: expected 0 (none) or {W - 1} <= p <= the sequence length "
-                    f"{cu[n + 1] - cu[n]}, got {p}"
-                )
-        active = checkpoint_indices[checkpoint_offsets > 0]
-        check_index_range("checkpoint_indices", active, conv_state.shape[0])
+        checks = DeviceChecks()
+        check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, checks)
     N = cu_seqlens.numel() - 1
     C = x.shape[1]
+    if checks is not None:
+        checks.run()  # the one read-back, then the launch
     if N <= 0 or C == 0:
         return conv_state
     grid = (N, triton.cdiv(C, BLOCK_C))

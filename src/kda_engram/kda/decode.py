@@ -53,14 +53,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
 from ..platform import num_compute_units
-from .reference import L2NORM_EPS
+from ..validation.common import DeviceChecks
+from ..validation.kda import check_decode_indices, check_decode_inputs, check_decode_multi_indices
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
 
 # Largest head dim whose fp32 [BLOCK_V, K] tile we keep in registers.
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = DECODE_MAX_HEAD_DIM
 
 
 @triton.jit
@@ -193,43 +194,6 @@ def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int
     return k_dim * dt_bias.stride(0), dt_bias.stride(0)
 
 
-def _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead):
-    """Shape/dtype/device checks shared by both entry points; ``lead`` is ``[B]`` or ``[B, S]``."""
-    check_tensor("state_cache", state_cache, dtypes=(torch.float32,))
-    if state_cache.dim() != 4:
-        raise ValueError(f"state_cache: expected shape [slots, H, V, K], got {list(state_cache.shape)}")
-    dev = state_cache.device
-    _, H, V, K = state_cache.shape
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, device=dev)
-    if q.dim() != len(lead) + 2:
-        want = "[B, S, H, K]" if len(lead) == 2 else "[B, H, K]"
-        raise ValueError(f"q: expected shape {want}, got {list(q.shape)}")
-    lead = [q.shape[i] for i in range(len(lead))]
-    check_tensor("q", q, shape=[*lead, H, K])
-    check_tensor("k", k, shape=[*lead, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v", v, shape=[*lead, H, V], dtypes=FLOAT_DTYPES, device=dev)
-    check_same_dtype(["q", "k", "v"], [q, k, v])
-    check_tensor("raw_g", raw_g, shape=[*lead, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("raw_beta", raw_beta, shape=[*lead, H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
-    if list(dt_bias.shape) not in ([H, K], [H * K]):
-        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
-    if not (_is_pow2(K) and _is_pow2(V) and 16 <= K <= MAX_HEAD_DIM and 16 <= V <= MAX_HEAD_DIM):
-        raise ValueError(
-            f"state_cache: head dims K and V must be powers of two in [16, {MAX_HEAD_DIM}], got K={K}, V={V}"
-        )
-    if out is not None:
-        check_tensor("out", out, shape=[*lead, H, V], dtypes=FLOAT_DTYPES, device=dev)
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if lower_bound is not None:
-        if not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound: expected a float or None, got {type(lower_bound).__name__}")
-        if not lower_bound <= 0.0:
-            raise ValueError(f"lower_bound: expected a non-positive log decay bound (e.g. -5.0), got {lower_bound}")
-
-
 def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
             scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None):
     """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
@@ -306,46 +270,28 @@ def kda_decode(
             ``a = L·sigmoid(exp(A_log)·(raw_g + dt_bias))``.
         out: optional ``[B, H, V]`` output buffer (any float dtype, any strides);
             default ``torch.empty`` in ``v``'s dtype.
-        check_inputs: validate shapes, dtypes, devices, index range and duplicate
-            indices (the last two synchronise with the host). ``False`` skips every
+        check_inputs: validate shapes, dtypes, devices, scalars, index range and
+            duplicate indices (the last two read one flag tensor back: one host sync). ``False`` skips every
             host-side check, so the call is CUDA-graph capturable.
 
     Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
     """
+    checks = None
     if check_inputs:
-        _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead=[None])
-        check_tensor("state_indices", state_indices, shape=[q.shape[0]], dtypes=INDEX_DTYPES, device=state_cache.device)
-        check_index_range("state_indices", state_indices, state_cache.shape[0])
+        checks = DeviceChecks()
+        (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
+                                       lower_bound, lead=1)
+        check_decode_indices(state_indices, batch, state_cache, checks)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if checks is not None:
+        checks.run()  # the one read-back (index range and distinctness), then the launch
     return _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0),
     )
-
-
-def _check_multi_indices(state_indices, initial_state_indices, slots):
-    """Written rows distinct; initial rows distinct; no sequence starts from a row
-    that another sequence writes (it could be overwritten before it is read)."""
-    check_index_range("state_indices", state_indices.reshape(-1), slots)
-    check_index_range("initial_state_indices", initial_state_indices, slots)
-    B, S = state_indices.shape
-    owner = torch.arange(B, device=state_indices.device)
-    written = state_indices.reshape(-1).to(torch.int64)
-    writer = owner.repeat_interleave(S)
-    keep = written >= 0
-    written, writer = written[keep], writer[keep]
-    init = initial_state_indices.to(torch.int64)
-    # [B, W]: does sequence b start from a row written by another sequence?
-    clash = (init[:, None] == written[None, :]) & (init[:, None] >= 0) & (owner[:, None] != writer[None, :])
-    if bool(clash.any()):
-        b = int(clash.any(1).nonzero()[0, 0])
-        raise ValueError(
-            f"initial_state_indices: sequence {b} starts from row {int(init[b])}, which another sequence's "
-            "state_indices writes (the write would race with the read)"
-        )
 
 
 def kda_decode_multi(
@@ -390,24 +336,23 @@ def kda_decode_multi(
         out: optional ``[B, S, H, V]`` output buffer.
 
     With S = 1 and ``initial_state_indices = state_indices[:, 0]`` this is
-    exactly :func:`kda_decode`.
+    exactly :func:`kda_decode`. With S = 0 the call is valid and empty: it returns
+    the ``[B, 0, H, V]`` output and touches no state row.
 
     Returns ``out``: ``[B, S, H, V]``.
     """
+    checks = None
     if check_inputs:
-        _check_common(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead=[None, None])
-        B, S = q.shape[0], q.shape[1]
-        dev = state_cache.device
-        check_tensor("state_indices", state_indices, shape=[B, S], dtypes=INDEX_DTYPES, device=dev)
-        if initial_state_indices is not None:
-            check_tensor("initial_state_indices", initial_state_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
-        init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
-        if S > 0:
-            _check_multi_indices(state_indices, init, state_cache.shape[0])
+        checks = DeviceChecks()
+        B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
+                                   lead=2)
+        check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:
-        return out
+        return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
+    if checks is not None:
+        checks.run()  # the one read-back, then the launch
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]
     return _launch(

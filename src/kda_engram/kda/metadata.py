@@ -17,18 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import CHUNK_SIZE
 from ..platform import interpreting
+from ..validation.common import check_int
+from ..validation.kda import check_cu_seqlens
 
-CHUNK_SIZE = 64
+__all__ = ["CHUNK_SIZE", "max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    # Metadata takes the values as they are (no device read): only the kind and shape.
+    check_cu_seqlens(cu_seqlens, 0, cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None, None,
+                     covers_all=False)
 
 
 def max_chunks(total_tokens: int, num_seqs: int, chunk_size: int = CHUNK_SIZE) -> int:
@@ -146,9 +146,8 @@ def prepare_chunk_metadata(
     interpreter it falls back to the torch functions.
     """
     _check_cu_seqlens(cu_seqlens)
-    for name, val, low in (("total_tokens", total_tokens, 0), ("chunk_size", chunk_size, 1)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < low:
-            raise ValueError(f"{name}: expected an int >= {low}, got {val!r}")
+    check_int("total_tokens", total_tokens, low=0)
+    check_int("chunk_size", chunk_size, low=1)
     num_seqs = cu_seqlens.numel() - 1
     device = cu_seqlens.device
     if device.type != "cuda" and not interpreting():

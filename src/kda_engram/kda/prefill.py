@@ -15,28 +15,21 @@ graph and replayed with new ``cu_seqlens`` contents of the same size.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .._validation import FLOAT_DTYPES, check_tensor
-from .chunk import _check_cu_seqlens, _structure_checks, check_state_arguments, fused_kda_chunk
-from .metadata import CHUNK_SIZE, prepare_chunk_metadata
-from .prologue import fused_kda_prologue
+from ..constants import CHUNK_SIZE
+from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
+from ..validation.kda import (
+    check_lower_bound,
+    check_prologue_arguments,
+    check_state_arguments,
+    check_state_structure,
+)
+from .chunk import fused_kda_chunk
+from .metadata import prepare_chunk_metadata
+from .prologue import prepare_kda_prologue
 
 __all__ = ["chunk_kda_prefill"]
-
-
-def _check_prefill_inputs(q, v, scale, out) -> None:
-    """What the chunk launch needs beyond the prologue's own checks (the prologue
-    validates q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens itself)."""
-    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
-    T, H = q.shape[1], q.shape[2]
-    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=q.device)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
-        raise ValueError(f"scale: expected a finite float or None, got {scale!r}")
-    if out is not None:
-        check_tensor("out", out, shape=[1, T, H, v.shape[3]], dtypes=FLOAT_DTYPES, device=q.device)
 
 
 def chunk_kda_prefill(
@@ -109,23 +102,42 @@ def chunk_kda_prefill(
     exact scan, see :func:`kda_engram.kda.chunk.fused_kda_chunk`; the results
     contract does not change.
 
-    ``check_inputs=True`` validates every argument, reading ``cu_seqlens`` and the
-    index tensors back to the host. With ``False`` nothing synchronises (the
+    ``check_inputs=True`` validates every argument; the rules on device values
+    (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
+    one transfer, before any cache is written. With ``False`` nothing synchronises (the
     chunk metadata is built on the device with the static bound ``T // 64 + N``
     rows), so the call can be captured in a CUDA graph.
+
+    A NaN in ``k``, ``v``, the gate or beta at token ``t`` reaches every output of
+    its 64-token chunk, also those before ``t`` (the chunk form solves the chunk
+    as one system); earlier chunks stay clean.
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
     # Argument combinations are checked even with check_inputs off: they cost no
     # device read, and a wrong combination would otherwise drop state silently.
-    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
+    checks = None
     if check_inputs:
-        _check_prefill_inputs(q, v, scale, out)
-        lengths = _check_cu_seqlens(cu_seqlens, q.shape[1], q.device)
+        # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
+        # are queued and read back once, below, before the first launch that
+        # writes anything the caller owns (the conv launch writes conv_state).
+        checks = DeviceChecks()
+        T, H, K, V = check_prologue_arguments(
+            q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight, conv_state,
+            conv_state_indices, conv_has_initial_state, None, checks, scale_optional=True,
+        )
+        if out is not None:
+            check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=q.device)
+        lengths = None
+        if checkpoint_offsets is not None:  # the only rule that needs them
+            cu = cu_seqlens.to(torch.int64)
+            lengths = cu[1:] - cu[:-1]
         check_state_arguments(
-            num_seqs=cu_seqlens.numel() - 1, num_heads=q.shape[2], head_v=v.shape[3], head_k=q.shape[3],
-            device=q.device, lengths=lengths, initial_state=initial_state, state_cache=state_cache,
+            checks, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K, device=q.device,
+            lengths=lengths, initial_state=initial_state, state_cache=state_cache,
             state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
         )
@@ -133,17 +145,19 @@ def chunk_kda_prefill(
     if scale is None:
         scale = K**-0.5
 
-    # Chunk metadata on the device, sized from static shapes: one launch, no host sync.
+    # Chunk metadata on the device, sized from static shapes: one launch, no host
+    # sync, writing only its own new tensors (so it may precede the read-back).
     chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
-
-    ops = fused_kda_prologue(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
-        conv_has_initial_state=conv_has_initial_state,
-        chunk_indices=chunk_indices, check_inputs=check_inputs,
-    )
     if out is None:
         out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
+    launch_prologue = prepare_kda_prologue(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
+        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
+        conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
+    )
+    if checks is not None:
+        checks.run()  # the one host sync of the call; the launches follow at once
+    ops = launch_prologue()
     return fused_kda_chunk(
         ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
         initial_state, output_final_state,

@@ -109,27 +109,25 @@ through their strides and never copied.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 import triton
 import triton.language as tl
 
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
+from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
 from ..platform import is_gpu
+from ..validation.common import DeviceChecks
+from ..validation.kda import check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
-from .metadata import CHUNK_SIZE, chunk_row, prepare_chunk_metadata
+from .metadata import chunk_row, prepare_chunk_metadata
 
-LOG2E = math.log2(math.e)
-SUB_CHUNK = 16
-CONV_WIDTH = 4
 # Largest diagonal-block shift s (log2 units) the factored path accepts: its
 # unshifted factors reach 2^(-2 s) and must stay normal fp32/bf16 numbers
 # (2^-126) before the shift brings them into [2^-s, 2^s]. Past it (|L| > 5.45)
 # the diagonal blocks take the exact path.
 MAX_DIAG_SHIFT = 63.0
-_SUPPORTED_DIMS = (16, 32, 64, 128)
+_SUPPORTED_DIMS = KDA_HEAD_DIMS
 
 
 # --------------------------------------------------------------------------- kernel
@@ -170,6 +168,10 @@ def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.c
     else:
         # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for any x.
         a = -alog * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+        # A floor that exp() already takes to exactly 0 in fp32: a +inf raw gate
+        # gives -inf here, and -inf - -inf in the cumsum differences would be NaN
+        # (decode's exp(-inf) = 0 stays finite). A where, not a max: NaN stays NaN.
+        a = tl.where(a < -128.0, -128.0, a)
     a = tl.where(valid[:, None], a * 1.4426950408889634, 0.0)
     lc = tl.cumsum(a, 0)
     tot = tl.sum(a, 0)
@@ -522,75 +524,6 @@ def _kda_prologue_solve_kernel(
 # --------------------------------------------------------------------------- entry
 
 
-def _check_scalar(name: str, x, *, allow_none: bool = False) -> None:
-    if x is None and allow_none:
-        return
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name}: expected a real number{' or None' if allow_none else ''}, got {type(x).__name__}")
-    if not math.isfinite(float(x)):
-        raise ValueError(f"{name}: expected a finite number, got {x}")
-
-
-def _check_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, cu_seqlens, conv_weight, conv_state,
-                  conv_state_indices, conv_has_initial_state, chunk_indices):
-    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
-    _, T, H, K = q.shape
-    dev = q.device
-    check_tensor("k", k, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=dev)
-    check_same_dtype(("q", "k", "v"), (q, k, v))
-    V = v.shape[3]
-    for name, d in (("q.shape[3] (K)", K), ("v.shape[3] (V)", V)):
-        if d not in _SUPPORTED_DIMS:
-            raise ValueError(f"{name}: expected one of {_SUPPORTED_DIMS} (128 in production), got {d}")
-    check_tensor("raw_g", raw_g, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("raw_beta", raw_beta, shape=[1, T, H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
-    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
-        raise ValueError(f"dt_bias: expected shape [{H * K}] or [{H}, {K}], got {list(dt_bias.shape)}")
-    _check_scalar("scale", scale)
-    check_tensor("cu_seqlens", cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
-    N = cu_seqlens.numel() - 1
-    cu = cu_seqlens.tolist()  # syncs: only with check_inputs
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={T}, got {cu if N < 9 else cu[:4] + ['...'] + cu[-4:]}")
-    if chunk_indices is not None:
-        check_tensor("chunk_indices", chunk_indices, shape=[None, 2], dtypes=INDEX_DTYPES, device=dev)
-        ci = chunk_indices.to(torch.int64)
-        seq, c = ci[:, 0], ci[:, 1]
-        live = seq >= 0
-        if bool((seq < -1).any()) or bool((seq >= N).any()):
-            raise ValueError(f"chunk_indices: sequence ids must lie in [-1, {N}), got min {int(seq.min())} max {int(seq.max())}")
-        if bool(live.any()):
-            lens = torch.tensor(cu[1:], device=dev) - torch.tensor(cu[:-1], device=dev)
-            c_live, len_live = c[live], lens[seq[live]]
-            if bool((c_live < 0).any()) or bool((c_live * CHUNK_SIZE >= len_live).any()):
-                raise ValueError("chunk_indices: a chunk index lies outside its sequence (need 0 <= c*64 < length)")
-    if conv_weight is None:
-        for name, x in (("conv_state", conv_state), ("conv_state_indices", conv_state_indices),
-                        ("conv_has_initial_state", conv_has_initial_state)):
-            if x is not None:
-                raise ValueError(f"{name}: given without conv_weight (the conv path needs conv_weight)")
-        return
-    C = 2 * H * K + H * V
-    check_tensor("conv_weight", conv_weight, shape=[C, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=dev)
-    if conv_state is None:
-        for name, x in (("conv_state_indices", conv_state_indices), ("conv_has_initial_state", conv_has_initial_state)):
-            if x is not None:
-                raise ValueError(f"{name}: given without conv_state")
-        return
-    check_tensor("conv_state", conv_state, shape=[None, C, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=dev)
-    if conv_state_indices is None:
-        raise ValueError("conv_state_indices: required with conv_state (int [N], negative = no row)")
-    check_tensor("conv_state_indices", conv_state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-    check_index_range("conv_state_indices", conv_state_indices, conv_state.shape[0])
-    if conv_has_initial_state is not None:
-        check_tensor("conv_has_initial_state", conv_has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
-
-
 def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     """``(intra, solve)`` warps per program from the ``num_warps`` override: None
     for the defaults, one int for both launches, or a pair.
@@ -613,6 +546,84 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     if any(int(w) not in (1, 2, 4, 8, 16) for w in pair):
         raise ValueError(f"num_warps: expected powers of two in [1, 16], got {num_warps!r}")
     return int(pair[0]), int(pair[1])
+
+
+def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
+                         conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
+                         *, num_warps=None):
+    """The host half of :func:`fused_kda_prologue` (arguments as there, assumed
+    valid): chunk metadata, operand and workspace allocation, launch settings.
+    Returns ``launch()``, which makes the launches (the conv's first, when on) and
+    returns the operand dict. A caller that validates device values does its one
+    read-back between the two, so that only the launches follow the sync."""
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    dev = q.device
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
+    num_chunks = chunk_indices.shape[0]
+    intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
+    out = dict(
+        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        u=torch.empty(1, T, H, V, dtype=q.dtype, device=dev),
+        kg_t=torch.empty(num_chunks, H, K, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        aqk=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
+    )
+    if num_chunks == 0 or H == 0:
+        return lambda: out
+
+    bounded = lower_bound is not None
+    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
+    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
+    if exact_diag:
+        shift = 0.0
+    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
+
+    if dt_bias.dim() == 1:
+        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
+    else:
+        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
+    # in fp32) passes from the first launch to the second through this
+    # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
+    akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
+    grid = (num_chunks * H,)
+
+    def launch():
+        qb, kb, vb = q, k, v
+        if conv_weight is not None:
+            # The conv runs as a launch of its own (see kda/conv.py for the measured
+            # reason); the rest of the prologue reads its bands like raw inputs.
+            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
+                                            conv_state_indices, conv_has_initial_state)
+        _kda_prologue_intra_kernel[grid](
+            qb, qb.stride(1), qb.stride(2), qb.stride(3),
+            kb, kb.stride(1), kb.stride(2), kb.stride(3),
+            vb, vb.stride(1), vb.stride(2), vb.stride(3),
+            raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
+            raw_beta, raw_beta.stride(1), raw_beta.stride(2),
+            A_log, A_log.stride(0),
+            dt_bias, sdtb_h, sdtb_c,
+            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+            out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
+            H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
+            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
+            BOUNDED=bounded, EXACT_DIAG=exact_diag,
+            DOT=dot_dtype,
+            num_warps=intra_warps, num_stages=1,
+        )
+        _kda_prologue_solve_kernel[grid](
+            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+            out["w"], out["u"], akk,
+            H,
+            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype,
+            num_warps=solve_warps, num_stages=1,
+        )
+        return out
+
+    return launch
 
 
 def fused_kda_prologue(
@@ -670,30 +681,19 @@ def fused_kda_prologue(
         ``aqk [1, T, H, 64]`` (input dtype) and ``decay [chunks, H, K]`` (fp32),
         as documented in the module docstring.
     """
-    if lower_bound is not None:
-        _check_scalar("lower_bound", lower_bound, allow_none=True)
-        if lower_bound > 0:
-            raise ValueError(f"lower_bound: expected None or a value <= 0, got {lower_bound}")
+    check_lower_bound(lower_bound)
+    checks = None
     if check_inputs:
-        _check_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, cu_seqlens, conv_weight, conv_state,
-                      conv_state_indices, conv_has_initial_state, chunk_indices)
-    _, T, H, K = q.shape
-    V = v.shape[3]
-    dev = q.device
-    if chunk_indices is None:
-        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
-    num_chunks = chunk_indices.shape[0]
-    intra_warps, solve_warps = _launch_warps(num_warps, dev, K, V)
-    out = dict(
-        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        w=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        u=torch.empty(1, T, H, V, dtype=q.dtype, device=dev),
-        kg_t=torch.empty(num_chunks, H, K, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        aqk=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
-    )
-    if num_chunks == 0 or H == 0:
-        return out
+        checks = DeviceChecks()
+        check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                 conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                 checks)
+    launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
+                                  conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                  num_warps=num_warps)
+    if checks is not None:
+        checks.run()  # the one read-back, before anything writes conv_state
+    return launch()
 
     bounded = lower_bound is not None
     shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0

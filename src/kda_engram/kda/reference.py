@@ -23,11 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .metadata import CHUNK_SIZE, prepare_chunk_offsets
-
-LOG2E = math.log2(math.e)
-L2NORM_EPS = 1e-6
-KDA_CHECKPOINT_ALIGNMENT = CHUNK_SIZE
+from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, L2NORM_EPS, LOG2E  # noqa: F401 (re-exported)
+from .metadata import prepare_chunk_offsets
 
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:

@@ -1,0 +1,28 @@
+"""Numeric constants shared by the kernels, the references and the argument rules.
+
+Defined once here (the bottom layer: no package imports), so kernels never take
+them from a reference module.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Tokens per chunk of the KDA chunk form (prologue, chunk walk, chunk metadata).
+CHUNK_SIZE = 64
+#: Rows of one intra-chunk sub-block in the prologue (four per chunk).
+SUB_CHUNK = 16
+#: Checkpoint offsets must be multiples of this: a snapshot is taken at a chunk end.
+KDA_CHECKPOINT_ALIGNMENT = CHUNK_SIZE
+#: Head dims (K and V) the chunk kernels compile for; 128 in the model.
+KDA_HEAD_DIMS = (16, 32, 64, 128)
+#: Largest power-of-two head dim the decode kernel takes.
+DECODE_MAX_HEAD_DIM = 256
+#: Taps of the KDA short convolution (the state keeps CONV_WIDTH - 1 inputs).
+CONV_WIDTH = 4
+#: log2(e): the kernels keep the gate cumsum in log2 units (exp2 is the fast path).
+LOG2E = math.log2(math.e)
+#: The epsilon inside the L2 norm of q and k: ``x / sqrt(sum x^2 + L2NORM_EPS)``.
+L2NORM_EPS = 1e-6
+#: Largest grid dimension 1 or 2 of one CUDA launch (sequences, heads).
+MAX_GRID_DIM = 65535

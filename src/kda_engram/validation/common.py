@@ -1,0 +1,203 @@
+"""Tensor, scalar and device primitives every argument rule is built from.
+
+Each rule raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
+shape, device or value) with one line naming the argument, what was expected and
+what came. Host-only rules read nothing from the device. Rules about device
+*values* (offsets, indices) do not read anything themselves: they add flags to a
+:class:`DeviceChecks`, whose :meth:`DeviceChecks.run` reads them all back in one
+transfer, so an entry point pays at most one host sync for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .. import platform
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "INDEX_DTYPES",
+    "DeviceChecks",
+    "check_tensor",
+    "check_same_dtype",
+    "check_kernel_device",
+    "check_int",
+    "check_real",
+    "check_bool",
+    "check_index_range",
+    "check_index_values",
+]
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    x,
+    *,
+    shape: Sequence[int | None] | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if shape is not None:
+        ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if x.dtype not in dtypes:
+            raise TypeError(f"{name}: expected dtype {_names(dtypes)}, got {str(x.dtype).replace('torch.', '')}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {x.device}")
+    if last_dim_contiguous and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must have stride 1, got strides {tuple(x.stride())}")
+    return x
+
+
+def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """All ``tensors`` share one dtype."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        got = ", ".join(f"{n}={str(t.dtype).replace('torch.', '')}" for n, t in zip(names, tensors))
+        raise TypeError(f"{', '.join(names)}: expected one dtype, got {got}")
+
+
+def check_kernel_device(name: str, x: torch.Tensor) -> None:
+    """``x`` lives where a Triton kernel can run: a CUDA/ROCm device, or any device
+    when the interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
+    if x.device.type != "cuda" and not platform.interpreting():
+        raise ValueError(
+            f"{name}: the kernels need tensors on a CUDA/ROCm device, got one on {x.device}; "
+            "to run them on the CPU, set TRITON_INTERPRET=1 before importing kda_engram"
+        )
+
+
+def check_int(name: str, x, *, low: int | None = None, high: int | None = None, allow_none: bool = False) -> None:
+    """``x`` is an int (not a bool) in ``[low, high]``."""
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name}: expected an int{' or None' if allow_none else ''}, got {type(x).__name__}")
+    if (low is not None and x < low) or (high is not None and x > high):
+        lo = "" if low is None else f"{low} <= "
+        hi = "" if high is None else f" <= {high}"
+        raise ValueError(f"{name}: expected an int {lo}{name}{hi}, got {x}")
+
+
+_SIGNS = {
+    None: (lambda v: True, ""),
+    "positive": (lambda v: v > 0, " > 0"),
+    "non-negative": (lambda v: v >= 0, " >= 0"),
+    "non-positive": (lambda v: v <= 0, " <= 0"),
+}
+
+
+def check_real(name: str, x, *, sign: str | None = None, allow_none: bool = False) -> None:
+    """``x`` is a finite real number (int or float, not a bool or a tensor) of the given
+    ``sign``: ``None`` (any), ``"positive"``, ``"non-negative"`` or ``"non-positive"``."""
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number{' or None' if allow_none else ''}, got {type(x).__name__}")
+    value = float(x)
+    ok, want = _SIGNS[sign]
+    if not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}: expected a finite number{want}, got {x}")
+
+
+def check_bool(name: str, x) -> None:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+class DeviceChecks:
+    """Flags computed on the device, read back together by :meth:`run`.
+
+    Every :meth:`add` queues a 0-d bool tensor ``bad`` (true = the rule is broken)
+    with its message; ``{}`` fields in the message are filled with the values of
+    the ``details`` tensors (0-d, integer; int64 saves a conversion), which travel
+    in the same transfer.
+    :meth:`run` stacks everything into one int64 tensor and reads it with one
+    ``.tolist()`` (the only host sync), then raises the first broken rule in the
+    order the rules were added. Nothing queued here writes caller-visible memory.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, str, tuple[torch.Tensor, ...]]] = []
+
+    def add(self, bad: torch.Tensor, message: str, *details: torch.Tensor) -> None:
+        self._items.append((bad, message, details))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def run(self) -> None:
+        if not self._items:
+            return
+        items, self._items = self._items, []
+        # Few device ops whatever the number of rules: one stack of the flags, one of
+        # the details (converted only where a rule produced another dtype), one cat.
+        flags = torch.stack([bad for bad, _, _ in items]).to(torch.int64)
+        details = [d if d.dtype == torch.int64 else d.to(torch.int64) for _, _, ds in items for d in ds]
+        if details:
+            flags = torch.cat([flags, torch.stack(details)])
+        values = flags.tolist()  # the one host sync
+        pos = len(items)
+        for i, (_bad, message, ds) in enumerate(items):
+            got = values[pos: pos + len(ds)]
+            pos += len(ds)
+            if values[i]:
+                raise ValueError(message.format(*got))
+
+
+def _zero_detail(idx: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=idx.device)
+
+
+def check_index_values(
+    checks: DeviceChecks,
+    name: str,
+    idx: torch.Tensor,
+    upper: int,
+    *,
+    allow_negative: bool = True,
+    distinct: bool = True,
+) -> None:
+    """Queue: entries of ``idx`` (any shape) lie in ``[0, upper)``, negative ones
+    allowed as "no row" when ``allow_negative``, and the non-negative ones are
+    distinct when ``distinct`` (sort + adjacent compare: no data-dependent shapes,
+    nothing read back here)."""
+    flat = idx.reshape(-1)
+    if flat.numel() == 0:
+        return
+    if not allow_negative:
+        low = flat.min()
+        checks.add(low < 0, f"{name}: expected non-negative entries, got min {{}}", low)
+    high = flat.max()
+    checks.add(high >= upper, f"{name}: entries must be < {upper} (rows available), got max {{}}", high)
+    if distinct and flat.numel() > 1:
+        s = torch.sort(flat).values
+        dup = ((s[1:] == s[:-1]) & (s[1:] >= 0)).any()
+        checks.add(dup, f"{name}: non-negative entries must be distinct (duplicates would race on one row)")
+
+
+def check_index_range(name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True) -> None:
+    """Entries of ``idx`` lie in ``[0, upper)`` (negative entries allowed as "no
+    row" when ``allow_negative``), and the non-negative ones are distinct. One sync."""
+    checks = DeviceChecks()
+    check_index_values(checks, name, idx, upper, allow_negative=allow_negative)
+    checks.run()

@@ -1,0 +1,440 @@
+"""Argument rules of the KDA entry points (prefill, prologue, chunk walk, decode, conv).
+
+Host rules (shapes, dtypes, devices, scalars, argument combinations) raise at
+once. Rules about device values (``cu_seqlens``, state / checkpoint / conv
+indices, checkpoint offsets, chunk indices) take a
+:class:`~kda_engram.validation.common.DeviceChecks` and only queue vectorised
+flags; the entry point reads all of them back with one ``run()`` before it
+launches anything that writes a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..constants import (
+    CHUNK_SIZE,
+    CONV_WIDTH,
+    DECODE_MAX_HEAD_DIM,
+    KDA_CHECKPOINT_ALIGNMENT,
+    KDA_HEAD_DIMS,
+)
+from .common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    check_index_values,
+    check_kernel_device,
+    check_real,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = [
+    "check_scale",
+    "check_lower_bound",
+    "check_state_structure",
+    "check_cu_seqlens",
+    "check_prefill_inputs",
+    "check_chunk_indices",
+    "check_conv_arguments",
+    "check_prologue_arguments",
+    "check_chunk_operands",
+    "check_chunk_offsets",
+    "check_state_arguments",
+    "check_decode_inputs",
+    "check_decode_indices",
+    "check_decode_multi_indices",
+    "check_conv_decode",
+    "check_conv_checkpoint",
+]
+
+
+def check_scale(scale, *, allow_none: bool = True) -> None:
+    """The output scale: ``None`` (``K ** -0.5``) or a finite number > 0."""
+    check_real("scale", scale, sign="positive", allow_none=allow_none)
+
+
+def check_lower_bound(lower_bound) -> None:
+    """``None`` (softplus gate) or a finite log-decay bound ``<= 0`` (bounded gate)."""
+    check_real("lower_bound", lower_bound, sign="non-positive", allow_none=True)
+
+
+def check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices) -> None:
+    """Argument combinations of the state and checkpoint arguments (host only: the
+    entry points run it even with ``check_inputs=False``, since a wrong combination
+    would drop state silently)."""
+    if state_cache is not None:
+        if initial_state is not None or output_final_state:
+            raise ValueError(
+                "state_cache replaces initial_state/output_final_state: pass either state_cache "
+                "(with state_indices and has_initial_state) or initial_state/output_final_state"
+            )
+        if state_indices is None or has_initial_state is None:
+            raise ValueError("state_cache needs state_indices and has_initial_state")
+    elif state_indices is not None or has_initial_state is not None:
+        raise ValueError("state_indices/has_initial_state are only meaningful with state_cache")
+    if checkpoint_offsets is not None and checkpoint_state is None:
+        raise ValueError("checkpoint_offsets needs checkpoint_state (the destination of the snapshots)")
+    if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
+        raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
+
+
+def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, checks: DeviceChecks | None, *,
+                     covers_all: bool) -> torch.Tensor | None:
+    """``cu_seqlens``: int32/int64 ``[N+1]`` on ``device``; its values (queued on
+    ``checks``; skipped when ``checks`` is None) start at 0, never decrease and end
+    at ``total_tokens`` (``covers_all``) or at most there. Returns the int64
+    per-sequence lengths ``[N]`` on the device (None without ``checks``)."""
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
+    if checks is None:
+        return None
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    checks.add(cu[0] != 0, "cu_seqlens: must start at 0, got {}", cu[0])
+    if lengths.numel():
+        low = lengths.min()
+        checks.add(low < 0, "cu_seqlens: must be non-decreasing, got a sequence of length {}", low)
+    if covers_all:
+        checks.add(cu[-1] != total_tokens, f"cu_seqlens: must end at T={total_tokens} (the tokens of the inputs), "
+                   "got {}", cu[-1])
+    else:
+        checks.add(cu[-1] > total_tokens, f"cu_seqlens: last entry {{}} exceeds the {total_tokens} tokens of the "
+                   "inputs", cu[-1])
+    return lengths
+
+
+def _check_head_dims(K: int, V: int) -> None:
+    for name, d in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
+        if d not in KDA_HEAD_DIMS:
+            raise ValueError(f"{name}: expected one of {KDA_HEAD_DIMS} (128 in production), got {d}")
+
+
+def check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias) -> tuple[int, int, int, int]:
+    """Raw projections of the prefill / prologue (host only). Returns ``(T, H, K, V)``."""
+    check_tensor("q", q, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
+    check_kernel_device("q", q)
+    _, T, H, K = q.shape
+    dev = q.device
+    check_tensor("k", k, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v", v, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(("q", "k", "v"), (q, k, v))
+    V = v.shape[3]
+    _check_head_dims(K, V)
+    check_tensor("raw_g", raw_g, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[1, T, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
+        raise ValueError(f"dt_bias: expected shape [{H * K}] or [{H}, {K}], got {list(dt_bias.shape)}")
+    return T, H, K, V
+
+
+def check_chunk_indices(chunk_indices, num_seqs: int, device, checks: DeviceChecks | None,
+                        lengths: torch.Tensor | None) -> None:
+    """``chunk_indices`` ``[rows, 2]`` (sequence id, chunk index): ids in ``[-1, N)``,
+    and every live row's chunk inside its sequence (queued)."""
+    check_tensor("chunk_indices", chunk_indices, shape=[None, 2], dtypes=INDEX_DTYPES, device=device)
+    if checks is None or chunk_indices.shape[0] == 0:
+        return
+    ci = chunk_indices.to(torch.int64)
+    seq, c = ci[:, 0], ci[:, 1]
+    checks.add((seq < -1).any() | (seq >= num_seqs).any(),
+               f"chunk_indices: sequence ids must lie in [-1, {num_seqs}), got min {{}} max {{}}", seq.min(), seq.max())
+    if lengths is not None and num_seqs > 0:
+        live = seq >= 0
+        length = lengths[seq.clamp(0, num_seqs - 1)]
+        outside = live & ((c < 0) | (c * CHUNK_SIZE >= length))
+        checks.add(outside.any(), "chunk_indices: a chunk index lies outside its sequence (need 0 <= c*64 < length)")
+
+
+def check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_initial_state, *,
+                         channels: int, num_seqs: int, device, checks: DeviceChecks | None) -> None:
+    """The prefill's conv arguments: ``conv_weight [C, 4]``; ``conv_state
+    [slots, C, 3]`` with ``conv_state_indices [N]`` (negative = no row; the others
+    in range and distinct, queued) and optional bool ``conv_has_initial_state [N]``."""
+    if conv_weight is None:
+        for name, x in (("conv_state", conv_state), ("conv_state_indices", conv_state_indices),
+                        ("conv_has_initial_state", conv_has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name}: given without conv_weight (the conv path needs conv_weight)")
+        return
+    check_tensor("conv_weight", conv_weight, shape=[channels, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=device)
+    if conv_state is None:
+        for name, x in (("conv_state_indices", conv_state_indices), ("conv_has_initial_state", conv_has_initial_state)):
+            if x is not None:
+                raise ValueError(f"{name}: given without conv_state")
+        return
+    check_tensor("conv_state", conv_state, shape=[None, channels, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=device)
+    if conv_state_indices is None:
+        raise ValueError("conv_state_indices: required with conv_state (int [N], negative = no row)")
+    check_tensor("conv_state_indices", conv_state_indices, shape=[num_seqs], dtypes=INDEX_DTYPES, device=device)
+    if conv_has_initial_state is not None:
+        check_tensor("conv_has_initial_state", conv_has_initial_state, shape=[num_seqs], dtypes=(torch.bool,),
+                     device=device)
+    if checks is not None:
+        check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+
+
+def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                             conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                             checks: DeviceChecks | None, *, scale_optional: bool = False):
+    """Every rule of :func:`fused_kda_prologue` (and of the prefill's raw inputs):
+    host rules at once, value rules queued on ``checks`` (None: host rules only).
+    ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
+    Returns ``(T, H, K, V)``."""
+    T, H, K, V = check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias)
+    check_scale(scale, allow_none=scale_optional)
+    check_lower_bound(lower_bound)
+    lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True)
+    N = cu_seqlens.numel() - 1
+    if chunk_indices is not None:
+        check_chunk_indices(chunk_indices, N, q.device, checks, lengths)
+    check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                         channels=2 * H * K + H * V, num_seqs=N, device=q.device, checks=checks)
+    return T, H, K, V
+
+
+def check_chunk_operands(qg, w, u, kg_t, aqk, decay, out) -> tuple[int, int, int, int]:
+    """The chunk walk's operands (host only; ``out`` None: allocated by the caller's
+    wrapper). Returns ``(T, H, K, V)``."""
+    check_tensor("qg", qg, shape=[1, None, None, None], dtypes=FLOAT_DTYPES)
+    check_kernel_device("qg", qg)
+    device = qg.device
+    _, T, H, K = qg.shape
+    check_tensor("u", u, shape=[1, T, H, None], dtypes=FLOAT_DTYPES, device=device)
+    V = u.shape[3]
+    _check_head_dims(K, V)
+    check_tensor("w", w, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("aqk", aqk, shape=[1, T, H, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
+    check_tensor("kg_t", kg_t, shape=[None, H, K, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
+    check_same_dtype(["qg", "w", "u", "aqk", "kg_t"], [qg, w, u, aqk, kg_t])
+    check_tensor("decay", decay, shape=[kg_t.shape[0], H, K], dtypes=FLOAT_DTYPES, device=device)
+    if out is not None:
+        check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
+    return T, H, K, V
+
+
+def check_chunk_offsets(chunk_offsets, expected: torch.Tensor, rows: int, checks: DeviceChecks) -> None:
+    """A caller's ``chunk_offsets`` equal ``expected`` (from ``cu_seqlens``), and the
+    batch's chunk count fits the ``rows`` of ``kg_t``/``decay`` (queued)."""
+    if chunk_offsets is not None:
+        check_tensor("chunk_offsets", chunk_offsets, shape=[expected.numel()], dtypes=INDEX_DTYPES,
+                     device=expected.device)
+        checks.add((chunk_offsets.to(torch.int64) != expected.to(torch.int64)).any(),
+                   "chunk_offsets: does not match prepare_chunk_offsets(cu_seqlens)")
+    checks.add(expected[-1] > rows, f"kg_t/decay: the batch has {{}} chunks, got {rows} rows", expected[-1])
+
+
+def _owner_of_rows(indices: torch.Tensor, slots: int) -> torch.Tensor:
+    """``owner[r]`` = the position ``n`` with ``indices[n] == r`` (-1: none), int64
+    ``[slots + 1]``; negative indices land on the spare entry ``slots``. With
+    duplicate indices one of the positions wins (the distinctness rule reports them)."""
+    idx = indices.reshape(-1).to(torch.int64)
+    idx = torch.where((idx >= 0) & (idx < slots), idx, slots)
+    owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=indices.device)
+    owner.scatter_(0, idx, torch.arange(idx.numel(), dtype=torch.int64, device=indices.device))
+    owner[slots] = -1
+    return owner
+
+
+def check_state_arguments(
+    checks: DeviceChecks | None,
+    *,
+    num_seqs: int,
+    num_heads: int,
+    head_v: int,
+    head_k: int,
+    device: torch.device,
+    lengths: torch.Tensor | None,
+    initial_state=None,
+    state_cache=None,
+    state_indices=None,
+    has_initial_state=None,
+    checkpoint_state=None,
+    checkpoint_offsets=None,
+    checkpoint_state_indices=None,
+) -> None:
+    """State and checkpoint arguments of the prefill and the chunk walk: shapes and
+    dtypes at once; with ``checks``, queued: state rows in range and distinct,
+    checkpoint offsets 0 or multiples of :data:`KDA_CHECKPOINT_ALIGNMENT` within
+    the sequence (``lengths``), active checkpoint rows in range and distinct, and,
+    when the snapshots go into the state cache itself, no snapshot on another
+    sequence's state row."""
+    N, H, V, K = num_seqs, num_heads, head_v, head_k
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=[torch.float32], device=device)
+    if state_cache is not None:
+        check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=device)
+        check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=[torch.bool], device=device)
+        if checks is not None:
+            check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+    if checkpoint_offsets is None:
+        return
+    check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
+    check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+    rows = checkpoint_state.shape[0]
+    if checkpoint_state_indices is not None:
+        check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
+                     device=device)
+    elif rows < N:
+        raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
+    if checks is None or N == 0:
+        return
+    offs = checkpoint_offsets.to(torch.int64)
+    bad = (offs < 0) | (offs % KDA_CHECKPOINT_ALIGNMENT != 0)
+    if lengths is not None:
+        bad = bad | (offs > lengths)
+    first = torch.argmax(bad.to(torch.int8))
+    length = lengths[first] if lengths is not None else offs[first]
+    checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or a multiple of KDA_CHECKPOINT_ALIGNMENT="
+               f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}", first, length, offs[first])
+    active = offs > 0
+    if checkpoint_state_indices is not None:
+        # Only sequences that actually export claim their row.
+        ck_rows = torch.where(active, checkpoint_state_indices.to(torch.int64), -1)
+        check_index_values(checks, "checkpoint_state_indices", ck_rows, rows)
+    else:
+        ck_rows = torch.where(active, torch.arange(N, device=device), -1)
+    if state_cache is not None and checkpoint_state.data_ptr() == state_cache.data_ptr():
+        # Snapshots into the paged cache itself: one sequence's snapshot must not
+        # land on another sequence's state row (two programs would race on it).
+        owner = _owner_of_rows(state_indices, state_cache.shape[0])
+        slot = torch.where((ck_rows >= 0) & (ck_rows < state_cache.shape[0]), ck_rows, state_cache.shape[0])
+        who = owner[slot]
+        clash = (who >= 0) & (who != torch.arange(N, device=device))
+        n = torch.argmax(clash.to(torch.int8))
+        checks.add(clash.any(), "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}",
+                   n, ck_rows[n], who[n])
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
+                        lead: int) -> tuple[int, ...]:
+    """Host rules shared by both decode entry points; ``lead`` is 1 (``[B]``) or 2
+    (``[B, S]``). Returns the leading sizes."""
+    check_tensor("state_cache", state_cache, dtypes=(torch.float32,))
+    check_kernel_device("state_cache", state_cache)
+    if state_cache.dim() != 4:
+        raise ValueError(f"state_cache: expected shape [slots, H, V, K], got {list(state_cache.shape)}")
+    dev = state_cache.device
+    _, H, V, K = state_cache.shape
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, device=dev)
+    if q.dim() != lead + 2:
+        want = "[B, S, H, K]" if lead == 2 else "[B, H, K]"
+        raise ValueError(f"q: expected shape {want}, got {list(q.shape)}")
+    lead_sizes = [q.shape[i] for i in range(lead)]
+    check_tensor("q", q, shape=[*lead_sizes, H, K])
+    check_tensor("k", k, shape=[*lead_sizes, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v", v, shape=[*lead_sizes, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(["q", "k", "v"], [q, k, v])
+    check_tensor("raw_g", raw_g, shape=[*lead_sizes, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[*lead_sizes, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if list(dt_bias.shape) not in ([H, K], [H * K]):
+        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    if not (_is_pow2(K) and _is_pow2(V) and 16 <= K <= DECODE_MAX_HEAD_DIM and 16 <= V <= DECODE_MAX_HEAD_DIM):
+        raise ValueError(
+            f"state_cache: head dims K and V must be powers of two in [16, {DECODE_MAX_HEAD_DIM}], got K={K}, V={V}"
+        )
+    if out is not None:
+        check_tensor("out", out, shape=[*lead_sizes, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    check_scale(scale)
+    check_lower_bound(lower_bound)
+    return tuple(lead_sizes)
+
+
+def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks | None) -> None:
+    """``kda_decode``'s ``state_indices [B]``: in range, negative = padding,
+    distinct (queued)."""
+    check_tensor("state_indices", state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=state_cache.device)
+    if checks is not None:
+        check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+
+
+def check_decode_multi_indices(state_indices, initial_state_indices, batch: int, steps: int, state_cache,
+                               checks: DeviceChecks | None) -> None:
+    """``kda_decode_multi``: ``state_indices [B, S]`` written rows in range and
+    distinct; ``initial_state_indices [B]`` (default ``state_indices[:, 0]``) in
+    range and distinct; no sequence starts from a row another sequence writes (the
+    write could land before the read). Value rules queued on ``checks``."""
+    dev = state_cache.device
+    check_tensor("state_indices", state_indices, shape=[batch, steps], dtypes=INDEX_DTYPES, device=dev)
+    if initial_state_indices is not None:
+        check_tensor("initial_state_indices", initial_state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=dev)
+    if checks is None or steps == 0 or batch == 0:
+        return
+    init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
+    slots = state_cache.shape[0]
+    check_index_values(checks, "state_indices", state_indices, slots)
+    check_index_values(checks, "initial_state_indices", init, slots)
+    # owner[r] = the flat position b * S + s writing row r; its sequence is position // S.
+    owner = _owner_of_rows(state_indices, slots)
+    start = init.to(torch.int64)
+    who = owner[torch.where((start >= 0) & (start < slots), start, slots)]
+    seq = torch.arange(batch, device=dev)
+    clash = (who >= 0) & (torch.div(who, steps, rounding_mode="floor") != seq)
+    b = torch.argmax(clash.to(torch.int8))
+    checks.add(clash.any(), "initial_state_indices: sequence {} starts from row {}, which another sequence's "
+               "state_indices writes (the write would race with the read)", b, start[b])
+
+
+def _check_conv_tensors(x_name, x, conv_weight, conv_state, lead):
+    check_tensor(x_name, x, shape=[lead, None], dtypes=FLOAT_DTYPES)
+    check_kernel_device(x_name, x)
+    dev = x.device
+    C = x.shape[1]
+    check_tensor("conv_weight", conv_weight, shape=[C, None], dtypes=FLOAT_DTYPES, device=dev)
+    W = conv_weight.shape[1]
+    if W < 2:
+        raise ValueError(f"conv_weight: expected a width of at least 2 taps, got {W}")
+    check_tensor("conv_state", conv_state, shape=[None, C, W - 1], dtypes=FLOAT_DTYPES, device=dev)
+    return C, W
+
+
+def check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks: DeviceChecks | None):
+    """``kda_conv_decode``: ``x [B, C]``, ``conv_weight [C, W]``, ``conv_state
+    [slots, C, W - 1]``, ``conv_state_indices [B]`` (in range, distinct: queued),
+    ``out [B, C]``. Returns ``(C, W)``."""
+    C, W = _check_conv_tensors("x", x, conv_weight, conv_state, None)
+    check_tensor("conv_state_indices", conv_state_indices, shape=[x.shape[0]], dtypes=INDEX_DTYPES, device=x.device)
+    if out is not None:
+        check_tensor("out", out, shape=[x.shape[0], C], dtypes=FLOAT_DTYPES, device=x.device)
+    if checks is not None:
+        check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+    return C, W
+
+
+def check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state,
+                          checks: DeviceChecks | None) -> int:
+    """``kda_conv_checkpoint``: ``x [T, C]``, ``conv_state [slots, C, W - 1]``,
+    ``cu_seqlens`` (at most T), ``checkpoint_offsets [N]`` (0 = none, else in
+    ``[W - 1, length]``) and ``checkpoint_indices [N]`` (rows of the active ones in
+    range and distinct); value rules queued. Returns N."""
+    check_tensor("x", x, shape=[None, None], dtypes=FLOAT_DTYPES)
+    check_kernel_device("x", x)
+    dev = x.device
+    check_tensor("conv_state", conv_state, shape=[None, x.shape[1], None], dtypes=FLOAT_DTYPES, device=dev)
+    lengths = check_cu_seqlens(cu_seqlens, x.shape[0], dev, checks, covers_all=False)
+    N = cu_seqlens.numel() - 1
+    check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    if checks is None or N == 0:
+        return N
+    W = conv_state.shape[2] + 1
+    offs = checkpoint_offsets.to(torch.int64)
+    bad = (offs < 0) | ((offs > 0) & ((offs < W - 1) | (offs > lengths)))
+    first = torch.argmax(bad.to(torch.int8))
+    checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or {W - 1} <= p <= the sequence length "
+               "{}, got {}", first, lengths[first], offs[first])
+    active = torch.where(offs > 0, checkpoint_indices.to(torch.int64), -1)
+    check_index_values(checks, "checkpoint_indices", active, conv_state.shape[0])
+    return N

@@ -1,0 +1,154 @@
+"""A call that raises on bad input leaves every cache bit-identical.
+
+The caches hold NaN sentinels and real values; each call is refused by a rule on
+device values (the ones read back once, right before the launches), so this pins
+that nothing writes a cache before that read-back.
+"""
+
+import math
+
+import pytest
+import torch
+
+from kda_engram.engram.hashing import next_history
+from kda_engram.engram.layout import EngramLayout
+from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.conv import kda_conv_checkpoint, kda_conv_decode
+from kda_engram.kda.decode import kda_decode, kda_decode_multi
+from kda_engram.kda.prefill import chunk_kda_prefill
+from kda_engram.kda.reference import chunk_operands
+
+H, K, V = 1, 16, 16
+CONV_C = 2 * H * K + H * V
+
+
+def rnd(gen, *shape):
+    return torch.randn(*shape, generator=gen)
+
+
+def with_sentinels(*shape, seed=3):
+    """Random values with every other row NaN."""
+    x = rnd(torch.Generator().manual_seed(seed), *shape)
+    x[::2] = math.nan
+    return x
+
+
+def bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x
+
+
+def assert_same(after, before):
+    for a, b in zip(after, before):
+        assert torch.equal(bits(a), bits(b))
+
+
+def prefill_raw(T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return dict(q=rnd(gen, 1, T, H, K), k=rnd(gen, 1, T, H, K), v=rnd(gen, 1, T, H, V),
+                raw_g=rnd(gen, 1, T, H, K), raw_beta=rnd(gen, 1, T, H), A_log=rnd(gen, H) * 0.5,
+                dt_bias=rnd(gen, H * K))
+
+
+def decode_raw(B, S=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lead = (B,) if S is None else (B, S)
+    return dict(q=rnd(gen, *lead, H, K), k=rnd(gen, *lead, H, K), v=rnd(gen, *lead, H, V),
+                raw_g=rnd(gen, *lead, H, K), raw_beta=rnd(gen, *lead, H), A_log=rnd(gen, H) * 0.5,
+                dt_bias=rnd(gen, H * K))
+
+
+@pytest.mark.parametrize("indices", [[1, 1], [0, 6]], ids=["duplicate", "out_of_range"])
+def test_kda_decode(indices):
+    cache = with_sentinels(6, H, V, K)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="state_indices"):
+        kda_decode(**decode_raw(2), state_cache=cache, state_indices=torch.tensor(indices))
+    assert_same([cache], [before])
+
+
+def test_kda_decode_multi():
+    cache = with_sentinels(6, H, V, K)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="initial_state_indices"):
+        kda_decode_multi(**decode_raw(2, 2), state_cache=cache, state_indices=torch.tensor([[0, 1], [2, 3]]),
+                         initial_state_indices=torch.tensor([2, 4]))
+    assert_same([cache], [before])
+
+
+PREFILL_BAD = [
+    ("checkpoint_offsets", dict(checkpoint_offsets=torch.tensor([32, 0]))),
+    ("checkpoint_state_indices", dict(checkpoint_offsets=torch.tensor([64, 0]),
+                                      checkpoint_state_indices=torch.tensor([3, -1]))),  # sequence 1's row
+    ("state_indices", dict(state_indices=torch.tensor([3, 3]))),
+    ("conv_state_indices", dict(conv_state_indices=torch.tensor([0, 9]))),
+    ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 80, 70]))),
+]
+
+
+@pytest.mark.parametrize("name, bad", [("", {})] + PREFILL_BAD, ids=["valid"] + [b[0] for b in PREFILL_BAD])
+def test_chunk_kda_prefill(name, bad):
+    """The base call is valid (and writes); each bad argument makes it write nothing."""
+    T = 70
+    cache = with_sentinels(4, H, V, K)
+    conv = with_sentinels(3, CONV_C, 3, seed=4)
+    kw = dict(cu_seqlens=torch.tensor([0, 66, T]), state_cache=cache, state_indices=torch.tensor([0, 3]),
+              has_initial_state=torch.tensor([False, True]), checkpoint_state=cache,
+              checkpoint_offsets=torch.tensor([64, 0]), checkpoint_state_indices=torch.tensor([2, -1]),
+              conv_weight=torch.randn(CONV_C, 4), conv_state=conv, conv_state_indices=torch.tensor([1, 2]),
+              conv_has_initial_state=torch.tensor([True, False]))
+    kw.update(bad)
+    before = [cache.clone(), conv.clone()]
+    if not bad:
+        chunk_kda_prefill(**prefill_raw(T), **kw)
+        assert not torch.equal(bits(cache), bits(before[0])) and not torch.equal(bits(conv), bits(before[1]))
+        return
+    with pytest.raises(ValueError, match=name):
+        chunk_kda_prefill(**prefill_raw(T), **kw)
+    assert_same([cache, conv], before)
+
+
+def test_fused_kda_chunk():
+    T = 70
+    raw = prefill_raw(T)
+    cu = torch.tensor([0, 66, T])
+    ops = chunk_operands(**raw, cu_seqlens=cu)
+    cache = with_sentinels(4, H, V, K)
+    out = with_sentinels(1, T, H, V, seed=5)
+    for bad, name in ((dict(checkpoint_offsets=torch.tensor([128, 0])), "checkpoint_offsets"),
+                      (dict(checkpoint_offsets=torch.tensor([64, 0]), chunk_offsets=torch.tensor([0, 1, 3])),
+                       "chunk_offsets")):
+        before = [cache.clone(), out.clone()]
+        with pytest.raises(ValueError, match=name):
+            fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, 0.25, cu,
+                            None, False, state_cache=cache, state_indices=torch.tensor([0, 1]),
+                            has_initial_state=torch.tensor([True, True]), checkpoint_state=cache,
+                            checkpoint_state_indices=torch.tensor([2, 3]), **bad)
+        assert_same([cache, out], before)
+
+
+def test_kda_conv_decode():
+    conv = with_sentinels(4, 8, 3)
+    before = conv.clone()
+    with pytest.raises(ValueError, match="conv_state_indices"):
+        kda_conv_decode(torch.randn(2, 8), torch.randn(8, 4), conv, torch.tensor([2, 2]))
+    assert_same([conv], [before])
+
+
+def test_kda_conv_checkpoint():
+    conv = with_sentinels(4, 8, 3)
+    before = conv.clone()
+    x = torch.randn(20, 8)
+    for offs, idx, name in (([5, 30], [0, 1], "checkpoint_offsets"), ([5, 6], [1, 1], "checkpoint_indices")):
+        with pytest.raises(ValueError, match=name):
+            kda_conv_checkpoint(x, torch.tensor([0, 10, 20]), torch.tensor(offs), torch.tensor(idx), conv)
+        assert_same([conv], [before])
+
+
+def test_next_history_into_itself():
+    layout = EngramLayout.build(layer_ids=[1], max_ngram=3, n_heads=2, head_dim=8, vocab_size=[101, 203],
+                                compressed_vocab_size=50, pad_id=2)
+    history = torch.tensor([[4, 5], [-1, 7]])
+    before = history.clone()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        next_history(torch.arange(6), torch.tensor([0, 4, 3]), layout, history=history, out=history)
+    assert_same([history], [before])

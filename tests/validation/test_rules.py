@@ -1,0 +1,224 @@
+"""The argument rules of kda_engram.validation, on their own (CPU, no kernels)."""
+
+import math
+
+import pytest
+import torch
+
+from kda_engram import constants, platform
+from kda_engram.validation import common
+from kda_engram.validation.common import DeviceChecks, check_index_values, check_int, check_real
+from kda_engram.validation.engram import check_column_sizes, check_gate_scalars
+from kda_engram.validation.kda import (
+    check_cu_seqlens,
+    check_decode_multi_indices,
+    check_lower_bound,
+    check_scale,
+    check_state_arguments,
+)
+
+
+@pytest.mark.parametrize("value, sign, exc", [
+    (math.nan, None, ValueError), (math.inf, None, ValueError), (-math.inf, None, ValueError),
+    (True, None, TypeError), ("1.0", None, TypeError), (torch.tensor(1.0), None, TypeError),
+    (0.0, "positive", ValueError), (-1e-9, "non-negative", ValueError), (1e-9, "non-positive", ValueError),
+])
+def test_check_real_refuses(value, sign, exc):
+    with pytest.raises(exc, match="^x: "):
+        check_real("x", value, sign=sign)
+
+
+def test_check_real_accepts():
+    check_real("x", 3, sign="positive")
+    check_real("x", 0.0, sign="non-negative")
+    check_real("x", -5.0, sign="non-positive")
+    check_real("x", None, allow_none=True)
+
+
+def test_scalar_rules():
+    check_scale(None)
+    check_scale(0.25)
+    for bad in (math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError, match="scale"):
+            check_scale(bad)
+    check_lower_bound(None)
+    check_lower_bound(-5.0)
+    check_lower_bound(0.0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        check_lower_bound(1.0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        check_lower_bound(math.nan)
+    check_gate_scalars(1e-6, 0.0)
+    with pytest.raises(ValueError, match="eps"):
+        check_gate_scalars(math.nan, 1e-6)
+    with pytest.raises(ValueError, match="clamp_value"):
+        check_gate_scalars(1e-6, -1.0)
+    with pytest.raises(TypeError, match="eps"):
+        check_gate_scalars(None, 1e-6)
+
+
+def test_check_int():
+    check_int("n", 3, low=0, high=3)
+    with pytest.raises(TypeError, match="n"):
+        check_int("n", 3.0)
+    with pytest.raises(TypeError, match="n"):
+        check_int("n", True)
+    with pytest.raises(ValueError, match="n"):
+        check_int("n", 4, high=3)
+
+
+def test_column_sizes():
+    assert check_column_sizes([5, 3]) == [5, 3]
+    with pytest.raises(TypeError, match="column_sizes"):
+        check_column_sizes([5.5, 3])
+    with pytest.raises(ValueError, match="column_sizes"):
+        check_column_sizes([])
+    with pytest.raises(ValueError, match="column_sizes"):
+        check_column_sizes([4, 0])
+
+
+def test_device_checks_read_back_once(monkeypatch):
+    """All queued flags travel in one tensor: one .tolist(), no other read."""
+    calls = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(self.shape) or real(self))
+    checks = DeviceChecks()
+    idx = torch.tensor([3, -1, 0, 7])
+    check_index_values(checks, "a", idx, 8)
+    check_index_values(checks, "b", idx, 8, allow_negative=False)
+    assert len(calls) == 0
+    with pytest.raises(ValueError, match="^b: expected non-negative entries, got min -1$"):
+        checks.run()
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("idx, upper, msg", [
+    ([0, 5], 5, "entries must be < 5 .* got max 5"),
+    ([2, -1, 2], 5, "non-negative entries must be distinct"),
+])
+def test_index_values(idx, upper, msg):
+    checks = DeviceChecks()
+    check_index_values(checks, "rows", torch.tensor(idx), upper)
+    with pytest.raises(ValueError, match="^rows: " + msg):
+        checks.run()
+
+
+def test_index_values_accept_negatives_repeated():
+    checks = DeviceChecks()
+    check_index_values(checks, "rows", torch.tensor([-1, 4, -1, 0, -3]), 5)
+    checks.run()
+
+
+@pytest.mark.parametrize("cu, covers_all, msg", [
+    ([1, 4], False, "must start at 0, got 1"),
+    ([0, 4, 3], False, "must be non-decreasing"),
+    ([0, 4, 9], False, "last entry 9 exceeds the 8 tokens"),
+    ([0, 4, 7], True, "must end at T=8.*got 7"),
+])
+def test_cu_seqlens_one_validator(cu, covers_all, msg):
+    checks = DeviceChecks()
+    check_cu_seqlens(torch.tensor(cu), 8, torch.device("cpu"), checks, covers_all=covers_all)
+    with pytest.raises(ValueError, match="^cu_seqlens: " + msg):
+        checks.run()
+
+
+def test_cu_seqlens_host_rules():
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        check_cu_seqlens(torch.tensor([0.0, 1.0]), 1, torch.device("cpu"), None, covers_all=False)
+    with pytest.raises(ValueError, match=r"cu_seqlens: expected shape \[N\+1\]"):
+        check_cu_seqlens(torch.zeros(0, dtype=torch.int64), 0, torch.device("cpu"), None, covers_all=False)
+
+
+def _state_args(**kw):
+    N, H, V, K = 3, 1, 16, 16
+    base = dict(num_seqs=N, num_heads=H, head_v=V, head_k=K, device=torch.device("cpu"),
+                lengths=torch.tensor([128, 64, 10]))
+    base.update(kw)
+    return base
+
+
+def test_checkpoint_offsets_rules():
+    ck = torch.zeros(3, 1, 16, 16)
+    for offs, msg in (([64, 0, 0], None), ([32, 0, 0], r"checkpoint_offsets\[0\]"),
+                      ([0, 128, 0], r"checkpoint_offsets\[1\].*length 64, got 128"),
+                      ([0, 0, -64], r"checkpoint_offsets\[2\]")):
+        checks = DeviceChecks()
+        check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor(offs)))
+        if msg is None:
+            checks.run()
+        else:
+            with pytest.raises(ValueError, match=msg):
+                checks.run()
+
+
+def test_checkpoint_rows_only_for_exporting_sequences():
+    """A sequence without a checkpoint may name any row (it is not written)."""
+    ck = torch.zeros(2, 1, 16, 16)
+    checks = DeviceChecks()
+    check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 0, 0]),
+                                                checkpoint_state_indices=torch.tensor([1, 1, 99])))
+    checks.run()
+    checks = DeviceChecks()
+    check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 64, 0]),
+                                                checkpoint_state_indices=torch.tensor([1, 1, 0])))
+    with pytest.raises(ValueError, match="checkpoint_state_indices: non-negative entries must be distinct"):
+        checks.run()
+
+
+def test_checkpoint_into_another_sequences_state_row():
+    cache = torch.zeros(4, 1, 16, 16)
+    common_kw = dict(state_cache=cache, state_indices=torch.tensor([0, 1, 2]),
+                     has_initial_state=torch.tensor([True, True, True]), checkpoint_state=cache)
+    checks = DeviceChecks()
+    check_state_arguments(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
+                                                checkpoint_state_indices=torch.tensor([0, 3, 3])))
+    checks.run()  # own row, or a row no sequence owns
+    checks = DeviceChecks()
+    check_state_arguments(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
+                                                checkpoint_state_indices=torch.tensor([2, 3, 3])))
+    with pytest.raises(ValueError, match=r"checkpoint_state_indices\[0\]=2 is the state_cache row of sequence 2"):
+        checks.run()
+
+
+def test_decode_multi_clash():
+    cache = torch.zeros(8, 1, 16, 16)
+    idx = torch.tensor([[0, 1], [2, 3]])
+    checks = DeviceChecks()
+    check_decode_multi_indices(idx, torch.tensor([2, 5]), 2, 2, cache, checks)
+    with pytest.raises(ValueError, match="initial_state_indices: sequence 0 starts from row 2"):
+        checks.run()
+    checks = DeviceChecks()
+    check_decode_multi_indices(idx, torch.tensor([1, 5]), 2, 2, cache, checks)  # its own row / a free row
+    checks.run()
+
+
+def test_kernel_device_rule(monkeypatch):
+    monkeypatch.setattr(platform, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="^x: the kernels need tensors on a CUDA/ROCm device, got one on cpu; "
+                                         ".*TRITON_INTERPRET=1"):
+        common.check_kernel_device("x", torch.zeros(1))
+
+
+def test_constants_defined_once():
+    from kda_engram.kda import chunk, decode, metadata, prologue, reference
+
+    assert metadata.CHUNK_SIZE is constants.CHUNK_SIZE
+    assert chunk.KDA_CHECKPOINT_ALIGNMENT == reference.KDA_CHECKPOINT_ALIGNMENT == constants.KDA_CHECKPOINT_ALIGNMENT
+    assert reference.LOG2E == prologue.LOG2E == constants.LOG2E
+    assert reference.L2NORM_EPS == decode.L2NORM_EPS == constants.L2NORM_EPS
+    assert prologue.CONV_WIDTH == constants.CONV_WIDTH
+
+
+def test_is_amd():
+    assert platform.is_amd() == (torch.version.hip is not None)
+
+
+def test_kernels_take_constants_from_constants():
+    """No kernel module reaches up into a reference module for its constants."""
+    import importlib
+    import inspect
+
+    for name in ("kda.chunk", "kda.decode", "kda.prologue", "kda.conv", "kda.metadata", "kda.prefill",
+                 "engram.gate", "engram.sharded_gate", "engram.table", "engram.hashing"):
+        source = inspect.getsource(importlib.import_module(f"kda_engram.{name}"))
+        assert "from .reference import" not in source and "reference import" not in source, name

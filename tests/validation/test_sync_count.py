@@ -1,0 +1,70 @@
+"""Host syncs per call on the GPU: at most one with the defaults, none with
+``check_inputs=False`` (counted by torch's CUDA sync debug mode)."""
+
+import warnings
+
+import pytest
+import torch
+
+from kda_engram.engram.gate import engram_post_wkv
+from kda_engram.kda.decode import kda_decode
+from kda_engram.kda.prefill import chunk_kda_prefill
+
+
+def count_syncs(fn) -> int:
+    fn()  # compile and warm the caching allocator first
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def prefill_args(gpu, N=4, L=200, H=4, K=128, V=128, slots=8):
+    gen = torch.Generator(device=gpu).manual_seed(0)
+    T = N * L
+    r = lambda *s: torch.randn(*s, device=gpu, generator=gen)  # noqa: E731
+    cache = torch.zeros(slots, H, V, K, device=gpu)
+    return dict(
+        q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, V).bfloat16(),
+        raw_g=r(1, T, H, K).bfloat16(), raw_beta=r(1, T, H).bfloat16(), A_log=r(H) * 0.5, dt_bias=r(H * K),
+        cu_seqlens=torch.arange(N + 1, device=gpu, dtype=torch.int32) * L,
+        state_cache=cache, state_indices=torch.arange(N, device=gpu, dtype=torch.int32),
+        has_initial_state=torch.ones(N, dtype=torch.bool, device=gpu), checkpoint_state=cache,
+        checkpoint_offsets=torch.full((N,), 128, device=gpu, dtype=torch.int32),
+        checkpoint_state_indices=torch.arange(N, 2 * N, device=gpu, dtype=torch.int32),
+    )
+
+
+@pytest.mark.gpu
+def test_prefill_one_sync_by_default(gpu):
+    args = prefill_args(gpu)
+    assert count_syncs(lambda: chunk_kda_prefill(**args)) == 1
+    assert count_syncs(lambda: chunk_kda_prefill(**args, check_inputs=False)) == 0
+
+
+@pytest.mark.gpu
+def test_decode_one_sync_by_default(gpu):
+    B, H, K, V = 64, 4, 128, 128
+    gen = torch.Generator(device=gpu).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=gpu, generator=gen)  # noqa: E731
+    args = dict(q=r(B, H, K).bfloat16(), k=r(B, H, K).bfloat16(), v=r(B, H, V).bfloat16(),
+                raw_g=r(B, H, K).bfloat16(), raw_beta=r(B, H).bfloat16(), A_log=r(H), dt_bias=r(H * K),
+                state_cache=torch.zeros(B, H, V, K, device=gpu),
+                state_indices=torch.arange(B, device=gpu, dtype=torch.int32))
+    assert count_syncs(lambda: kda_decode(**args)) == 1
+    assert count_syncs(lambda: kda_decode(**args, check_inputs=False)) == 0
+
+
+@pytest.mark.gpu
+def test_engram_gate_no_sync(gpu):
+    T, hc, dim = 2048, 4, 5120
+    hidden = torch.randn(T, hc, dim, device=gpu).bfloat16()
+    kv = torch.randn(T, (hc + 1) * dim, device=gpu).bfloat16()
+    q = torch.randn(hc, dim, device=gpu).bfloat16()
+    k = torch.randn(hc, dim, device=gpu).bfloat16()
+    assert count_syncs(lambda: engram_post_wkv(hidden, kv, q, k, eps=1e-6)) == 0
