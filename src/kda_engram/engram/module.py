@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kda_engram._validation import FLOAT_DTYPES, check_tensor
+from kda_engram.validation.common import FLOAT_DTYPES, check_tensor
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials
 from kda_engram.parallel import ColumnParallelLinear, TensorParallelGroup

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout
 from ..engram.module import Engram, GateKernels

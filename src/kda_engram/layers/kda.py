@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
 from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
 from ..parallel import TensorParallelGroup
 
