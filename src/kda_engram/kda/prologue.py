@@ -172,7 +172,8 @@ import triton
 import triton.language as tl
 
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_same_dtype, check_tensor
-from ..platform import is_gpu
+from ..launch_config import prologue_warps_for
+from ..platform import arch, is_gpu
 from .conv import conv_prefill_bands
 from .metadata import CHUNK_SIZE, chunk_row, prepare_chunk_metadata
 
@@ -660,7 +661,8 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     290) or 1 warp (solve: 432) take over.
     """
     if num_warps is None:
-        return (4, 2) if (is_gpu(dev) and max(K, V) >= 128) else (4, 4)
+        warps = prologue_warps_for(arch(dev) if is_gpu(dev) else "cpu", K, V)  # the per-architecture rule
+        return warps.intra, warps.solve
     pair = (num_warps, num_warps) if isinstance(num_warps, numbers.Integral) else num_warps
     if (not isinstance(pair, (tuple, list)) or len(pair) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in pair)):
