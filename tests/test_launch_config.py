@@ -158,3 +158,19 @@ def test_fused_kda_chunk_takes_a_dict_or_the_dataclass():
         ChunkLaunch(K=32, V=32, arch="cpu", interpret=True, BV=64, num_warps=4, num_stages=1, BV_pass1=32,
                     num_warps_pass1=4, num_stages_pass1=1, BV_scan=32, BJ_scan=32, num_warps_scan=8,
                     num_stages_scan=1, scan_precision="ieee")
+
+
+def test_gate_geometry():
+    from kda_engram.engram.gate import launch_geometry, post_wkv_launch
+    from kda_engram.launch_config import GateGeometry
+
+    geom = GateGeometry(HEAD=4096, TAIL=1024, CHUNK=16, LOOP=False, num_warps=4)
+    assert geom.as_dict() == dict(HEAD=4096, TAIL=1024, CHUNK=16, LOOP=False, num_warps=4)
+    assert launch_geometry(5120, None, None, 5120) == GateGeometry(**launch_geometry(5120, None, None, 5120)).as_dict()
+    assert set(post_wkv_launch(64, 4, 5120, "cpu")[0]) == {"HEAD", "TAIL", "CHUNK", "LOOP", "num_warps", "KEEP",
+                                                           "LAST_USE", "PERSISTENT"}
+    for bad, field in ((dict(HEAD=24), "HEAD"), (dict(TAIL=8), "TAIL"), (dict(CHUNK=0), "CHUNK"),
+                       (dict(num_warps=64), "num_warps"), (dict(LOOP=True), "LOOP"), (dict(KEEP="evict"), "KEEP"),
+                       (dict(PERSISTENT=True, LOOP=True, HEAD=16, TAIL=0), "persistent")):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(geom, **bad)

@@ -37,6 +37,7 @@ __all__ = [
     "ChunkConfig",
     "ChunkLaunch",
     "DecodeTiling",
+    "GateGeometry",
     "PrologueWarps",
     "arch_facts",
     "chunk_launch",
@@ -381,3 +382,51 @@ def prologue_warps_for(arch: str, head_k: int, head_v: int) -> PrologueWarps:
     if arch != "cpu" and max(head_k, head_v) >= 128:
         return PrologueWarps(4, 2)
     return PrologueWarps(4, 4)
+
+
+# --------------------------------------------------------------------------------------
+# Engram gate (engram/gate.py, engram/sharded_gate.py)
+# --------------------------------------------------------------------------------------
+
+GATE_EVICTION_HINTS = ("", "evict_last", "evict_first")
+
+
+@dataclass(frozen=True)
+class GateGeometry:
+    """Constexprs and warps of a gate program (the choices are ``engram/gate.py:
+    launch_geometry`` and ``post_wkv_launch``, with their measurements): a ``dim`` row
+    held as two power-of-two register blocks ``HEAD`` + ``TAIL`` (single pass), or
+    streamed in ``CHUNK``-wide blocks (``LOOP``, two passes; then ``HEAD = 16``,
+    ``TAIL = 0``). ``KEEP``/``LAST_USE`` (L2 eviction hints) and ``PERSISTENT`` are
+    the single-rank gate's only (``None`` = not a constexpr of the kernel)."""
+
+    HEAD: int
+    TAIL: int
+    CHUNK: int
+    LOOP: bool
+    num_warps: int
+    KEEP: str | None = None
+    LAST_USE: str | None = None
+    PERSISTENT: bool | None = None
+
+    def __post_init__(self):
+        for name in ("HEAD", "CHUNK"):
+            if not (_pow2(getattr(self, name)) and getattr(self, name) >= 16):
+                raise ValueError(f"gate geometry: {name} must be a power of two >= 16, got {getattr(self, name)!r}")
+        if self.TAIL != 0 and not (_pow2(self.TAIL) and self.TAIL >= 16):
+            raise ValueError(f"gate geometry: TAIL must be 0 or a power of two >= 16, got {self.TAIL!r}")
+        if not (_pow2(self.num_warps) and self.num_warps <= 32):
+            raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
+        if self.LOOP and (self.HEAD, self.TAIL) != (16, 0):
+            raise ValueError(f"gate geometry: LOOP streams CHUNK-wide blocks, HEAD/TAIL must be 16/0, "
+                             f"got {self.HEAD}/{self.TAIL}")
+        for name in ("KEEP", "LAST_USE"):
+            if getattr(self, name) not in (None, *GATE_EVICTION_HINTS):
+                raise ValueError(f"gate geometry: {name} must be one of {GATE_EVICTION_HINTS}, got {getattr(self, name)!r}")
+        if self.PERSISTENT and self.LOOP:
+            raise ValueError("gate geometry: the persistent grid runs the single pass only (LOOP=True)")
+
+    def as_dict(self) -> dict:
+        """The launch keywords (constexprs and ``num_warps``), ``None`` fields left out."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+

@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from kda_engram._validation import FLOAT_DTYPES, check_same_dtype, check_tensor
+from kda_engram.launch_config import GateGeometry
 from kda_engram.platform import arch, interpreting, num_compute_units
 
 # Up to this dim a program holds its row in registers at warps_for(row lanes)
@@ -234,7 +235,7 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
         lanes = chunk
     _check_num_warps(num_warps)
     geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
-    return geom
+    return GateGeometry(**geom).as_dict()  # validated
 
 
 def _check_num_warps(num_warps: int | None) -> None:
@@ -513,7 +514,7 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
         tokens = 1 if tokens is None else tokens
     if persistent:
         tokens = 1
-    return geom, tokens_per_program(T * hc, device, tokens)
+    return GateGeometry(**geom).as_dict(), tokens_per_program(T * hc, device, tokens)  # validated
 
 
 _RESIDENT_PROGRAMS: dict = {}
