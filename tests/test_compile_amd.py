@@ -4,9 +4,10 @@ The package claims one Triton code base for AMD and NVIDIA, but what fits a
 Hopper SM need not fit a CDNA compute unit: 64 KiB of LDS on gfx942 and 160 KiB
 on gfx950 (228 KiB of shared memory on an H200), 64-lane wavefronts, a 512-entry
 unified VGPR/AGPR file per SIMD lane. A kernel that does not fit fails only on
-the user's machine. The Triton wheel carries the AMD backend with its LLVM and
-``ld.lld`` and the ROCm device libraries (``ocml.bc``, ``ockl.bc``), so a
-CPU-only machine produces gfx942/gfx950 code objects.
+the user's machine. The Triton wheel carries the AMD backend: LLVM and the LLD
+linker built into ``libtriton`` (``amd.link_hsaco``) and the ROCm device
+libraries (``ocml.bc``, ``ockl.bc``), so a CPU-only machine produces gfx942/gfx950
+code objects.
 
 A child process (no ``TRITON_INTERPRET``) drives the package's entry points with
 the device facts of each target patched in (``tests/compile_support.py``: arch,
@@ -68,8 +69,8 @@ def _field(text: str, key: str) -> int | None:
 
 def amd_resources(kernel, options) -> dict:
     """Resource usage from the code object's metadata notes (the ``amdgcn`` text
-    carries them as YAML: ``.vgpr_count`` is arch + acc registers, ``.agpr_count``
-    the acc part) plus Triton's dynamic LDS (``metadata.shared``: Triton allocates
+    carries them as YAML: ``.vgpr_count`` is all VGPRs allocated, arch + acc,
+    ``.agpr_count`` the acc part; ``.private_segment_fixed_size`` the scratch per lane) plus Triton's dynamic LDS (``metadata.shared``: Triton allocates
     its shared memory at launch, so ``.group_segment_fixed_size`` alone misses it)."""
     text = kernel.asm["amdgcn"]
     vgpr, agpr, sgpr = _field(text, "vgpr_count"), _field(text, "agpr_count"), _field(text, "sgpr_count")
@@ -137,6 +138,26 @@ def table(rows, arch: str) -> str:
     return "\n".join(lines)
 
 
+def summary(report) -> str:
+    """One row per kernel (with its number of distinct launches on the first
+    target), per target the worst of its launches: most VGPRs (arch + acc, as
+    allocated; with the AGPRs and SGPRs of that launch), most scratch, most LDS,
+    fewest waves per SIMD. (What the README shows.)"""
+    head = "| kernel (launches) | " + " | ".join(f"{a} VGPR/AGPR/SGPR | scratch B | LDS B | waves/SIMD"
+                                                 for a in TARGETS) + " |"
+    lines = [head, "|---|" + "---|---|---|---|" * len(TARGETS)]
+    for name in sorted({r["kernel"] for a in TARGETS for r in report[a]}):
+        cells = []
+        for a in TARGETS:
+            rows = [r for r in report[a] if r["kernel"] == name]
+            top = max(rows, key=lambda r: r["vgpr"])
+            cells.append(f"{top['vgpr']}/{top['agpr']}/{top['sgpr']} | {max(r['scratch_bytes'] for r in rows)} | "
+                         f"{max(r['lds_bytes'] for r in rows)} | {min(waves_per_simd(r, a) for r in rows)}")
+        launches = sum(r["kernel"] == name for r in report[TARGETS[0]])
+        lines.append(f"| `{name}` ({launches}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
 def amd_report(tmp_path_factory):
     """The child's report, compiled once per test session: ``{arch: rows,
@@ -168,6 +189,12 @@ def test_every_kernel_compiles_within_budget(amd_report, arch):
         assert per_cu == walk_programs_per_cu(arch, r["constexprs"]["BV"]), (compile_support.shape_label(r), r["vgpr"])
     bad = budget_violations(rows, arch)
     assert not bad, "\n".join(bad)
+
+
+def test_summary_covers_every_kernel(amd_report):
+    text = summary(amd_report)
+    print("\n" + text)
+    assert all(f"`{k}`" in text for k in KERNELS)
 
 
 def test_oversized_walk_is_flagged(amd_report):
