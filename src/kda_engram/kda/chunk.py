@@ -460,9 +460,10 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     (one per V-tile, mostly from L2), which is what the many-wave batched cases
     need; narrow ones fill the machine when ``N x H`` is small (1 x 8k x 32 heads
     on 132 SMs). Software pipelining (``num_stages = 2``) doubles the staging, so
-    it is taken only where one program per unit is all the grid has anyway. AMD
-    CDNA has 64 KiB of LDS per CU: single-staged, one resident program.
-    The per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
+    it is taken only where one program per unit is all the grid has anyway. On
+    AMD CDNA the walk is single-staged and the programs a CU holds are set by its
+    compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
+    per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
 
     BV = 16 is never picked: on an H200 with Triton 3.6 the compiled walk with
     16-column state tiles returned NaN outputs (and the benchmark hit an illegal
