@@ -38,10 +38,10 @@ from kda_engram.launch_config import ARCH_FACTS, walk_programs_per_cu  # noqa: E
 
 TARGETS = ("gfx942", "gfx950")
 
-# Scratch (private segment) bytes per lane a kernel may use for spills. The tuned
-# kernels compile with none or a little on both targets (the table in the README);
-# past 1 KiB per lane a kernel has lost its register budget (the same bound as the
-# sm_90 test's stack: the conv-state prologue once spilled 11.9 KB and ran 2x slower).
+# Scratch (private segment) bytes per lane a kernel may use for spills. Every kernel
+# compiles with none on both targets today (the table in the README); past 1 KiB per
+# lane a kernel has lost its register budget (the same bound as the sm_90 test's
+# stack: the conv-state prologue once spilled 11.9 KB on sm_90 and ran 2x slower).
 MAX_SCRATCH_BYTES = 1024
 
 # CDNA3/4: 4 SIMDs per CU, at most 8 waves per SIMD; 512 VGPRs (arch + acc) per
@@ -195,6 +195,18 @@ def test_summary_covers_every_kernel(amd_report):
     text = summary(amd_report)
     print("\n" + text)
     assert all(f"`{k}`" in text for k in KERNELS)
+
+
+def test_checker_flags_each_budget():
+    ok = dict(kernel="k", constexprs={"BV": 32}, options=dict(num_warps=4), vgpr=128, agpr=0, sgpr=40,
+              scratch_bytes=0, lds_bytes=16384, llvm_occupancy=8)
+    assert waves_per_simd(ok, "gfx942") == 4 and budget_violations([ok], "gfx942") == []
+    spill = {**ok, "scratch_bytes": MAX_SCRATCH_BYTES + 4}
+    assert [b for b in budget_violations([spill], "gfx950") if "scratch" in b]
+    # 96 KiB of LDS: too much for gfx942, one workgroup per CU on gfx950.
+    big = {**ok, "lds_bytes": 96 * 1024}
+    assert [b for b in budget_violations([big], "gfx942") if "LDS" in b]
+    assert budget_violations([big], "gfx950") == [] and waves_per_simd(big, "gfx950") == 1
 
 
 def test_oversized_walk_is_flagged(amd_report):
