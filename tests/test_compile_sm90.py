@@ -6,7 +6,8 @@ branches, a shape the layouts reject) passes every CPU test and fails on the fir
 GPU call. This test closes that gap: a child process (no ``TRITON_INTERPRET``)
 replaces every ``*_kernel`` of the package by a recorder, drives the real entry
 points on CPU tensors with the demo's production configuration (bf16, K = V = 128,
-Engram dim 5120 x hc 4; the GPU-only launch choices switched on), and then compiles
+Engram dim 5120 x hc 4) and an H200's device facts (sm_90, 132 SMs: the GPU-only
+launch choices switched on; ``tests/compile_support.py``), and then compiles
 each recorded launch with Triton's own pipeline down to a cubin (ptxas ships with
 the triton wheel), its arguments specialised by Triton's launch binder exactly as
 on the GPU (alignment and unit-stride facts decide vectorisation, so registers and
@@ -20,7 +21,6 @@ Only what the compiler checks is tested here; values are the other tests' job.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -30,6 +30,10 @@ from pathlib import Path
 import pytest
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the child and pytest import compile_support alike
+
+import compile_support  # noqa: E402
+
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
 
@@ -37,16 +41,16 @@ MAX_SPILL_STACK_BYTES = 1024
 def test_every_kernel_compiles_for_sm90(tmp_path):
     if not (NVIDIA_BIN / "ptxas").exists():
         pytest.fail("the triton wheel ships no ptxas: cannot compile for sm_90 here")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, __file__, str(report)], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    proc = compile_support.run_child(__file__, [report], tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    rows = json.loads(report.read_text())
+    report = json.loads(report.read_text())
+    rows = report["rows"]
     compiled = {r["kernel"] for r in rows}
+    never = sorted(set(report["defined"]) - compiled)
+    assert not never, f"kernels the driver never launched (add a call to compile_support.drive): {never}"
     # Every kernel family the package launches was reached and compiled.
-    for name in ("_kda_prologue_intra_kernel", "_kda_prologue_solve_kernel", "_kda_chunk_walk_kernel",
+    for name in ("_chunk_metadata_kernel", "_kda_prologue_intra_kernel", "_kda_prologue_solve_kernel", "_kda_chunk_walk_kernel",
                  "_kda_group_pass_one_kernel", "_kda_group_scan_kernel", "_kda_decode_kernel", "_conv_decode_kernel", "_conv_prefill_kernel",
                  "_conv_checkpoint_kernel", "_engram_post_wkv_kernel", "_engram_gate_partials_kernel",
                  "_engram_gate_finish_kernel", "_engram_gather_kernel", "_ngram_hash_kernel", "_next_history_kernel",
@@ -72,150 +76,31 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 # --------------------------------------------------------------------------- child
 
 
-class _Recorder:
-    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
-
-    def __init__(self, name, fn, calls):
-        self.name, self.fn, self.calls = name, fn, calls
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append((self.name, self.fn, args, kwargs))
-
-        return launch
-
-
-def _specialize(fn, args, kwargs, backend):
-    """``(signature, constexprs, attrs, options)`` of the compile that
-    ``fn[grid](*args, **kwargs)`` would start on the GPU. Triton's own launch
-    binder specialises the arguments as at a real launch: integers equal to 1
-    become constexprs, pointers and integers divisible by 16 carry that fact
-    (which is what lets the compiler vectorise loads and stores). Without it the
-    compile is of a kernel no launch runs: all loads scalar, register and spill
-    counts far from the real ones. (``create_function_from_signature`` and
-    ``_pack_args`` are Triton's internals; triton is pinned to 3.6.0.)"""
-    from triton.runtime.jit import create_function_from_signature
-
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return signature, constexprs, attrs, options
-
-
-def _resources(cubin: bytes) -> tuple[int, int]:
+def _resources(kernel, options) -> dict:
+    """Registers and spill stack per thread (``cuobjdump --dump-resource-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(cubin)
+        fh.write(kernel.asm["cubin"])
         fh.flush()
         text = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "--dump-resource-usage", fh.name],
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", text)
     stack = re.search(r"STACK:(\d+)", text)
-    return int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else 0
-
-
-def _drive(calls):
-    """Run the package's entry points on CPU tensors with the recorders in place."""
-    import torch
-
-    import kda_engram.demo as demo
-    import kda_engram.engram.hashing  # noqa: F401  (every kernel module, before the recorders go in)
-    import kda_engram.kda.chunk  # noqa: F401
-    import kda_engram.kda.conv  # noqa: F401
-    import kda_engram.kda.decode  # noqa: F401
-    import kda_engram.kda.prologue  # noqa: F401
-    import kda_engram.layers  # noqa: F401
-    import kda_engram.ops  # noqa: F401
-    from kda_engram.engram import engram_gate_finish, engram_gate_partials, engram_post_wkv
-    from kda_engram.engram.reference import shard_kv_by_dim
-    from kda_engram.engram.table import EngramTable
-    from kda_engram.kda.prefill import chunk_kda_prefill
-
-    modules = [m for n, m in sys.modules.items() if n.startswith("kda_engram") and m is not None]
-    for module in modules:
-        for name, obj in list(vars(module).items()):
-            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-                setattr(module, name, _Recorder(name, obj, calls))
-            # The launch choices the package makes on an H200 rather than on the CPU.
-            if name == "is_gpu":
-                setattr(module, name, lambda device=None: True)
-            if name == "num_compute_units":
-                setattr(module, name, lambda device=None: 132)
-            # CPU tensors stand in for GPU ones here (the recorders launch nothing).
-            if name == "check_kernel_device":
-                setattr(module, name, lambda name, x: None)
-    dev, dt = torch.device("cpu"), torch.bfloat16
-    with torch.no_grad():
-        # The demo's production configuration end to end: the Engram layer (hashing,
-        # table, gate, history) and the KDA layer (prologue with the conv, chunk walk
-        # with state cache and checkpoints, decode, conv decode and checkpoint).
-        cfg = demo.REAL
-        run = demo._Run(cfg, dev, dt, 0)
-        demo._GateCheck(cfg, dev, dt, 0).kernels()
-        run.prefill()
-        run.resume()
-        run.decode()
-        # Gate geometries the demo's batch may not reach: the wide single pass
-        # (dims 5120 and 2560), two passes (dim 6144), the register row (dim 1024).
-        for T, dim in ((64, 5120), (4096, 2560), (64, 6144), (64, 1024)):
-            hidden = torch.zeros(T, 4, dim, dtype=dt)
-            kv = torch.zeros(T, 5 * dim, dtype=dt)
-            w = torch.ones(4, dim, dtype=dt)
-            engram_post_wkv(hidden, kv, w, w, eps=1e-6, token_mask=torch.ones(T, dtype=torch.bool))
-        # The persistent single pass (its grid is sized from a compiled kernel on a
-        # GPU; here forced to 4 programs per SM of 132).
-        for dim in (5120, 2560):
-            hidden, kv, w = torch.zeros(4096, 4, dim, dtype=dt), torch.zeros(4096, 5 * dim, dtype=dt), torch.ones(4, dim, dtype=dt)
-            engram_post_wkv(hidden, kv, w, w, eps=1e-6, programs=528)
-        hidden, kv = torch.zeros(64, 4, 5120, dtype=dt), torch.zeros(64, 5 * 5120, dtype=dt)
-        w = torch.ones(4, 5120, dtype=dt)
-        local = shard_kv_by_dim(kv, 4, 4)[0].contiguous()
-        send = engram_gate_partials(hidden, local, w, w, rank=0, tp_size=4)
-        engram_gate_finish(hidden, torch.cat([send] * 4), tp_size=4, eps=1e-6)
-        # Both fp8 decodes of the table gather, and a parallel-group prefill.
-        for decode in ("native", "integer"):
-            table = EngramTable([1009, 1013], 256, storage="fp8", device=dev)
-            table.fp8_decode = decode
-            table.lookup(torch.tensor([[0, 1009]] * 8, dtype=torch.int32))  # a row of each column's table
-        H, K, T = 4, 128, 4096
-        x = {n: torch.zeros(1, T, H, K, dtype=dt) for n in ("q", "k", "v", "raw_g")}
-        chunk_kda_prefill(x["q"], x["k"], x["v"], x["raw_g"], torch.zeros(1, T, H, dtype=dt), torch.zeros(H),
-                          torch.zeros(H * K), lower_bound=-5.0, cu_seqlens=torch.tensor([0, T], dtype=torch.int32),
-                          initial_state=torch.zeros(1, H, K, K), output_final_state=True, groups=4,
-                          check_inputs=False)
+    return dict(registers=int(regs.group(1)) if regs else 0, spill_stack_bytes=int(stack.group(1)) if stack else 0)
 
 
 def main(report_path: str) -> int:
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
 
     calls = []
-    _drive(calls)
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    seen, rows, failures = set(), [], []
-    for name, fn, args, kwargs in calls:
-        signature, constexprs, attrs, options = _specialize(fn, args, dict(kwargs), backend)
-        const = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
-        key = (name, repr(signature), repr(sorted((k, repr(v)) for k, v in constexprs.items())),
-               repr(sorted(attrs.items())), repr(options))
-        if key in seen:
-            continue
-        seen.add(key)
-        try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                    target=target, options=options.__dict__)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run fails
-            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
-            continue
-        regs, stack = _resources(kernel.asm["cubin"])
-        const_json = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in const.items()}
-        launch = dict(num_warps=options.num_warps, num_stages=options.num_stages, maxnreg=options.maxnreg)
-        rows.append(dict(kernel=name, constexprs=const_json, options=launch, registers=regs, spill_stack_bytes=stack))
-        print(f"{name:<34} warps {options.num_warps:>2}  regs {regs:>3}  stack {stack:>5} B  "
-              + " ".join(f"{k}={v}" for k, v in const_json.items() if k.isupper()), flush=True)
+    defined = compile_support.drive(calls, "sm_90", 132)
+
+    def show(row):
+        print(f"{row['kernel']:<34} warps {row['options']['num_warps']:>2}  regs {row['registers']:>3}  "
+              f"stack {row['spill_stack_bytes']:>5} B  {compile_support.shape_label(row)}", flush=True)
+
+    rows, failures = compile_support.compile_calls(calls, GPUTarget("cuda", 90, 32), _resources, show)
     with open(report_path, "w") as fh:
-        json.dump(rows, fh, indent=1)
+        json.dump(dict(rows=rows, defined=sorted(defined)), fh, indent=1)
     for failure in failures:
         print("FAILED", failure, file=sys.stderr)
     return 1 if failures else 0

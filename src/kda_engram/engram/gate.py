@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_engram.launch_config import GateGeometry
 from kda_engram.platform import arch, interpreting, num_compute_units
 from kda_engram.validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
 from kda_engram.validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
@@ -136,7 +137,7 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
         lanes = chunk
     _check_num_warps(num_warps)
     geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
-    return geom
+    return GateGeometry(**geom).as_dict()  # validated
 
 
 def _check_num_warps(num_warps: int | None) -> None:
@@ -415,7 +416,7 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
         tokens = 1 if tokens is None else tokens
     if persistent:
         tokens = 1
-    return geom, tokens_per_program(T * hc, device, tokens)
+    return GateGeometry(**geom).as_dict(), tokens_per_program(T * hc, device, tokens)  # validated
 
 
 _RESIDENT_PROGRAMS: dict = {}

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, MAX_GRID_DIM
+from ..launch_config import ChunkConfig, chunk_launch, scan_precision_for, walk_tile
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import DeviceChecks, check_tensor
 from ..validation.kda import (
@@ -467,41 +468,25 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     (one per V-tile, mostly from L2), which is what the many-wave batched cases
     need; narrow ones fill the machine when ``N x H`` is small (1 x 8k x 32 heads
     on 132 SMs). Software pipelining (``num_stages = 2``) doubles the staging, so
-    it is taken only where one program per unit is all the grid has anyway. AMD
-    CDNA has 64 KiB of LDS per CU: single-staged, one resident program.
+    it is taken only where one program per unit is all the grid has anyway. On
+    AMD CDNA the walk is single-staged and the programs a CU holds are set by its
+    compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
+    per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
+
+    BV = 16 is never picked: on an H200 with Triton 3.6 the compiled walk with
+    16-column state tiles returned NaN outputs (and the benchmark hit an illegal
+    address) where BV = 32 and 64 matched the reference to bf16 rounding
+    (2026-12-02, .dbg chunk sweep); the tests still run BV = 16 under the
+    interpreter, where it is correct. On NVIDIA, Triton 3.6 compiles the
+    32-column walk wrongly when it is single-staged: compute-sanitizer caught an
+    out-of-bounds shared-memory read in the grouped walk (H200, 2026-12-03, 2 x 16
+    programs per head at BV = 32, num_stages = 1), and the serial walk forced to
+    the same build faulted too, while the same launches double-staged, and BV = 64
+    single-staged, ran clean. BV = 32 is therefore only taken where its grid fits
+    one program per SM, i.e. double-staged.
     """
-    cus = num_compute_units(device)
     nh = max(num_seqs * num_heads, 1)
-    on_amd = arch(device).startswith("gfx")
-    resident = (1 if on_amd else 2) * cus
-    best = None
-    # BV = 16 is excluded on purpose: on an H200 with Triton 3.6 the compiled walk
-    # with 16-column state tiles returned NaN outputs (and the benchmark hit an
-    # illegal address) where BV = 32 and 64 matched the reference to bf16
-    # rounding (2026-12-02, a chunk-config sweep); the tests still run BV = 16 under
-    # the interpreter, where it is correct.
-    for bv in (64, 32):
-        if bv > head_v or head_v % bv:
-            continue
-        programs = nh * (head_v // bv)
-        if bv == 32 and not on_amd and programs > cus:
-            # On NVIDIA, Triton 3.6 compiles the 32-column walk wrongly when it is
-            # single-staged: compute-sanitizer caught an out-of-bounds shared-memory
-            # read in the grouped walk (H200, 2026-12-03, 2 x 16 programs per head
-            # at BV = 32, num_stages = 1), and the serial walk forced to the same
-            # build faulted too, while the same launches double-staged, and
-            # BV = 64 single-staged, ran clean. BV = 32 is therefore only taken where
-            # its grid fits one program per SM, i.e. double-staged.
-            continue
-        waves = -(-programs // resident)
-        if best is None or waves <= best[0]:
-            best = (waves, bv)
-    bv = best[1] if best else min(head_v, 32)
-    programs = nh * (head_v // bv)
-    # On NVIDIA a 32-column walk is always double-staged (see above); that only
-    # widens the rule for V = 32 (tests), which has no wider tile to fall back to.
-    stages = 2 if not on_amd and (programs <= cus or bv == 32) else 1
-    return {"BV": bv, "num_warps": 4, "num_stages": stages}
+    return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
 
 
 def fused_kda_chunk(
@@ -525,7 +510,7 @@ def fused_kda_chunk(
     has_initial_state: torch.Tensor | None = None,
     *,
     check_inputs: bool = True,
-    config: dict | None = None,
+    config: dict | ChunkConfig | None = None,
     groups: int | None = None,
     min_group_chunks: int | None = None,
     group_workspace: torch.Tensor | None = None,
@@ -574,7 +559,9 @@ def fused_kda_chunk(
     sync) right before the first launch; with ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
-    :func:`chunk_config` (keys ``BV``, ``num_warps``, ``num_stages``; for tuning;
+    :func:`chunk_config` (a dict or a :class:`~kda_engram.launch_config.ChunkConfig`
+    of the keys ``BV``, ``num_warps``, ``num_stages``, for tuning; an unknown key
+    is a ``ValueError``;
     the grouped walk also reads ``BV_pass1``, ``num_warps_pass1``,
     ``num_stages_pass1``, ``BV_scan``, ``BJ_scan`` (contraction block of the
     scan's product), ``num_warps_scan``, ``num_stages_scan`` and
@@ -661,14 +648,10 @@ def fused_kda_chunk(
         parts = {name: flat[off: off + math.prod(shape)].view(shape)
                  for name, (off, shape) in layout.items() if name != "numel"}
 
-    cfg = chunk_config(num_seqs * n_groups, H, V, device)
-    if config:
-        cfg.update({k: v for k, v in config.items() if k in ("BV", "num_warps", "num_stages")})
-    bv = _checked_tile("BV", cfg["BV"], V, V)
-    if bv == 32 and cfg["num_stages"] < 2 and not interpreting() and not arch(device).startswith("gfx"):
-        # See chunk_config: this build reads shared memory out of bounds (H200, Triton 3.6).
-        raise ValueError(f"config: BV=32 with num_stages={cfg['num_stages']} is miscompiled by Triton 3.6 on "
-                         "NVIDIA GPUs (illegal memory access); use num_stages=2 or BV=64")
+    interp = interpreting()
+    launch = chunk_launch(config, num_seqs=num_seqs, n_groups=n_groups, num_heads=H, head_k=K, head_v=V,
+                          ieee_operands=qg.dtype == torch.float32, arch=arch(device),
+                          compute_units=num_compute_units(device), interpret=interp)
 
     if state_cache is not None:
         load_mode, store_mode, s_in, s_out = 2, 2, state_cache, state_cache
@@ -687,28 +670,13 @@ def fused_kda_chunk(
     has_ckpt = checkpoint_offsets is not None
     ck_indexed = checkpoint_state_indices is not None
     ieee = qg.dtype == torch.float32
-    interp = interpreting()
 
     if n_groups > 1:
         h_ws, m_ws, s_ws = parts["h"], parts["m"], parts["s"]
         # Pass one: V state rows + K operator rows per (sequence, head, group).
-        cfg1 = chunk_config(num_seqs * (n_groups - 1), H, V + K, device)
-        cfg1 = {"BV": cfg1["BV"], "num_warps": cfg1["num_warps"], "num_stages": cfg1["num_stages"]}
-        while cfg1["BV"] > 16 and (V % cfg1["BV"] or K % cfg1["BV"]):
-            cfg1["BV"] //= 2
-        for key in ("BV", "num_warps", "num_stages"):
-            if config and f"{key}_pass1" in config:
-                cfg1[key] = config[f"{key}_pass1"]
-        bv1 = _checked_tile("BV_pass1", cfg1["BV"], V, K)
-        bvs = _checked_tile("BV_scan", (config or {}).get("BV_scan", min(32, V)), V, V)
-        bj = (config or {}).get("BJ_scan", min(32, K))
-        if isinstance(bj, bool) or not isinstance(bj, int) or bj < 16 or K % bj:
-            raise ValueError(f"config: BJ_scan must be an int >= 16 dividing K={K}, got {bj!r}")
-        precision = (config or {}).get("scan_precision", _scan_precision(ieee, device))
-        if precision not in ("ieee", "tf32x3", "tf32"):
-            raise ValueError(f"config: scan_precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
         if checks is not None:
             checks.run()  # the one read-back, right before the first launch
+        bv1, bvs, bj = launch.BV_pass1, launch.BV_scan, launch.BJ_scan
         _kda_group_pass_one_kernel[((V + K) // bv1, H, num_seqs * (n_groups - 1))](
             w, u, kg_t, decay, cu_seqlens, chunk_offsets, h_ws, m_ws,
             n_groups, min_len,
@@ -716,7 +684,7 @@ def fused_kda_chunk(
             *h_ws.stride(), *m_ws.stride(),
             cu_seqlens.stride(0), chunk_offsets.stride(0),
             K=K, V=V, BV=bv1, C=CHUNK_SIZE, IEEE=ieee, INTERPRET=interp,
-            num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"],
+            num_warps=launch.num_warps_pass1, num_stages=launch.num_stages_pass1,
         )
         # The scan: the only reader of the initial state / cache row.
         _kda_group_scan_kernel[(V // bvs, H, num_seqs)](
@@ -724,8 +692,8 @@ def fused_kda_chunk(
             n_groups, min_len,
             *st4(s_in), *h_ws.stride(), *m_ws.stride(), *s_ws.stride(),
             cu_seqlens.stride(0), st1(state_indices), st1(has_initial_state),
-            K=K, V=V, BV=bvs, BJ=bj, C=CHUNK_SIZE, LOAD_STATE=load_mode, PRECISION=precision, INTERPRET=interp,
-            num_warps=(config or {}).get("num_warps_scan", 8), num_stages=(config or {}).get("num_stages_scan", 1),
+            K=K, V=V, BV=bvs, BJ=bj, C=CHUNK_SIZE, LOAD_STATE=load_mode, PRECISION=launch.scan_precision,
+            INTERPRET=interp, num_warps=launch.num_warps_scan, num_stages=launch.num_stages_scan,
         )
         # Pass two reads its start state from the scan's output.
         walk_in, walk_in_strides, walk_load = s_ws, tuple(s_ws.stride()), 3
@@ -734,6 +702,7 @@ def fused_kda_chunk(
         st_in = st4(s_in)
         walk_in_strides, walk_load = (st_in[0], 0, *st_in[1:]), load_mode
 
+    bv = launch.BV
     grid = (V // bv, H, num_seqs * n_groups)
     if checks is not None:
         checks.run()  # the one read-back (a no-op if the grouped path ran it)
@@ -754,7 +723,7 @@ def fused_kda_chunk(
         LOAD_STATE=walk_load, STORE_STATE=store_mode,
         HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed, GROUPED=n_groups > 1,
         IEEE=ieee, INTERPRET=interp,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out, final_state
 
@@ -770,19 +739,9 @@ def _scan_precision(ieee_operands: bool, device) -> str:
     0.137 ms, the grouped walk 1.107 -> 0.822 ms; 1 x 32768 H4, G = 16:
     0.314 -> 0.087 ms). ``"ieee"`` for fp32 operands (the tests' exact path,
     where the walk itself is fp32), under the interpreter, and on AMD, which has
-    no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it."""
-    if ieee_operands or interpreting() or arch(device).startswith("gfx"):
-        return "ieee"
-    return "tf32x3"
-
-
-def _checked_tile(name: str, bv, V: int, K: int) -> int:
-    """A row-tile width that divides both dims it tiles and compiles correctly."""
-    if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or V % bv or K % bv:
-        raise ValueError(f"config: {name} must be an int >= 16 dividing V={V} and K={K}, got {bv!r}")
-    if bv < 32 and min(V, K) >= 32 and not interpreting():
-        raise ValueError(f"config: {name}={bv} is miscompiled by Triton 3.6 on the GPU (NaN outputs); use 32 or 64")
-    return bv
+    no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it. The rule is
+    :func:`kda_engram.launch_config.scan_precision_for`."""
+    return scan_precision_for(ieee_operands, "cpu" if interpreting() else arch(device))
 
 
 def _resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,

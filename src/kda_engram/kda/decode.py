@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
+from ..launch_config import decode_tiling_for, device_arch
 from ..platform import num_compute_units
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_decode_indices, check_decode_inputs, check_decode_multi_indices
@@ -177,10 +178,9 @@ def decode_tiling(
     4 warps), as each thread then does more independent work per load. Any
     power-of-two ``BLOCK_V`` dividing ``V`` is correct; this only picks speed.
     """
-    del batch, heads, device  # the measured optimum did not depend on the grid size
-    block_v = min(16, v_dim)
-    num_warps = 4 if steps == 1 else 2
-    return block_v, num_warps
+    del batch, heads  # the measured optimum did not depend on the grid size
+    tiling = decode_tiling_for(device_arch(device), v_dim, steps)  # the per-architecture rule
+    return tiling.block_v, tiling.num_warps
 
 
 def _is_pow2(n: int) -> bool:

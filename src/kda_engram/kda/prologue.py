@@ -116,7 +116,8 @@ import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
-from ..platform import is_gpu
+from ..launch_config import prologue_warps_for
+from ..platform import arch, is_gpu
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
@@ -538,7 +539,8 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     290) or 1 warp (solve: 432) take over.
     """
     if num_warps is None:
-        return (4, 2) if (is_gpu(dev) and max(K, V) >= 128) else (4, 4)
+        warps = prologue_warps_for(arch(dev) if is_gpu(dev) else "cpu", K, V)  # the per-architecture rule
+        return warps.intra, warps.solve
     pair = (num_warps, num_warps) if isinstance(num_warps, numbers.Integral) else num_warps
     if (not isinstance(pair, (tuple, list)) or len(pair) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in pair)):
@@ -694,49 +696,3 @@ def fused_kda_prologue(
     if checks is not None:
         checks.run()  # the one read-back, before anything writes conv_state
     return launch()
-
-    bounded = lower_bound is not None
-    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
-    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
-    if exact_diag:
-        shift = 0.0
-    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
-
-    if dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
-    if conv_weight is not None:
-        # The conv runs as a launch of its own (see kda/conv.py for the measured
-        # reason); the rest of the prologue reads its bands like raw inputs.
-        q, k, v = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
-                                     conv_state_indices, conv_has_initial_state)
-    # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
-    # in fp32) passes from the first launch to the second through this
-    # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
-    akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
-    grid = (num_chunks * H,)
-    _kda_prologue_intra_kernel[grid](
-        q, q.stride(1), q.stride(2), q.stride(3),
-        k, k.stride(1), k.stride(2), k.stride(3),
-        v, v.stride(1), v.stride(2), v.stride(3),
-        raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
-        raw_beta, raw_beta.stride(1), raw_beta.stride(2),
-        A_log, A_log.stride(0),
-        dt_bias, sdtb_h, sdtb_c,
-        cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
-        out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
-        H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
-        K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
-        BOUNDED=bounded, EXACT_DIAG=exact_diag,
-        DOT=dot_dtype,
-        num_warps=intra_warps, num_stages=1,
-    )
-    _kda_prologue_solve_kernel[grid](
-        cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
-        out["w"], out["u"], akk,
-        H,
-        K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype,
-        num_warps=solve_warps, num_stages=1,
-    )
-    return out

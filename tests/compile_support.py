@@ -1,0 +1,243 @@
+"""Shared machinery of the compile tests (``test_compile_sm90.py``, ``test_compile_amd.py``).
+
+Drives the package's real entry points on CPU tensors with every ``*_kernel``
+replaced by a recorder and the device facts of a target GPU patched in (so the
+launchers make the choices they make on that GPU), then compiles each recorded
+launch with Triton's own pipeline, its arguments specialised by Triton's launch
+binder exactly as at a real launch (alignment and unit-stride facts decide
+vectorisation, so registers and spills are the real kernel's).
+
+Runs in a child process without ``TRITON_INTERPRET`` (the kernels must be real
+``JITFunction``s); the test modules start it with :func:`run_child`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import triton
+
+
+class Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, name, fn, calls):
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((self.name, self.fn, args, kwargs))
+
+        return launch
+
+    def warmup(self, *args, grid, **kwargs):
+        """The compile a launcher asks for to size a grid: recorded like a launch."""
+        self.calls.append((self.name, self.fn, args, kwargs))
+
+
+def specialize(fn, args, kwargs, backend):
+    """``(signature, constexprs, attrs, options)`` of the compile that
+    ``fn[grid](*args, **kwargs)`` would start on the GPU. Triton's own launch
+    binder specialises the arguments as at a real launch: integers equal to 1
+    become constexprs, pointers and integers divisible by 16 carry that fact
+    (which is what lets the compiler vectorise loads and stores). Without it the
+    compile is of a kernel no launch runs: all loads scalar, register and spill
+    counts far from the real ones. (``create_function_from_signature`` and
+    ``_pack_args`` are Triton's internals; triton is pinned to 3.6.0.)"""
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def _import_kernel_modules():
+    """Every module that defines or launches a kernel, before the recorders go in."""
+    import importlib
+
+    for name in ("kda_engram.engram.hashing", "kda_engram.engram.table", "kda_engram.engram.gate",
+                 "kda_engram.engram.sharded_gate", "kda_engram.kda.chunk", "kda_engram.kda.conv",
+                 "kda_engram.kda.decode", "kda_engram.kda.prologue", "kda_engram.kda.metadata",
+                 "kda_engram.layers", "kda_engram.ops", "kda_engram.demo"):
+        importlib.import_module(name)
+    # The Engram history kernels live in layers/engram.py or, once moved, in
+    # engram/history.py: whichever exists is imported (layers imports it anyway).
+    try:
+        importlib.import_module("kda_engram.engram.history")
+    except ModuleNotFoundError as exc:
+        if exc.name != "kda_engram.engram.history":
+            raise
+
+
+def patch_device(calls, arch: str, compute_units: int) -> set[str]:
+    """Replace every ``*_kernel`` of the package by a :class:`Recorder` and make the
+    launchers see a compiled ``arch`` GPU with ``compute_units`` units (the facts are
+    patched in :mod:`kda_engram.platform` and wherever a module imported them).
+    Returns the names of all kernels the package defines."""
+    import kda_engram.platform as platform
+
+    _import_kernel_modules()
+    cdna = {"gfx942": 3, "gfx950": 4}.get(arch, 0)
+    facts = {
+        "is_gpu": lambda device=None: True,
+        "num_compute_units": lambda device=None: compute_units,
+        "arch": lambda device=None: arch,
+        "cdna_version": lambda device=None: cdna,
+        "interpreting": lambda: False,
+    }
+    for fn in facts.values():
+        fn.device_fact = True  # marks a patched fact, so a second patch finds it again
+    originals = {name: getattr(platform, name) for name in facts}
+    for name, fn in facts.items():
+        setattr(platform, name, fn)
+    modules = [m for n, m in sys.modules.items() if n.startswith("kda_engram") and m is not None]
+    defined = set()
+    for module in modules:
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                setattr(module, name, Recorder(name, obj, calls))
+                defined.add(name)
+            elif isinstance(obj, Recorder):
+                setattr(module, name, Recorder(obj.name, obj.fn, calls))
+                defined.add(obj.name)
+            if name == "check_kernel_device":
+                # CPU tensors stand in for GPU ones here (the recorders launch nothing).
+                setattr(module, name, lambda name, x: None)
+            if name == "resident_programs_per_cu":
+                # The persistent gate sizes its grid from the compiled kernel on the
+                # GPU; here 4 programs per unit (what dim 5120 holds on an H200).
+                setattr(module, name, lambda compiled, device: 4)
+            if module is not platform and name in facts and (obj is originals[name] or getattr(obj, "device_fact", False)):
+                setattr(module, name, facts[name])
+    # Heuristics cached per device would keep the previous target's answer.
+    import kda_engram.kda.groups as groups
+
+    groups._chunk_groups_cached.cache_clear()
+    return defined
+
+
+def drive(calls, arch: str, compute_units: int) -> set[str]:
+    """Run the package's entry points on CPU tensors with the recorders in place:
+    the demo's production configuration (bf16, K = V = 128, Engram dim 5120 x hc 4)
+    end to end, plus the launch variants the demo's batch does not reach. Returns
+    the names of all kernels the package defines (a kernel defined and never
+    launched here is one no compile test checks: the tests fail on it)."""
+    import torch
+
+    defined = patch_device(calls, arch, compute_units)
+    import kda_engram.demo as demo
+    from kda_engram.engram import engram_gate_finish, engram_gate_partials, engram_post_wkv
+    from kda_engram.engram.reference import shard_kv_by_dim
+    from kda_engram.engram.table import EngramTable
+    from kda_engram.kda.prefill import chunk_kda_prefill
+
+    dev, dt = torch.device("cpu"), torch.bfloat16
+    with torch.no_grad():
+        # The Engram layer (hashing, table, gate, history) and the KDA layer
+        # (prologue with the conv, chunk walk with state cache and checkpoints,
+        # decode, conv decode and checkpoint).
+        cfg = demo.REAL
+        run = demo._Run(cfg, dev, dt, 0)
+        demo._GateCheck(cfg, dev, dt, 0).kernels()
+        run.prefill()
+        run.resume()
+        run.decode()
+        # Gate geometries the demo's batch may not reach: the wide single pass
+        # (dims 5120 and 2560), two passes (dim 6144), the register row (dim 1024).
+        for T, dim in ((64, 5120), (4096, 2560), (64, 6144), (64, 1024)):
+            hidden = torch.zeros(T, 4, dim, dtype=dt)
+            kv = torch.zeros(T, 5 * dim, dtype=dt)
+            w = torch.ones(4, dim, dtype=dt)
+            engram_post_wkv(hidden, kv, w, w, eps=1e-6, token_mask=torch.ones(T, dtype=torch.bool))
+        # The persistent single pass (its grid is sized from a compiled kernel on a
+        # GPU; here forced to 4 programs per unit).
+        for dim in (5120, 2560):
+            hidden, kv, w = torch.zeros(4096, 4, dim, dtype=dt), torch.zeros(4096, 5 * dim, dtype=dt), torch.ones(4, dim, dtype=dt)
+            engram_post_wkv(hidden, kv, w, w, eps=1e-6, programs=4 * compute_units)
+        hidden, kv = torch.zeros(64, 4, 5120, dtype=dt), torch.zeros(64, 5 * 5120, dtype=dt)
+        w = torch.ones(4, 5120, dtype=dt)
+        local = shard_kv_by_dim(kv, 4, 4)[0].contiguous()
+        send = engram_gate_partials(hidden, local, w, w, rank=0, tp_size=4)
+        engram_gate_finish(hidden, torch.cat([send] * 4), tp_size=4, eps=1e-6)
+        # Both fp8 decodes of the table gather.
+        for decode in ("native", "integer"):
+            table = EngramTable([1009, 1013], 256, storage="fp8", device=dev)
+            table.fp8_decode = decode
+            table.lookup(torch.tensor([[0, 1009]] * 8, dtype=torch.int32))  # a row of each column's table
+        # A parallel-group prefill, with the conv and no conv state.
+        H, K, T = 4, 128, 4096
+        x = {n: torch.zeros(1, T, H, K, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+        chunk_kda_prefill(x["q"], x["k"], x["v"], x["raw_g"], torch.zeros(1, T, H, dtype=dt), torch.zeros(H),
+                          torch.zeros(H * K), lower_bound=-5.0, cu_seqlens=torch.tensor([0, T], dtype=torch.int32),
+                          initial_state=torch.zeros(1, H, K, K), output_final_state=True, groups=4,
+                          conv_weight=torch.zeros(3 * H * K, 4, dtype=dt), check_inputs=False)
+        # The chunk-metadata kernel: on CPU tensors prepare_chunk_metadata takes the
+        # torch functions unless the interpreter runs, so it is told it does.
+        import kda_engram.kda.metadata as metadata
+
+        real = metadata.interpreting
+        metadata.interpreting = lambda: True
+        try:
+            metadata.prepare_chunk_metadata(torch.tensor([0, 100, 4096], dtype=torch.int32), 4096)
+        finally:
+            metadata.interpreting = real
+    return defined
+
+
+def compile_calls(calls, target, resources, on_row=None):
+    """Compile every distinct recorded launch for ``target``; ``resources(kernel,
+    options)`` gives the row's resource fields. Returns ``(rows, failures)``."""
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(target)
+    seen, rows, failures = set(), [], []
+    for name, fn, args, kwargs in calls:
+        signature, constexprs, attrs, options = specialize(fn, args, dict(kwargs), backend)
+        const = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+        key = (name, repr(signature), repr(sorted((k, repr(v)) for k, v in constexprs.items())),
+               repr(sorted(attrs.items())), repr(options))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                    target=target, options=options.__dict__)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run fails
+            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
+            continue
+        const_json = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in const.items()}
+        row = dict(kernel=name, constexprs=const_json,
+                   options=dict(num_warps=options.num_warps, num_stages=options.num_stages,
+                                maxnreg=getattr(options, "maxnreg", None)),
+                   **resources(kernel, options))
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return rows, failures
+
+
+def shape_label(row) -> str:
+    """The row's upper-case constexprs, ``K=V`` style (what tells launches apart)."""
+    return " ".join(f"{k}={v}" for k, v in row["constexprs"].items() if k.isupper())
+
+
+def run_child(script: str, args, tmp_path, timeout: int = 1800):
+    """Run ``python script *args`` without ``TRITON_INTERPRET``, Triton's cache under
+    ``tmp_path``; returns the ``CompletedProcess``."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                    env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, script, *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_rows(path):
+    with open(path) as fh:
+        return json.load(fh)
