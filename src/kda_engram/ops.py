@@ -271,9 +271,11 @@ def _fused_kda_chunk_op(
                          checkpoint_into_cache, state_cache, state_indices, has_initial_state)
 
 
-def _fake_prefill_outputs(T, H, V, K, N, dtype, device, output_final_state):
+def _fake_prefill_outputs(T, H, V, K, N, dtype, device, output_final_state, initial_state=None):
     out = torch.empty(1, T, H, V, dtype=dtype, device=device)
-    final = torch.empty(N if output_final_state else 0, H, V, K, dtype=torch.float32, device=device)
+    # The final state takes the initial state's dtype (fp32 or bf16), fp32 without one.
+    state_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    final = torch.empty(N if output_final_state else 0, H, V, K, dtype=state_dtype, device=device)
     return out, final
 
 
@@ -282,7 +284,7 @@ def _(qg, w, u, kg_t, aqk, decay, scale, cu_seqlens, initial_state, output_final
       checkpoint_state, checkpoint_offsets, checkpoint_state_indices, checkpoint_into_cache, state_cache,
       state_indices, has_initial_state):
     return _fake_prefill_outputs(u.shape[1], u.shape[2], u.shape[3], qg.shape[3], cu_seqlens.shape[0] - 1,
-                                 u.dtype, u.device, output_final_state)
+                                 u.dtype, u.device, output_final_state, initial_state)
 
 
 def _split_checkpoint(checkpoint_state, state_cache):
@@ -348,7 +350,7 @@ def _(q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, 
       state_cache, state_indices, has_initial_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
       checkpoint_into_cache, conv_weight, conv_state, conv_state_indices, conv_has_initial_state):
     return _fake_prefill_outputs(q.shape[1], q.shape[2], v.shape[3], q.shape[3], cu_seqlens.shape[0] - 1, v.dtype,
-                                 v.device, output_final_state)
+                                 v.device, output_final_state, initial_state)
 
 
 def chunk_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, cu_seqlens, scale: float | None = None,

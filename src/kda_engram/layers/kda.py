@@ -55,6 +55,7 @@ from torch import nn
 from .. import ops
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
 from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
+from ..kda.state_dtype import STATE_DTYPES, check_state_dtype_match
 from ..parallel import TensorParallelGroup
 
 __all__ = ["KDABatch", "KimiDeltaAttention", "kda_layer_reference"]
@@ -315,13 +316,21 @@ class KimiDeltaAttention(nn.Module):
 
     # -- caches -----------------------------------------------------------------------
 
-    def allocate_cache(self, slots: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(state_cache fp32 [slots, H, V, K], conv_state [slots, 2HK + HV, 3])`` with
+    def allocate_cache(self, slots: int, *, device=None,
+                       state_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(state_cache [slots, H, V, K], conv_state [slots, 2HK + HV, 3])`` with
         ``torch.empty`` (the conv windows in the projection dtype: raw inputs are
-        stored exactly). Rows are only read where ``has_initial_state`` says so."""
+        stored exactly). Rows are only read where ``has_initial_state`` says so.
+
+        ``state_dtype``: float32 (default) or bfloat16. A bf16 cache halves the
+        bytes a decode step moves and the memory of every cached prefix; the
+        kernels step the state in fp32 and round it to bf16 (RTNE) once per store.
+        Checkpoint buffers must then be bf16 too."""
+        if state_dtype not in STATE_DTYPES:
+            raise TypeError(f"state_dtype: expected float32 or bfloat16, got {state_dtype}")
         device = device or self.in_proj.weight.device
         H, K = self.local_heads, self.head_dim
-        state = torch.empty(slots, H, K, K, dtype=torch.float32, device=device)
+        state = torch.empty(slots, H, K, K, dtype=state_dtype, device=device)
         conv = torch.empty(slots, self.conv_channels, self.conv_size - 1, dtype=self.in_proj.weight.dtype,
                            device=device)
         return state, conv
@@ -441,12 +450,13 @@ class KimiDeltaAttention(nn.Module):
         if not isinstance(batch, KDABatch):
             raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
         H, K = self.local_heads, self.head_dim
-        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=(torch.float32,), device=wt.device)
+        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=STATE_DTYPES, device=wt.device)
         check_tensor("conv_state", conv_state, shape=[None, self.conv_channels, self.conv_size - 1],
                      dtypes=FLOAT_DTYPES, device=wt.device)
         if checkpoint_state is not None:
-            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=(torch.float32,),
+            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=STATE_DTYPES,
                          device=wt.device)
+            check_state_dtype_match(["state_cache", "checkpoint_state"], [state_cache, checkpoint_state])
         if checkpoint_conv_state is not None:
             check_tensor("checkpoint_conv_state", checkpoint_conv_state,
                          shape=[None, self.conv_channels, self.conv_size - 1], dtypes=FLOAT_DTYPES, device=wt.device)
@@ -478,7 +488,7 @@ class KimiDeltaAttention(nn.Module):
 
         Args:
             batch: the step's :class:`KDABatch`.
-            state_cache: fp32 ``[slots, H, V, K]`` (this rank's heads), updated in place.
+            state_cache: fp32 or bf16 ``[slots, H, V, K]`` (this rank's heads), updated in place.
             conv_state: ``[slots, 2HK + HV, 3]`` conv windows, updated in place.
             checkpoint_state / checkpoint_conv_state: where the batch's checkpoints go
                 (rows ``batch.checkpoint_indices``); default the caches themselves.
