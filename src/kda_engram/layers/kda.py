@@ -241,6 +241,10 @@ class KimiDeltaAttention(nn.Module):
         scale: attention scale (default ``head_dim ** -0.5``).
         tp: tensor-parallel group (``None``: one process).
         dtype, device: of the projections (``A_log``, ``dt_bias`` stay fp32).
+        fused_decode: run the decode rows through one launch
+            (:func:`~kda_engram.kda.fused_decode.fused_kda_decode_step`: conv, KDA
+            step and output gate) instead of the conv launch, ``kda_decode`` and
+            the PyTorch output gate. Same results up to fp32 summation order.
 
     Parameters (this rank's shard, ``torch.empty``: load with :meth:`load_weights`):
     ``in_proj.weight [2HK + HV + gate + H + g_out, hidden]``, ``f_b_proj.weight``,
@@ -263,6 +267,7 @@ class KimiDeltaAttention(nn.Module):
         tp: TensorParallelGroup | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        fused_decode: bool = True,
     ):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup.single()
@@ -291,6 +296,7 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.norm_eps = float(norm_eps)
         self.scale = float(scale) if scale is not None else K**-0.5
+        self.fused_decode = bool(fused_decode)
         self.conv_channels = C = 2 * H * K + H * V
         gate_cols = gate_low_rank_dim or H * K
         gout_cols = output_gate_low_rank_dim or H * V
@@ -514,8 +520,17 @@ class KimiDeltaAttention(nn.Module):
         g_out = proj[:, b["g_out"][0] : b["g_out"][1]]
         g_out = self.g_b_proj(g_out) if self.g_b_proj is not None else g_out
 
-        parts = []
-        if B > 0:
+        parts = []  # o_proj inputs [rows, H*V]: decode rows, then prefill tokens
+        dt = self.in_proj.weight.dtype
+        if B > 0 and self.fused_decode:
+            # One launch: conv window update + SiLU, norms, gate, beta, state step, gated RMSNorm.
+            parts.append(ops.fused_kda_decode_step(
+                proj[:B, :C], raw_g[:B], raw_beta[:B], g_out[:B], self.conv_weight, conv_state,
+                batch.decode_conv_indices, self.A_log, self.dt_bias, self.o_norm_weight, state_cache,
+                batch.decode_state_indices, scale=self.scale, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
+                out_dtype=dt,
+            ))
+        elif B > 0:
             x = proj[:B, :C]
             conv = ops.kda_conv_decode(x, self.conv_weight, conv_state, batch.decode_conv_indices,
                                        out_dtype=torch.float32)
@@ -525,7 +540,7 @@ class KimiDeltaAttention(nn.Module):
             o_d = ops.kda_decode(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
                                  state_cache, batch.decode_state_indices, scale=self.scale,
                                  lower_bound=self.lower_bound)
-            parts.append(o_d.to(hidden_states.dtype))
+            parts.append(self._output_gate(o_d.to(hidden_states.dtype), g_out[:B].view(B, H, V)).reshape(B, H * V))
         if batch.num_prefill > 0:
             Tp = T - B
             xp = proj[B:]
@@ -545,10 +560,10 @@ class KimiDeltaAttention(nn.Module):
                 ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,
                                         batch.checkpoint_indices,
                                         checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
-            parts.append(o_p.view(Tp, H, V))
+            parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
         # Decode rows then prefill tokens: together exactly the T rows (checked above).
-        o = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H, V))
-        y = self.o_proj(self._output_gate(o, g_out.view(T, H, V)).reshape(T, H * V))
+        z = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H * V))
+        y = self.o_proj(z)
         if self.tp.world_size > 1:
             y = self._all_reduce(y)
         return y
