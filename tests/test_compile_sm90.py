@@ -34,24 +34,54 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
 
 
-def test_every_kernel_compiles_for_sm90(tmp_path):
+def _compile_in_child(tmp_path, *mode):
     if not (NVIDIA_BIN / "ptxas").exists():
         pytest.fail("the triton wheel ships no ptxas: cannot compile for sm_90 here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, __file__, str(report)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, str(report), *mode], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    rows = json.loads(report.read_text())
+    return json.loads(report.read_text())
+
+
+def _assert_state_kernels(rows):
+    """The bf16/fp32 state variants and the fused layer decode step were compiled,
+    without heavy spills (checked for every row by the callers)."""
+    got = {(r["kernel"], r["constexprs"].get("STATE_BF16"), r["constexprs"].get("S")) for r in rows}
+    for s in (1, 4):
+        for bf16 in (False, True):
+            assert ("_kda_decode_kernel", bf16, s) in got, got
+            assert ("_fused_kda_decode_kernel", bf16, s) in got, got
+    walk = {(r["constexprs"].get("OUT_BF16"), r["constexprs"].get("CKPT_BF16"), r["constexprs"].get("GROUPED"))
+            for r in rows if r["kernel"] == "_kda_chunk_walk_kernel"}
+    assert {(True, True, False), (True, False, True)} <= walk, walk
+
+
+def test_state_dtype_and_fused_decode_kernels_compile_for_sm90(tmp_path):
+    """Only the kernels with a bf16/fp32 state variant and the fused decode step
+    (fast: ``-k state_dtype``)."""
+    rows = _compile_in_child(tmp_path, "state")
+    _assert_state_kernels(rows)
+    heavy = [(r["kernel"], r["constexprs"], r["registers"], r["spill_stack_bytes"]) for r in rows
+             if r["spill_stack_bytes"] > 0]
+    # The decode kernels hold a [BLOCK_V, K] fp32 tile: no spill at all is the bar.
+    assert not [h for h in heavy if "decode" in h[0]], heavy
+    assert not [h for h in heavy if h[3] > MAX_SPILL_STACK_BYTES], heavy
+
+
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    rows = _compile_in_child(tmp_path)
     compiled = {r["kernel"] for r in rows}
     # Every kernel family the package launches was reached and compiled.
     for name in ("_kda_prologue_intra_kernel", "_kda_prologue_solve_kernel", "_kda_chunk_walk_kernel",
                  "_kda_group_pass_one_kernel", "_kda_group_scan_kernel", "_kda_decode_kernel", "_conv_decode_kernel", "_conv_prefill_kernel",
                  "_conv_checkpoint_kernel", "_engram_post_wkv_kernel", "_engram_gate_partials_kernel",
                  "_engram_gate_finish_kernel", "_engram_gather_kernel", "_ngram_hash_kernel", "_next_history_kernel",
-                 "_history_copy_kernel", "_history_checkpoint_kernel"):
+                 "_history_copy_kernel", "_history_checkpoint_kernel", "_fused_kda_decode_kernel"):
         assert name in compiled, f"{name} was never launched by the driver"
+    _assert_state_kernels(rows)
     geoms = {(r["constexprs"].get("LOOP"), r["constexprs"].get("HEAD")) for r in rows
              if r["kernel"] == "_engram_post_wkv_kernel"}
     assert {(True, 16), (False, 4096), (False, 2048), (False, 1024)} <= geoms, geoms
@@ -113,23 +143,7 @@ def _resources(cubin: bytes) -> tuple[int, int]:
     return int(regs.group(1)) if regs else 0, int(stack.group(1)) if stack else 0
 
 
-def _drive(calls):
-    """Run the package's entry points on CPU tensors with the recorders in place."""
-    import torch
-
-    import kda_engram.demo as demo
-    import kda_engram.engram.hashing  # noqa: F401  (every kernel module, before the recorders go in)
-    import kda_engram.kda.chunk  # noqa: F401
-    import kda_engram.kda.conv  # noqa: F401
-    import kda_engram.kda.decode  # noqa: F401
-    import kda_engram.kda.prologue  # noqa: F401
-    import kda_engram.layers  # noqa: F401
-    import kda_engram.ops  # noqa: F401
-    from kda_engram.engram import engram_gate_finish, engram_gate_partials, engram_post_wkv
-    from kda_engram.engram.reference import shard_kv_by_dim
-    from kda_engram.engram.table import EngramTable
-    from kda_engram.kda.prefill import chunk_kda_prefill
-
+def _install_recorders(calls):
     modules = [m for n, m in sys.modules.items() if n.startswith("kda_engram") and m is not None]
     for module in modules:
         for name, obj in list(vars(module).items()):
@@ -140,6 +154,79 @@ def _drive(calls):
                 setattr(module, name, lambda device=None: True)
             if name == "num_compute_units":
                 setattr(module, name, lambda device=None: 132)
+
+
+def _drive_state(calls, install=True):
+    """The bf16/fp32 state-cache variants (decode, multi-token decode, prefill walk
+    with bf16 cache and checkpoints, grouped walk with a bf16 cache) and the fused
+    layer decode step, at the production shapes (bf16 inputs, K = V = 128)."""
+    import torch
+
+    import kda_engram.kda.chunk  # noqa: F401
+    import kda_engram.kda.decode  # noqa: F401
+    import kda_engram.kda.fused_decode  # noqa: F401
+    import kda_engram.kda.prologue  # noqa: F401
+
+    if install:
+        _install_recorders(calls)
+    from kda_engram.kda.decode import kda_decode, kda_decode_multi
+    from kda_engram.kda.fused_decode import fused_kda_decode_step
+    from kda_engram.kda.prefill import chunk_kda_prefill
+
+    dt, B, H, D = torch.bfloat16, 4, 32, 128
+    with torch.no_grad():
+        for sd in (torch.float32, dt):
+            for S in (None, 4):
+                lead = (B,) if S is None else (B, S)
+                x = {n: torch.zeros(*lead, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+                idx = torch.arange(B * (S or 1), dtype=torch.int32).view(*lead)
+                cache = torch.zeros(B * (S or 1), H, D, D, dtype=sd)
+                fn = kda_decode if S is None else kda_decode_multi
+                fn(**x, raw_beta=torch.zeros(*lead, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+                   state_cache=cache, state_indices=idx, lower_bound=-5.0, check_inputs=False)
+                # The fused step reads strided bands of one projection row (Kimi-Linear layout).
+                C = 3 * H * D
+                proj = torch.zeros(*lead, C + H * D + H + H * D, dtype=dt)
+                fused_kda_decode_step(
+                    proj[..., :C], proj[..., C: C + H * D], proj[..., C + H * D: C + H * D + H],
+                    proj[..., C + H * D + H:], torch.zeros(C, 4, dtype=dt),
+                    torch.zeros(B * (S or 1), C, 3, dtype=dt), idx, torch.zeros(H), torch.zeros(H * D),
+                    torch.ones(D, dtype=dt), cache, idx, lower_bound=-5.0, check_inputs=False)
+        Hp, T = 4, 4096
+        x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+        common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),
+                      lower_bound=-5.0, cu_seqlens=torch.tensor([0, T // 2, T], dtype=torch.int32),
+                      check_inputs=False)
+        cache = torch.zeros(6, Hp, D, D, dtype=dt)
+        state = dict(state_cache=cache, state_indices=torch.tensor([0, 1]),
+                     has_initial_state=torch.ones(2, dtype=torch.bool))
+        # Serial walk: bf16 cache row and bf16 checkpoints into the cache.
+        chunk_kda_prefill(**x, **common, **state, checkpoint_state=cache,
+                          checkpoint_offsets=torch.tensor([1024, 2048]), checkpoint_state_indices=torch.tensor([2, 3]),
+                          groups=1)
+        # Grouped walk (pass one, scan, pass two) on a bf16 cache.
+        chunk_kda_prefill(**x, **common, **state, groups=4)
+
+
+def _drive(calls):
+    """Run the package's entry points on CPU tensors with the recorders in place."""
+    import torch
+
+    import kda_engram.demo as demo
+    import kda_engram.engram.hashing  # noqa: F401  (every kernel module, before the recorders go in)
+    import kda_engram.kda.chunk  # noqa: F401
+    import kda_engram.kda.conv  # noqa: F401
+    import kda_engram.kda.decode  # noqa: F401
+    import kda_engram.kda.fused_decode  # noqa: F401
+    import kda_engram.kda.prologue  # noqa: F401
+    import kda_engram.layers  # noqa: F401
+    import kda_engram.ops  # noqa: F401
+    from kda_engram.engram import engram_gate_finish, engram_gate_partials, engram_post_wkv
+    from kda_engram.engram.reference import shard_kv_by_dim
+    from kda_engram.engram.table import EngramTable
+    from kda_engram.kda.prefill import chunk_kda_prefill
+
+    _install_recorders(calls)
     dev, dt = torch.device("cpu"), torch.bfloat16
     with torch.no_grad():
         # The demo's production configuration end to end: the Engram layer (hashing,
@@ -179,15 +266,16 @@ def _drive(calls):
                           torch.zeros(H * K), lower_bound=-5.0, cu_seqlens=torch.tensor([0, T], dtype=torch.int32),
                           initial_state=torch.zeros(1, H, K, K), output_final_state=True, groups=4,
                           check_inputs=False)
+    _drive_state(calls, install=False)
 
 
-def main(report_path: str) -> int:
+def main(report_path: str, mode: str = "all") -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
 
     calls = []
-    _drive(calls)
+    (_drive_state if mode == "state" else _drive)(calls)
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     seen, rows, failures = set(), [], []
@@ -203,7 +291,9 @@ def main(report_path: str) -> int:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=target, options=options.__dict__)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run fails
-            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
+            cause = exc.__cause__ or exc.__context__
+            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[-2000:]}"
+                            + (f" (caused by {type(cause).__name__}: {str(cause)[-1500:]})" if cause else ""))
             continue
         regs, stack = _resources(kernel.asm["cubin"])
         const_json = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in const.items()}
@@ -219,4 +309,4 @@ def main(report_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:]))

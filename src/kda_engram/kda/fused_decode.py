@@ -75,6 +75,20 @@ def _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, chans, s: tl.constexpr,
 
 
 @triton.jit
+def _window_value(x_ptr, b, chans, t: tl.constexpr, old0, old1, old2, sx_b, sx_s, sx_c):
+    """Raw input at launch-relative time ``t``: a held slot of the initial window
+    (``t`` in -3..-1) or token ``t`` of the projection."""
+    if t == -3:
+        return old0
+    elif t == -2:
+        return old1
+    elif t == -1:
+        return old2
+    else:
+        return tl.load(x_ptr + b * sx_b + t * sx_s + chans * sx_c)
+
+
+@triton.jit
 def _store_window(x_ptr, cs_ptr, b, crow_new, chans, s: tl.constexpr, old0, old1, old2,
                   sx_b, sx_s, sx_c, scs_n, scs_c, scs_w):
     """Write the window after token ``s`` (raw inputs of times s-2, s-1, s, oldest
@@ -82,15 +96,7 @@ def _store_window(x_ptr, cs_ptr, b, crow_new, chans, s: tl.constexpr, old0, old1
     initial window held in registers (``old0..2`` = its slots 0..2)."""
     base = cs_ptr + crow_new * scs_n + chans * scs_c
     for j in tl.static_range(3):
-        t: tl.constexpr = s - 2 + j
-        if t == -3:
-            val = old0
-        elif t == -2:
-            val = old1
-        elif t == -1:
-            val = old2
-        else:
-            val = tl.load(x_ptr + b * sx_b + t * sx_s + chans * sx_c)
+        val = _window_value(x_ptr, b, chans, s - 2 + j, old0, old1, old2, sx_b, sx_s, sx_c)
         tl.store(base + j * scs_w, val.to(cs_ptr.dtype.element_ty))
 
 
