@@ -278,7 +278,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
             del x, idx, cache, out
             torch.cuda.empty_cache()
         if layer and cases is None:
-            rows += run_layer(device, bw)
+            rows += run_layer(device, bw, sweep=sweep)
     return rows
 
 
@@ -297,9 +297,11 @@ def layer_hbm_bytes(B, H, state_bytes=4):
     return state + proj + conv + B * H * V * 2
 
 
-def run_layer(device, bw, batches=LAYER_BATCHES) -> list[dict]:
-    """Layer-decode rows: fused step vs the multi-launch step (see the module doc)."""
+def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
+    """Layer-decode rows: fused step vs the multi-launch step (see the module doc);
+    ``sweep`` also times the fused kernel at every (BLOCK_V, num_warps)."""
     from kda_engram import ops
+    from kda_engram.kda.fused_decode import fused_kda_decode_step
     from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
 
     rows = []
@@ -347,6 +349,15 @@ def run_layer(device, bw, batches=LAYER_BATCHES) -> list[dict]:
             row["ratio"] = row["peer_ms"] / row["ours_ms"]
             row["hbm_floor_ms"] = layer_hbm_bytes(B, H) / bw * 1e3
             row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
+            if sweep:
+                out = torch.empty(B, H * V, dtype=torch.bfloat16, device=device)
+                row["sweep_ms"] = {
+                    f"bv{bv}_w{nw}": bench(lambda bv=bv, nw=nw: fused_kda_decode_step(
+                        proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx, layer.A_log,
+                        layer.dt_bias, layer.o_norm_weight, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
+                        norm_eps=layer.norm_eps, out=out, block_v=bv, num_warps=nw, check_inputs=False))
+                    for bv, nw in SWEEP
+                }
             for name, flag in (("layer_fused_ms", True), ("layer_unfused_ms", False)):
                 layer.fused_decode = flag
                 row[name] = bench(lambda: layer(hs, batch, sc, cs, check_inputs=False))
