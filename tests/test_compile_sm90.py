@@ -49,6 +49,7 @@ def _compile_in_child(tmp_path, *mode):
 def _assert_state_kernels(rows):
     """The bf16/fp32 state variants and the fused layer decode step were compiled,
     without heavy spills (checked for every row by the callers)."""
+    assert "_conv_decode_kernel" in {r["kernel"] for r in rows}
     got = {(r["kernel"], r["constexprs"].get("STATE_BF16"), r["constexprs"].get("S")) for r in rows}
     for s in (1, 4):
         for bf16 in (False, True):
@@ -169,6 +170,7 @@ def _drive_state(calls, install=True):
 
     if install:
         _install_recorders(calls)
+    from kda_engram.kda.conv import kda_conv_decode
     from kda_engram.kda.decode import kda_decode, kda_decode_multi
     from kda_engram.kda.fused_decode import fused_kda_decode_step
     from kda_engram.kda.prefill import chunk_kda_prefill
@@ -192,6 +194,9 @@ def _drive_state(calls, install=True):
                     proj[..., C + H * D + H:], torch.zeros(C, 4, dtype=dt),
                     torch.zeros(B * (S or 1), C, 3, dtype=dt), idx, torch.zeros(H), torch.zeros(H * D),
                     torch.ones(D, dtype=dt), cache, idx, lower_bound=-5.0, check_inputs=False)
+                if S is None:  # the layer's unfused decode step (fused_decode=False) still runs the conv launch
+                    kda_conv_decode(proj[:, :C], torch.zeros(C, 4, dtype=dt), torch.zeros(B, C, 3, dtype=dt), idx,
+                                    out_dtype=torch.float32, check_inputs=False)
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
         common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),
