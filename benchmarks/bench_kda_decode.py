@@ -3,6 +3,7 @@
     python benchmarks/bench_kda_decode.py                 # the issue's cases + one multi-token case
     python benchmarks/bench_kda_decode.py --sweep         # also time every (BLOCK_V, num_warps)
     python benchmarks/bench_kda_decode.py --cases 256x32 --no-peer
+    python benchmarks/bench_kda_decode.py --no-layer      # skip the layer-decode rows
     python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
 
 Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
@@ -23,10 +24,22 @@ The peer is timed two ways and the faster one counts (``peer_ms``):
   ours, so it is the exact like-for-like comparison; its outputs and states are
   also checked against ours (``max_abs_diff``, ``max_abs_diff_state``).
 
-Ours runs with ``check_inputs=False`` (as an engine does inside a CUDA graph).
-HBM floor = (state read + state write(s) in fp32 + inputs + outputs) / copy
-bandwidth, the bandwidth measured here with a 1 GiB device-to-device copy
-(read + write counted).
+Ours runs with ``check_inputs=False`` (as an engine does inside a CUDA graph),
+with an fp32 state cache (``ours_ms``) and a bf16 one (``ours_bf16_ms``); fla's
+in-place path is also offered a bf16 cache (``fla_inplace_bf16_ms``, or the
+reason it was skipped in ``peer_note``). At B256_H32 the default
+``check_inputs=True`` call is timed too (``checked_ms``: host checks and their
+device syncs included). HBM floor = (state read + state write(s) + inputs +
+outputs) / copy bandwidth, each row against its own floor (a bf16 state moves
+half the state bytes), the bandwidth measured here with a 1 GiB device-to-device
+copy (read + write counted).
+
+Layer-decode rows (``layer_B*_H*``): ``KimiDeltaAttention``'s decode rows from the
+projection output to the ``o_proj`` input at Kimi-Linear sizes (hidden 2304, 32
+heads of 128, low-rank gates of rank 128, conv 4, bf16, fp32 state): the fused
+one-launch step (``ours_ms``) against the current multi-launch step (conv launch,
+``kda_decode``, PyTorch gated RMSNorm; ``peer_ms``), and the whole layer forward
+both ways (``layer_fused_ms`` / ``layer_unfused_ms``, projections included).
 """
 
 from __future__ import annotations
@@ -80,7 +93,7 @@ def load_peer():
     return fused_recurrent_kda, fused_recurrent_kda_fwd, f"fla-core {getattr(fla, '__version__', '?')}"
 
 
-def make_case(B, H, S, device, seed=0):
+def make_case(B, H, S, device, seed=0, state_dtype=torch.float32):
     gen = torch.Generator(device=device).manual_seed(seed)
     lead = (B,) if S is None else (B, S)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
@@ -98,13 +111,13 @@ def make_case(B, H, S, device, seed=0):
     slots = B * steps
     perm = torch.randperm(slots, generator=gen, device=device).to(torch.int32)
     idx = perm[:B].contiguous() if S is None else perm.view(B, S).contiguous()
-    cache = 0.5 * rnd(slots, H, V, K)  # V-first, fp32
+    cache = (0.5 * rnd(slots, H, V, K)).to(state_dtype)  # V-first
     return x, idx, cache
 
 
-def hbm_bytes(B, H, S):
+def hbm_bytes(B, H, S, state_bytes=4):
     steps = S or 1
-    state = B * H * V * K * 4 * (1 + steps)  # read once, write after each token
+    state = B * H * V * K * state_bytes * (1 + steps)  # read once, write after each token
     inputs = B * steps * H * (3 * K + V + 1) * 2  # q, k, raw_g, v, raw_beta in bf16
     outputs = B * steps * H * V * 2
     return state + inputs + outputs + B * steps * 4 + H * (K + 1) * 4
@@ -116,7 +129,7 @@ def _as_fla(x, S):
     return t(x["q"]), t(x["k"]), t(x["v"]), t(x["raw_g"]), t(x["raw_beta"])
 
 
-def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None):
+def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None, check_inputs=False):
     if block_v is not None:
         init = idx if S is None else idx[:, 0]
         strides = (idx.stride(0), 0) if S is None else idx.stride()
@@ -126,9 +139,9 @@ def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None):
         )
     if S is None:
         return lambda: kda_decode(**x, state_cache=cache, state_indices=idx, lower_bound=LOWER_BOUND,
-                                  out=out, check_inputs=False)
+                                  out=out, check_inputs=check_inputs)
     return lambda: kda_decode_multi(**x, state_cache=cache, state_indices=idx, lower_bound=LOWER_BOUND,
-                                    out=out, check_inputs=False)
+                                    out=out, check_inputs=check_inputs)
 
 
 def fla_api_fn(api, x, idx, cache, S):
@@ -167,10 +180,11 @@ def compare_with_fla(fwd, x, idx, cache, S):
 # --------------------------------------------------------------------- timing
 
 
-def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
+def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[dict]:
     """Time every case; rows ``{case, ours_ms, peer_ms, ratio, hbm_floor_ms,
-    floor_fraction, max_abs_diff, ...}`` (``ratio`` = peer_ms / ours_ms, > 1 means
-    ours is faster; ``floor_fraction`` = hbm_floor_ms / ours_ms)."""
+    floor_fraction, ours_bf16_ms, floor_fraction_bf16, max_abs_diff, ...}``
+    (``ratio`` = peer_ms / ours_ms, > 1 means ours is faster; ``floor_fraction`` =
+    hbm_floor_ms / ours_ms), then the layer-decode rows (default cases only)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_decode needs a GPU")
     device = torch.device("cuda")
@@ -210,6 +224,27 @@ def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
                 row["peer_ms"] = row["ratio"] = None
             row["hbm_floor_ms"] = hbm_bytes(B, H, S) / bw * 1e3
             row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
+            if (B, H, S) == (256, 32, None):
+                # The default call: host-side checks, index range/duplicate checks (device syncs).
+                row["checked_ms"] = bench(ours_fn(x, idx, cache, S, out, check_inputs=True))
+            # bf16 state cache: ours, and fla's in-place path if it takes one.
+            x16, idx16, cache16 = make_case(B, H, S, device, state_dtype=torch.bfloat16)
+            row["ours_bf16_ms"] = bench(ours_fn(x16, idx16, cache16, S, out))
+            row["hbm_floor_bf16_ms"] = hbm_bytes(B, H, S, state_bytes=2) / bw * 1e3
+            row["floor_fraction_bf16"] = row["hbm_floor_bf16_ms"] / row["ours_bf16_ms"]
+            row["bf16_speedup"] = row["ours_ms"] / row["ours_bf16_ms"]
+            if fwd is not None:
+                try:
+                    fla_out = torch.empty(_as_fla(x16, S)[2].shape, dtype=x16["v"].dtype, device=device)
+                    probe = cache16.clone()
+                    fla_inplace_fn(fwd, x16, idx16, probe, S, fla_out)()
+                    torch.cuda.synchronize()
+                    if probe.dtype != torch.bfloat16:
+                        raise TypeError(f"the cache came back as {probe.dtype}")
+                    row["fla_inplace_bf16_ms"] = bench(fla_inplace_fn(fwd, x16, idx16, cache16, S, fla_out))
+                except Exception as exc:
+                    row["peer_note"] += f"; fla bf16 state skipped: {type(exc).__name__}: {str(exc)[:120]}"
+            del x16, idx16, cache16
             if sweep:
                 row["sweep_ms"] = {
                     f"bv{bv}_w{nw}": bench(ours_fn(x, idx, cache, S, out, bv, nw)) for bv, nw in SWEEP
@@ -217,6 +252,92 @@ def run(cases=None, peers=True, quick=False, sweep=False) -> list[dict]:
             rows.append(row)
             del x, idx, cache, out
             torch.cuda.empty_cache()
+        if layer and cases is None:
+            rows += run_layer(device, bw, sweep=sweep)
+    return rows
+
+
+# Kimi-Linear's KDA layer: hidden 2304, 32 heads of 128, low-rank gates (rank 128), conv 4.
+LAYER_HIDDEN, LAYER_HEADS, LAYER_RANK = 2304, 32, 128
+LAYER_BATCHES = (64, 256)
+
+
+def layer_hbm_bytes(B, H, state_bytes=4):
+    """The decode mixer's bytes: state read + write, projection bands read (bf16),
+    conv windows read + write and weights, o_proj input written."""
+    C = 3 * H * K
+    state = 2 * B * H * V * K * state_bytes
+    proj = B * (C + H * K + H + H * V) * 2
+    conv = 2 * B * C * 3 * 2 + C * 4 * 2
+    return state + proj + conv + B * H * V * 2
+
+
+def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
+    """Layer-decode rows: fused step vs the multi-launch step (see the module doc);
+    ``sweep`` also times the fused kernel at every (BLOCK_V, num_warps)."""
+    from kda_engram import ops
+    from kda_engram.kda.fused_decode import fused_kda_decode_step
+    from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
+
+    rows = []
+    layer = KimiDeltaAttention(LAYER_HIDDEN, LAYER_HEADS, K, gate_low_rank_dim=LAYER_RANK,
+                               output_gate_low_rank_dim=LAYER_RANK, lower_bound=LOWER_BOUND,
+                               dtype=torch.bfloat16, device=device)
+    layer.reset_parameters(torch.Generator().manual_seed(0))
+    H, C, b = layer.local_heads, layer.conv_channels, layer.bands
+    for B in batches:
+        gen = torch.Generator(device=device).manual_seed(B)
+        hs = torch.randn(B, LAYER_HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+        sc, cs = layer.allocate_cache(B)
+        sc.normal_(0, 0.3, generator=gen)
+        cs.normal_(generator=gen)
+        idx = torch.randperm(B, device=device, generator=gen)
+        batch = KDABatch.from_query_lens(torch.ones(B, dtype=torch.int64, device=device), idx, num_decode=B)
+        proj = layer.in_proj(hs)
+        raw_g = layer.f_b_proj(proj[:, b["gate"][0]: b["gate"][1]])
+        raw_beta = proj[:, b["beta"][0]: b["beta"][1]]
+        g_out = layer.g_b_proj(proj[:, b["g_out"][0]: b["g_out"][1]])
+
+        def fused():
+            return ops.fused_kda_decode_step(proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx,
+                                             layer.A_log, layer.dt_bias, layer.o_norm_weight, sc, idx,
+                                             scale=layer.scale, lower_bound=LOWER_BOUND, norm_eps=layer.norm_eps,
+                                             out_dtype=torch.bfloat16)
+
+        def unfused():
+            conv = ops.kda_conv_decode(proj[:, :C], layer.conv_weight, cs, idx, out_dtype=torch.float32)
+            o = ops.kda_decode(conv[:, : H * K].view(B, H, K), conv[:, H * K: 2 * H * K].view(B, H, K),
+                               conv[:, 2 * H * K:].view(B, H, V), raw_g.view(B, H, K), raw_beta, layer.A_log,
+                               layer.dt_bias, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND)
+            return layer._output_gate(o.to(torch.bfloat16), g_out.view(B, H, V)).reshape(B, H * V)
+
+        row = dict(case=f"layer_B{B}_H{H}", peer="multi-launch step", peer_note="ours = fused one-launch step",
+                   copy_gbps=bw / 1e9, tiling=(min(32, V), 4))
+        with torch.inference_mode():
+            sc0, cs0 = sc.clone(), cs.clone()
+            y_fused = fused().float()
+            sc.copy_(sc0)
+            cs.copy_(cs0)
+            row["max_abs_diff"] = (y_fused - unfused().float()).abs().max().item()  # one step from one start
+            row["ours_ms"] = bench(fused)
+            row["peer_ms"] = bench(unfused)
+            row["ratio"] = row["peer_ms"] / row["ours_ms"]
+            row["hbm_floor_ms"] = layer_hbm_bytes(B, H) / bw * 1e3
+            row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
+            if sweep:
+                out = torch.empty(B, H * V, dtype=torch.bfloat16, device=device)
+                row["sweep_ms"] = {
+                    f"bv{bv}_w{nw}": bench(lambda bv=bv, nw=nw: fused_kda_decode_step(
+                        proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx, layer.A_log,
+                        layer.dt_bias, layer.o_norm_weight, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
+                        norm_eps=layer.norm_eps, out=out, block_v=bv, num_warps=nw, check_inputs=False))
+                    for bv, nw in SWEEP
+                }
+            for name, flag in (("layer_fused_ms", True), ("layer_unfused_ms", False)):
+                layer.fused_decode = flag
+                row[name] = bench(lambda: layer(hs, batch, sc, cs, check_inputs=False))
+            layer.fused_decode = True
+        rows.append(row)
     return rows
 
 
@@ -239,7 +360,25 @@ def print_rows(rows):
             best = min(r["sweep_ms"], key=r["sweep_ms"].get)
             cells = "  ".join(f"{k}={v:.4f}" for k, v in r["sweep_ms"].items())
             print(f"    sweep (best {best}): {cells}")
-    print("ratio = fastest fla variant / ours (> 1: ours faster); tiling = BLOCK_V x num_warps")
+    extra = [r for r in rows if "ours_bf16_ms" in r]
+    if extra:
+        print(f"\nbf16 state cache (own floor: half the state bytes){'':<4}")
+        head = (f"{'case':<14} {'fp32 ms':>8} {'bf16 ms':>8} {'speedup':>7} {'floor ms':>8} {'of floor':>8} "
+                f"{'fla bf16':>8} {'checked':>8}")
+        print(head)
+        print("-" * len(head))
+        for r in extra:
+            print(f"{r['case']:<14} {fmt(r['ours_ms'], '.4f'):>8} {fmt(r['ours_bf16_ms'], '.4f'):>8} "
+                  f"{fmt(r['bf16_speedup'], '.2f'):>7} {fmt(r['hbm_floor_bf16_ms'], '.4f'):>8} "
+                  f"{fmt(r['floor_fraction_bf16'], '.0%'):>8} {fmt(r.get('fla_inplace_bf16_ms'), '.4f'):>8} "
+                  f"{fmt(r.get('checked_ms'), '.4f'):>8}")
+    layer_rows = [r for r in rows if "layer_fused_ms" in r]
+    for r in layer_rows:
+        print(f"{r['case']}: layer forward fused {r['layer_fused_ms']:.4f} ms vs unfused {r['layer_unfused_ms']:.4f} "
+              f"ms (decode mixer: fused {r['ours_ms']:.4f} vs multi-launch {r['peer_ms']:.4f} ms, "
+              f"{r['ratio']:.2f}x, {r['floor_fraction']:.0%} of floor)")
+    print("ratio = fastest fla variant / ours (> 1: ours faster); tiling = BLOCK_V x num_warps; "
+          "checked = default check_inputs=True call")
 
 
 def main(argv=None) -> int:
@@ -248,13 +387,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-peer", action="store_true", help="time ours only")
     p.add_argument("--quick", action="store_true", help="the three one-token cases only")
     p.add_argument("--sweep", action="store_true", help="also time every (BLOCK_V, num_warps) of ours")
+    p.add_argument("--no-layer", action="store_true", help="skip the layer-decode rows")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda_decode needs a GPU")
         return 2
     cases = [parse_case(c) for c in args.cases.split(",")] if args.cases else None
-    rows = run(cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep)
+    rows = run(cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep, layer=not args.no_layer)
     print_rows(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2, default=str))

@@ -60,17 +60,11 @@ def _import_kernel_modules():
     import importlib
 
     for name in ("kda_engram.engram.hashing", "kda_engram.engram.table", "kda_engram.engram.gate",
-                 "kda_engram.engram.sharded_gate", "kda_engram.kda.chunk", "kda_engram.kda.conv",
-                 "kda_engram.kda.decode", "kda_engram.kda.prologue", "kda_engram.kda.metadata",
-                 "kda_engram.layers", "kda_engram.ops", "kda_engram.demo"):
+                 "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
+                 "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
+                 "kda_engram.kda.prologue", "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops",
+                 "kda_engram.demo"):
         importlib.import_module(name)
-    # The Engram history kernels live in layers/engram.py or, once moved, in
-    # engram/history.py: whichever exists is imported (layers imports it anyway).
-    try:
-        importlib.import_module("kda_engram.engram.history")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kda_engram.engram.history":
-            raise
 
 
 def patch_device(calls, arch: str, compute_units: int) -> set[str]:
@@ -185,7 +179,57 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
             metadata.prepare_chunk_metadata(torch.tensor([0, 100, 4096], dtype=torch.int32), 4096)
         finally:
             metadata.interpreting = real
+        drive_state_variants()
     return defined
+
+
+def drive_state_variants() -> None:
+    """The bf16/fp32 state-cache variants (decode, multi-token decode, prefill walk
+    with a bf16 cache and checkpoints, grouped walk on a bf16 cache) and the fused
+    layer decode step, at the production shapes (bf16 inputs, K = V = 128)."""
+    import torch
+
+    from kda_engram.kda.conv import kda_conv_decode
+    from kda_engram.kda.decode import kda_decode, kda_decode_multi
+    from kda_engram.kda.fused_decode import fused_kda_decode_step
+    from kda_engram.kda.prefill import chunk_kda_prefill
+
+    dt, B, H, D = torch.bfloat16, 4, 32, 128
+    with torch.no_grad():
+        for sd in (torch.float32, dt):
+            for S in (None, 4):
+                lead = (B,) if S is None else (B, S)
+                x = {n: torch.zeros(*lead, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+                idx = torch.arange(B * (S or 1), dtype=torch.int32).view(*lead)
+                cache = torch.zeros(B * (S or 1), H, D, D, dtype=sd)
+                fn = kda_decode if S is None else kda_decode_multi
+                fn(**x, raw_beta=torch.zeros(*lead, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+                   state_cache=cache, state_indices=idx, lower_bound=-5.0, check_inputs=False)
+                # The fused step reads strided bands of one projection row (Kimi-Linear layout).
+                C = 3 * H * D
+                proj = torch.zeros(*lead, C + H * D + H + H * D, dtype=dt)
+                fused_kda_decode_step(
+                    proj[..., :C], proj[..., C: C + H * D], proj[..., C + H * D: C + H * D + H],
+                    proj[..., C + H * D + H:], torch.zeros(C, 4, dtype=dt),
+                    torch.zeros(B * (S or 1), C, 3, dtype=dt), idx, torch.zeros(H), torch.zeros(H * D),
+                    torch.ones(D, dtype=dt), cache, idx, lower_bound=-5.0, check_inputs=False)
+                if S is None:  # the layer's unfused decode step (fused_decode=False) still runs the conv launch
+                    kda_conv_decode(proj[:, :C], torch.zeros(C, 4, dtype=dt), torch.zeros(B, C, 3, dtype=dt), idx,
+                                    out_dtype=torch.float32, check_inputs=False)
+        Hp, T = 4, 4096
+        x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+        common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),
+                      lower_bound=-5.0, cu_seqlens=torch.tensor([0, T // 2, T], dtype=torch.int32),
+                      check_inputs=False)
+        cache = torch.zeros(6, Hp, D, D, dtype=dt)
+        state = dict(state_cache=cache, state_indices=torch.tensor([0, 1]),
+                     has_initial_state=torch.ones(2, dtype=torch.bool))
+        # Serial walk: bf16 cache row and bf16 checkpoints into the cache.
+        chunk_kda_prefill(**x, **common, **state, checkpoint_state=cache,
+                          checkpoint_offsets=torch.tensor([1024, 2048]), checkpoint_state_indices=torch.tensor([2, 3]),
+                          groups=1)
+        # Grouped walk (pass one, scan, pass two) on a bf16 cache.
+        chunk_kda_prefill(**x, **common, **state, groups=4)
 
 
 def compile_calls(calls, target, resources, on_row=None):

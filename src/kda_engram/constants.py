@@ -1,12 +1,14 @@
 """Numeric constants shared by the kernels, the references and the argument rules.
 
-Defined once here (the bottom layer: no package imports), so kernels never take
+Defined once here (the bottom layer: no package imports, torch only), so kernels never take
 them from a reference module.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 #: Tokens per chunk of the KDA chunk form (prologue, chunk walk, chunk metadata).
 CHUNK_SIZE = 64
@@ -26,3 +28,6 @@ LOG2E = math.log2(math.e)
 L2NORM_EPS = 1e-6
 #: Largest grid dimension 1 or 2 of one CUDA launch (sequences, heads).
 MAX_GRID_DIM = 65535
+#: Storage dtypes of a KDA recurrent state (cache, initial/final state, checkpoints);
+#: the arithmetic on chip is always fp32.
+STATE_DTYPES = (torch.float32, torch.bfloat16)

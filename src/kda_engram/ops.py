@@ -276,9 +276,11 @@ def _fused_kda_chunk_op(
                          checkpoint_into_cache, state_cache, state_indices, has_initial_state)
 
 
-def _fake_prefill_outputs(T, H, V, K, N, dtype, device, output_final_state):
+def _fake_prefill_outputs(T, H, V, K, N, dtype, device, output_final_state, initial_state=None):
     out = torch.empty(1, T, H, V, dtype=dtype, device=device)
-    final = torch.empty(N if output_final_state else 0, H, V, K, dtype=torch.float32, device=device)
+    # The final state takes the initial state's dtype (fp32 or bf16), fp32 without one.
+    state_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    final = torch.empty(N if output_final_state else 0, H, V, K, dtype=state_dtype, device=device)
     return out, final
 
 
@@ -287,7 +289,7 @@ def _(qg, w, u, kg_t, aqk, decay, scale, cu_seqlens, initial_state, output_final
       checkpoint_state, checkpoint_offsets, checkpoint_state_indices, checkpoint_into_cache, state_cache,
       state_indices, has_initial_state):
     return _fake_prefill_outputs(u.shape[1], u.shape[2], u.shape[3], qg.shape[3], cu_seqlens.shape[0] - 1,
-                                 u.dtype, u.device, output_final_state)
+                                 u.dtype, u.device, output_final_state, initial_state)
 
 
 def _split_checkpoint(checkpoint_state, state_cache):
@@ -372,7 +374,7 @@ def _(q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens, scale, lower_bound, 
       state_cache, state_indices, has_initial_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices,
       checkpoint_into_cache, conv_weight, conv_state, conv_state_indices, conv_has_initial_state):
     return _fake_prefill_outputs(q.shape[1], q.shape[2], v.shape[3], q.shape[3], cu_seqlens.shape[0] - 1, v.dtype,
-                                 v.device, output_final_state)
+                                 v.device, output_final_state, initial_state)
 
 
 def chunk_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, cu_seqlens, scale: float | None = None,
@@ -651,3 +653,50 @@ def engram_history_checkpoint(token_ids, cu_seqlens, history, dead_mask, checkpo
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=token_ids.device)
     _engram_history_checkpoint_op(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,
                                   cache)
+
+
+# ------------------------------------------------------------ KDA fused layer decode step
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_kda_decode_step", mutates_args=("conv_state", "state_cache"))
+def _fused_kda_decode_step_op(
+    x: Tensor, raw_g: Tensor, raw_beta: Tensor, g_out: Tensor, conv_weight: Tensor, conv_state: Tensor,
+    conv_state_indices: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor, state_cache: Tensor,
+    state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float], norm_eps: float,
+    out_dtype: Optional[torch.dtype],
+) -> Tensor:
+    from .kda.fused_decode import fused_kda_decode_step
+
+    H, V = state_cache.shape[1], state_cache.shape[2]
+    out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
+    return fused_kda_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                 dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
+                                 lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=False)
+
+
+@_fused_kda_decode_step_op.register_fake
+def _(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias, o_norm_weight,
+      state_cache, state_indices, scale, lower_bound, norm_eps, out_dtype):
+    H, V = state_cache.shape[1], state_cache.shape[2]
+    return torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
+
+
+def fused_kda_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
+                          o_norm_weight, state_cache, state_indices, *, scale: float | None = None,
+                          lower_bound: float | None = None, norm_eps: float = 1e-5,
+                          out_dtype: torch.dtype | None = None) -> Tensor:
+    """:func:`kda_engram.kda.fused_decode.fused_kda_decode_step` as an op (one token
+    or S tokens per sequence with the default initial rows; ``state_cache`` and
+    ``conv_state`` mutated, ``out`` allocated by the op). Host-side shape checks
+    only; index ranges are the caller's contract."""
+    check_tensor("state_cache", state_cache, shape=[None, None, None, None], dtypes=(torch.float32, torch.bfloat16))
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, device=state_cache.device)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [B, C] or [B, S, C], got {list(x.shape)}")
+    check_tensor("state_indices", state_indices, shape=list(x.shape[:-1]), dtypes=INDEX_DTYPES,
+                 device=state_cache.device)
+    check_tensor("conv_state_indices", conv_state_indices, shape=list(x.shape[:-1]), dtypes=INDEX_DTYPES,
+                 device=state_cache.device)
+    return _fused_kda_decode_step_op(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                     dt_bias, o_norm_weight, state_cache, state_indices, _opt_float(scale),
+                                     _opt_float(lower_bound), float(norm_eps), out_dtype)

@@ -266,7 +266,7 @@ def _bad_cases():
         ("has_not_bool", dict(state_cache=st(4), state_indices=idx, has_initial_state=torch.ones(N, dtype=torch.int32)),
          TypeError, "has_initial_state"),
         ("initial_wrong_shape", dict(initial_state=torch.zeros(N, H, K, V + 1)), ValueError, "initial_state"),
-        ("initial_bf16", dict(initial_state=st().bfloat16()), TypeError, "initial_state"),
+        ("initial_fp16", dict(initial_state=st().half()), TypeError, "initial_state"),
         ("ckpt_without_state", dict(checkpoint_offsets=offs), ValueError, "checkpoint_state"),
         ("ckpt_misaligned", dict(checkpoint_state=st(), checkpoint_offsets=torch.tensor([32, 0, 0])),
          ValueError, "checkpoint_offsets[0]"),

@@ -343,3 +343,58 @@ def test_gpu_prefix_checkpoint_resume_and_chunked_prefill(gpu):
         assert rel_rmse(yd[0], y_ref[L + t]) < 3e-2 and rel_rmse(yd[1], y_ref[L + t]) < 3e-2
     assert rel_rmse(sc[2], s_ref[0]) < 3e-2
     assert rel_rmse(sc[2], sc[0]) < 1e-2
+
+
+# --------------------------------------------------------------- fused decode step, CPU
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32_state", "bf16_state"])
+@pytest.mark.parametrize("variant", ["lowrank_bounded", "full_softplus"])
+def test_fused_decode_step_matches_unfused_layer_path(variant, state_dtype):
+    """The one-launch decode (default) against the conv launch + kda_decode + PyTorch
+    output gate, from the same caches: outputs, state rows, conv rows; padding row
+    zero; rows no index names (NaN sentinels) untouched."""
+    low_rank, lb = (True, -5.0) if variant == "lowrank_bounded" else (False, None)
+    fused, w = make_layer(2, low_rank=low_rank, lower_bound=lb)
+    plain = KimiDeltaAttention(HID, 2, K, gate_low_rank_dim=8 if low_rank else None,
+                               output_gate_low_rank_dim=8 if low_rank else None, lower_bound=lb, fused_decode=False)
+    plain.load_weights(w)
+    assert fused.fused_decode and not plain.fused_decode
+    slots = 8
+    sc, cs = fused.allocate_cache(slots, state_dtype=state_dtype)
+    assert sc.dtype == state_dtype
+    sc.copy_((0.3 * torch.randn(sc.shape, generator=torch.Generator().manual_seed(5))).to(state_dtype))
+    cs.normal_(generator=torch.Generator().manual_seed(6))
+    sc[[1, 6]] = math.nan
+    cs[[1, 6]] = math.nan
+    sc2, cs2 = sc.clone(), cs.clone()
+    slot = torch.tensor([3, -1, 5, 0])
+    conv_slot = torch.tensor([2, 4, 7, 0])  # conv rows apart from the state rows; padding state row keeps a conv row
+    batch = KDABatch.from_query_lens(torch.ones(4, dtype=torch.int64), slot, num_decode=4,
+                                     conv_state_indices=conv_slot)
+    for step in range(2):  # two consecutive steps: the second reads what the first wrote
+        x = torch.randn(4, HID, generator=torch.Generator().manual_seed(10 + step))
+        y = fused(x, batch, sc, cs)
+        y2 = plain(x, batch, sc2, cs2)
+        close(y, y2, 2e-5)
+        assert torch.equal(y[1], torch.zeros(HID))
+    for s in (3, 5, 0):
+        if state_dtype == torch.bfloat16:
+            err = (sc[s].float() - sc2[s].float()).abs()
+            assert bool((err <= sc2[s].float().abs() * 2.0**-7 + 1e-6).all())  # one bf16 ulp at most
+        else:
+            close(sc[s], sc2[s], 1e-5)
+    for s in (2, 4, 7, 0):
+        close(cs[s], cs2[s], 1e-6)
+    assert torch.isnan(sc[[1, 6]]).all() and torch.isnan(cs[[1, 6]]).all()
+    assert torch.equal(sc[[2, 4, 7]].float(), sc2[[2, 4, 7]].float())  # no state index names them
+
+
+def test_allocate_cache_state_dtype():
+    layer, _ = make_layer(1)
+    sc, _ = layer.allocate_cache(2)
+    assert sc.dtype == torch.float32
+    sc, _ = layer.allocate_cache(2, state_dtype=torch.bfloat16)
+    assert sc.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="state_dtype: expected float32 or bfloat16, got torch.float16"):
+        layer.allocate_cache(2, state_dtype=torch.float16)

@@ -7,16 +7,20 @@ kernels run under the Triton interpreter.
 
 from .chunk import KDA_CHECKPOINT_ALIGNMENT, fused_kda_chunk
 from .decode import kda_decode, kda_decode_multi
+from .fused_decode import fused_kda_decode_step
 from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
 from .prefill import chunk_kda_prefill
 from .prologue import fused_kda_prologue
 from .reference import kda_gate, naive_chunk_kda, naive_group_chunk_kda, naive_recurrent_kda
+from .state_dtype import STATE_DTYPES
 
 __all__ = [
     "CHUNK_SIZE",
     "KDA_CHECKPOINT_ALIGNMENT",
+    "STATE_DTYPES",
     "chunk_kda_prefill",
     "fused_kda_chunk",
+    "fused_kda_decode_step",
     "fused_kda_prologue",
     "kda_decode",
     "kda_decode_multi",

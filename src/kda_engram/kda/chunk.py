@@ -51,6 +51,8 @@ from ..validation.kda import (
 )
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
+from ..validation.kda import check_state_dtype_match
+from .state_dtype import STATE_DTYPES, round_state
 
 __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
@@ -86,6 +88,7 @@ def _walk_chunk(
     st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
     p_ck, ck_on, ck_off, u_on,
     HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, OUTPUT: tl.constexpr,
+    CKPT_BF16: tl.constexpr = False,
 ):
     """Chunk ``c`` of one (sequence, head, V-tile): writes its output rows and
     returns the state after it (``st[k, v] = S[v, k]``, fp32).
@@ -93,7 +96,11 @@ def _walk_chunk(
     ``OUTPUT=False`` is pass one of the grouped walk: only the state update
     (no qg/aqk loads, no output, no checkpoint), and ``u_on=False`` reads
     ``u`` as zero, which turns the step into the transfer operator's
-    ``S (diag(d) - w^T kg)`` for the operator rows."""
+    ``S (diag(d) - w^T kg)`` for the operator rows.
+
+    A checkpoint into a bf16 buffer (``CKPT_BF16``) rounds the carried state to
+    bf16 (RTNE) at that boundary and walks on from the rounded value, so a prefill
+    resumed from the checkpoint continues from exactly the state this walk has."""
     # 64-bit scalar bases, 32-bit tile offsets (C * token stride stays far below
     # 2^31): per-element address math in 64 bits would cost registers the dots need.
     t0 = bos + c * C
@@ -135,7 +142,8 @@ def _walk_chunk(
                  (o * scale).to(out_ptr.dtype.element_ty), mask=live[:, None])
         if HAS_CKPT:
             if ck_on & (ck_off == (c + 1) * C):
-                tl.store(p_ck, st)
+                st = round_state(st, CKPT_BF16)
+                tl.store(p_ck, st.to(p_ck.dtype.element_ty))  # exact: already rounded
     return st
 
 
@@ -178,12 +186,19 @@ def _kda_chunk_walk_kernel(
     GROUPED: tl.constexpr,
     IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
+    CKPT_BF16: tl.constexpr = False,
+    OUT_BF16: tl.constexpr = False,
 ):
     """The walk (``GROUPED=False``: grid ``(V/BV, H, N)``, one program walks a
     whole sequence) or pass two of the grouped walk (``GROUPED=True``: grid
     ``(V/BV, H, N*G)``, program ``n*G + g`` walks group ``g`` of sequence ``n``
     from the scan's start state ``s_in[n, g]`` (``LOAD_STATE=3``); groups past the
-    sequence's last do nothing, and only its last group stores the final state)."""
+    sequence's last do nothing, and only its last group stores the final state).
+
+    States load as fp32 from fp32 or bf16 storage; the final state / cache row is
+    rounded to bf16 (RTNE) when ``OUT_BF16`` and a bf16 checkpoint when
+    ``CKPT_BF16`` (the walk then carries the rounded state on, see
+    :func:`_walk_chunk`; the grouped walk never takes bf16 checkpoints)."""
     # V-tiles of one (sequence, head) are neighbours in launch order, so the
     # operands they all read (qg, w, kg_t, aqk) are served from L2 after the first.
     i_v = tl.program_id(0)
@@ -232,7 +247,7 @@ def _kda_chunk_walk_kernel(
         # The scan wrote the start state of every live group of the sequence.
         p_in = (s_in_ptr + i_n.to(tl.int64) * st_in_r + i_g.to(tl.int64) * st_in_g + i_h * st_in_h
                 + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k))
-        st = tl.load(p_in, mask=full & active, other=0.0)
+        st = tl.load(p_in, mask=full & active, other=0.0).to(tl.float32)
 
     # Placeholders when no checkpoints are taken (never dereferenced).
     p_ck = ck_ptr
@@ -263,7 +278,7 @@ def _kda_chunk_walk_kernel(
                              st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
                              st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
                              st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
-                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True)
+                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True, CKPT_BF16)
             c += 1
     else:
         for c in range(c_begin, c_end):
@@ -272,22 +287,23 @@ def _kda_chunk_walk_kernel(
                              st_qg_t, st_qg_h, st_qg_k, st_w_t, st_w_h, st_w_k, st_u_t, st_u_h, st_u_v,
                              st_kg_r, st_kg_h, st_kg_k, st_kg_c, st_a_t, st_a_h, st_a_c,
                              st_d_r, st_d_h, st_d_k, st_o_t, st_o_h, st_o_v,
-                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True)
+                             p_ck, ck_on, ck_off, True, HAS_CKPT, C, IEEE, True, CKPT_BF16)
 
     if GROUPED:
         store_mask = full & is_last
     else:
         store_mask = full
+    st = round_state(st, OUT_BF16)  # RTNE once; the cast below is then exact
     if STORE_STATE == 1:
         p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
         if GROUPED:
-            tl.store(p_out, st, mask=store_mask)
+            tl.store(p_out, st.to(s_out_ptr.dtype.element_ty), mask=store_mask)
         else:
-            tl.store(p_out, st)
+            tl.store(p_out, st.to(s_out_ptr.dtype.element_ty))
     elif STORE_STATE == 2:
         slot_out = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
         p_out = s_out_ptr + slot_out * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
-        tl.store(p_out, st, mask=store_mask & (slot_out >= 0))
+        tl.store(p_out, st.to(s_out_ptr.dtype.element_ty), mask=store_mask & (slot_out >= 0))
 
 
 @triton.jit
@@ -514,6 +530,7 @@ def fused_kda_chunk(
     groups: int | None = None,
     min_group_chunks: int | None = None,
     group_workspace: torch.Tensor | None = None,
+    final_state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chunk recurrence and the output projection: one launch, or three
     with parallel chunk groups.
@@ -534,7 +551,9 @@ def fused_kda_chunk(
       on the device when omitted; pass the prologue's to save a launch).
     * ``scale``: output scale (the prologue does not fold it into ``qg``).
 
-    State (fp32, V-first ``[*, H, V, K]``, any strides):
+    State (V-first ``[*, H, V, K]``, any strides; stored fp32 or bf16, always
+    fp32 on chip, rounded to bf16 with RTNE once per store; the cache or initial
+    state and the checkpoint buffer share one dtype, else ``TypeError``):
 
     * ``initial_state`` ``[N, H, V, K]`` or ``None`` (zeros); ``output_final_state``
       returns a new ``[N, H, V, K]`` final state.
@@ -548,7 +567,7 @@ def fused_kda_chunk(
     * ``checkpoint_offsets`` int ``[N]``: snapshot of the state after that many
       tokens of sequence ``n`` (0 = none; otherwise a multiple of
       :data:`KDA_CHECKPOINT_ALIGNMENT` and at most the length), written to
-      ``checkpoint_state[checkpoint_state_indices[n]]`` (fp32 ``[rows, H, V, K]``,
+      ``checkpoint_state[checkpoint_state_indices[n]]`` (``[rows, H, V, K]`` in the state's dtype,
       may be the state cache itself; negative row = none) or to row ``n`` of a
       staging ``checkpoint_state`` without indices. The kernel writes only
       snapshots it can place exactly; with ``check_inputs`` any other offset is a
@@ -591,6 +610,12 @@ def fused_kda_chunk(
     ``torch.empty`` when not given; pass one to keep it caller-owned (e.g. inside
     a CUDA graph's pool).
 
+    ``final_state_dtype`` (float32 or bfloat16; default ``initial_state``'s dtype,
+    else float32) is the dtype of the returned final state. A bf16 checkpoint
+    rounds the state the walk carries on (so resuming from it reproduces the
+    uninterrupted walk bit for bit); it needs the serial walk, so ``groups=None``
+    then runs one group and a forced ``groups > 1`` is a ``ValueError``.
+
     Returns ``(out, final_state | None)``.
     """
     check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
@@ -617,7 +642,13 @@ def fused_kda_chunk(
         chunk_offsets = expected if check_inputs else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
     final_state = None
     if output_final_state:
-        final_state = torch.empty(num_seqs, H, V, K, dtype=torch.float32, device=device)
+        if final_state_dtype is None:
+            final_state_dtype = initial_state.dtype if initial_state is not None else torch.float32
+        if final_state_dtype not in STATE_DTYPES:
+            raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {final_state_dtype}")
+        final_state = torch.empty(num_seqs, H, V, K, dtype=final_state_dtype, device=device)
+        check_state_dtype_match(["final_state_dtype", "checkpoint_state"],
+                                [final_state, checkpoint_state if checkpoint_offsets is not None else None])
     if num_seqs == 0 or H == 0:
         if checks is not None:
             checks.run()
@@ -626,6 +657,13 @@ def fused_kda_chunk(
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
 
     n_groups, min_len = _resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
+    ckpt_bf16 = checkpoint_offsets is not None and checkpoint_state.dtype == torch.bfloat16
+    if ckpt_bf16 and n_groups > 1:
+        # A bf16 checkpoint rounds the carried state mid-walk; the groups' start
+        # states come from the scan, which cannot see that rounding.
+        if groups is not None:
+            raise ValueError(f"groups: bf16 checkpoints need the serial walk (groups=1 or None), got {groups}")
+        n_groups, min_len = 1, 1
     if n_groups > 1:
         if num_seqs * n_groups > MAX_GRID_DIM:
             raise ValueError(f"groups: N x G must be at most 65535 (grid), got N={num_seqs}, G={n_groups}")
@@ -723,6 +761,7 @@ def fused_kda_chunk(
         LOAD_STATE=walk_load, STORE_STATE=store_mode,
         HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed, GROUPED=n_groups > 1,
         IEEE=ieee, INTERPRET=interp,
+        CKPT_BF16=ckpt_bf16, OUT_BF16=s_out is not None and s_out.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out, final_state

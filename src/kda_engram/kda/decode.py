@@ -10,7 +10,8 @@ Two entry points share one kernel:
   the state after token ``s`` is written to row ``state_indices[b, s]``, so an
   engine can roll back to the state after the last accepted draft token.
 
-Per head, with ``S`` the fp32 V-first state ``[V, K]``::
+Per head, with ``S`` the V-first state ``[V, K]``, stored fp32 or
+bf16 (:mod:`kda_engram.kda.state_dtype`; always fp32 on chip)::
 
     q̂ = q / sqrt(Σq² + 1e-6),  k̂ likewise,  β = sigmoid(raw_beta)
     a  = -exp(A_log)·softplus(raw_g + dt_bias)           (lower_bound None)
@@ -55,9 +56,9 @@ import triton.language as tl
 
 from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch
-from ..platform import num_compute_units
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_decode_indices, check_decode_inputs, check_decode_multi_indices
+from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
 
@@ -95,6 +96,7 @@ def _kda_decode_kernel(
     BLOCK_V: tl.constexpr,
     HAS_LOWER_BOUND: tl.constexpr,
     EPS: tl.constexpr,
+    STATE_BF16: tl.constexpr,
 ):
     """Grid: ``(B · H · V / BLOCK_V,)``, tile index fastest, then head, then sequence.
 
@@ -102,6 +104,9 @@ def _kda_decode_kernel(
     ``init_idx[b]`` (nothing when negative: a padding sequence, whose outputs are
     zero and whose state rows are never touched), runs tokens 0..S-1 and after
     token s stores the block to row ``idx[b, s]`` when that is non-negative.
+    With ``STATE_BF16`` the cache is bf16: loads widen to fp32, every token's
+    state is rounded to bf16 (RTNE) and the walk carries the rounded value, so S
+    tokens in one launch equal S one-token launches bit for bit.
     """
     NUM_TILES: tl.constexpr = V // BLOCK_V
     pid = tl.program_id(0)
@@ -124,7 +129,7 @@ def _kda_decode_kernel(
         mask=tile_in & live,
         other=0.0,
         eviction_policy="evict_first",
-    )
+    ).to(tl.float32)
 
     a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
     bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
@@ -148,6 +153,9 @@ def _kda_decode_kernel(
         sq = tl.sum(state * q[None, :], axis=1)  # S' q̂   [BLOCK_V]
         delta = beta * (vv - pred)
         state = state + delta[:, None] * k[None, :]
+        # The decay was applied above in fp32, before the rounding: a decay that
+        # would round to 1.0 in bf16 still shrinks the fp32 tile.
+        state = round_state(state, STATE_BF16)
         o = scale * (sq + delta * tl.sum(k * q, axis=0))
         o = tl.where(live, o, 0.0)
         tl.store(o_ptr + b * so_b + s * so_s + h * so_h + offs_v * so_v, o.to(o_ptr.dtype.element_ty))
@@ -156,7 +164,7 @@ def _kda_decode_kernel(
         write = live & (out_row >= 0)
         tl.store(
             state_h + tl.where(write, out_row, 0) * ss_n + tile_offs,
-            state,
+            state.to(state_ptr.dtype.element_ty),  # exact: already rounded to the cache dtype
             mask=tile_in & write,
             eviction_policy="evict_first",
         )
@@ -231,6 +239,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
         S=steps, H=H, K=K, V=V, BLOCK_V=block_v,
         HAS_LOWER_BOUND=lower_bound is not None,
         EPS=L2NORM_EPS,
+        STATE_BF16=state_cache.dtype == torch.bfloat16,
         num_warps=num_warps,
     )
     return out
@@ -261,7 +270,10 @@ def kda_decode(
         raw_g: ``[B, H, K]`` raw gate (before ``dt_bias`` and the activation).
         raw_beta: ``[B, H]`` raw beta (before the sigmoid).
         A_log: ``[H]``; dt_bias: ``[H, K]`` or ``[H*K]``.
-        state_cache: fp32 ``[slots, H, V, K]`` (V-first), read and written in place.
+        state_cache: fp32 or bf16 ``[slots, H, V, K]`` (V-first), read and written
+            in place. bf16 halves the bytes a step moves: the state is widened
+            to fp32 on load, stepped in fp32 and rounded to bf16 (RTNE) once per
+            store.
         state_indices: int32/int64 ``[B]``: the state of sequence ``b`` is row
             ``state_indices[b]``. Negative = padding: that row is neither read nor
             written and ``out[b]`` is zero. Rows no index names are never touched.

@@ -58,6 +58,7 @@ def chunk_kda_prefill(
     conv_state_indices: torch.Tensor | None = None,
     conv_has_initial_state: torch.Tensor | None = None,
     groups: int | None = None,
+    final_state_dtype: torch.dtype | None = None,
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
@@ -77,7 +78,9 @@ def chunk_kda_prefill(
     ``scale`` defaults to ``K ** -0.5``. q and k are L2-normalised and
     ``beta = sigmoid(raw_beta)`` inside the prologue.
 
-    State (fp32, V-first ``[*, H, V, K]``) and checkpoints follow
+    State (V-first ``[*, H, V, K]``, stored fp32 or bf16: fp32 on chip, rounded
+    to bf16 with RTNE once per store; ``final_state_dtype`` defaults to
+    ``initial_state``'s dtype, else fp32) and checkpoints follow
     :func:`kda_engram.kda.chunk.fused_kda_chunk`: either ``initial_state`` /
     ``output_final_state``, or the paged ``state_cache`` with ``state_indices``
     and ``has_initial_state`` (updated in place; the returned final state is then
@@ -169,5 +172,6 @@ def chunk_kda_prefill(
         state_indices=state_indices,
         has_initial_state=has_initial_state,
         groups=groups,
+        final_state_dtype=final_state_dtype,
         check_inputs=False,  # validated above; the operands come from the prologue
     )

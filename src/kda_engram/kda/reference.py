@@ -83,6 +83,16 @@ def _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale):
     return dtype, qh, kh, v.to(dtype), a, beta, scale
 
 
+def round_state(S: torch.Tensor, state_dtype: torch.dtype | None) -> torch.Tensor:
+    """``S`` as it reads back from storage of ``state_dtype`` (bf16: RTNE, as the
+    kernels store it; ``None``/fp32/fp64: unchanged), in ``S``'s own dtype."""
+    if state_dtype is None or state_dtype in (torch.float32, torch.float64):
+        return S
+    if state_dtype != torch.bfloat16:
+        raise TypeError(f"state_dtype: expected None, float32 or bfloat16, got {state_dtype}")
+    return S.to(torch.bfloat16).to(S.dtype)
+
+
 def _state_shape(num_seqs, v, k):
     return num_seqs, k.shape[2], v.shape[3], k.shape[3]
 
@@ -102,6 +112,7 @@ def naive_recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     checkpoint_offsets: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The KDA recurrence, one token at a time.
 
@@ -115,6 +126,12 @@ def naive_recurrent_kda(
     ``checkpoints[n]`` is the state after the first ``checkpoint_offsets[n]``
     tokens of sequence ``n`` (any offset here; the kernels require multiples of
     64), zeros where the offset is 0.
+
+    ``state_dtype=torch.bfloat16`` models a bf16 state store (what the kernels
+    do): the state is rounded to bf16 (RTNE) at every store point, i.e. at the
+    checkpoint (the walk carries the rounded value on) and at the sequence end;
+    arithmetic stays in the compute dtype. Called one token at a time, that is a
+    rounding after every decode step.
     """
     dtype, qh, kh, vv, a, beta, scale = _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale)
     seqs, _ = _sequences(cu_seqlens, q)
@@ -130,12 +147,14 @@ def naive_recurrent_kda(
             S = initial_state[n].to(dtype).clone()
         for t in range(start, end):
             if offsets is not None and offsets[n] == t - start and t > start:
+                S = round_state(S, state_dtype)
                 ckpt[n] = S
             S = S * decay[b, t][:, None, :]
             kt = kh[b, t]
             pred = torch.einsum("hvk,hk->hv", S, kt)
             S = S + torch.einsum("hv,hk->hvk", beta[b, t][:, None] * (vv[b, t] - pred), kt)
             o[b, t] = scale * torch.einsum("hvk,hk->hv", S, qh[b, t])
+        S = round_state(S, state_dtype)
         if offsets is not None and offsets[n] == end - start and end > start:
             ckpt[n] = S
         final[n] = S
@@ -283,6 +302,7 @@ def chunk_walk(
     checkpoint_offsets: torch.Tensor | None = None,
     groups: int = 1,
     chunk_size: int = CHUNK_SIZE,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Walk the chunks of every sequence over the operands of :func:`chunk_operands`.
 
@@ -295,7 +315,14 @@ def chunk_walk(
 
     Returns ``(o [1, T, H, V], final_state [N, H, V, K], checkpoints | None)``;
     checkpoint offsets must be multiples of ``chunk_size`` (0 = none).
+
+    ``state_dtype=torch.bfloat16`` rounds the state (RTNE) where the kernel
+    stores it: at the checkpoint (the walk carries the rounded state on) and at
+    the sequence end. Not with ``groups > 1`` and checkpoints (the kernel runs
+    bf16 checkpoints serially).
     """
+    if groups > 1 and checkpoint_offsets is not None and state_dtype == torch.bfloat16:
+        raise ValueError("groups: bf16 checkpoints need the serial walk (groups=1)")
     u = ops["u"]
     dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
     T, H, V = u.shape[1], u.shape[2], u.shape[3]
@@ -326,8 +353,9 @@ def chunk_walk(
             for row, s, e in grp:
                 o[0, s:e], S = chunk_step(S, ops, row, s, e, scale)
                 if offsets is not None and offsets[n] > 0 and offsets[n] == e - chunks[0][1]:
+                    S = round_state(S, state_dtype)
                     ckpt[n] = S
-        final[n] = S
+        final[n] = round_state(S, state_dtype)
     return o, final, ckpt
 
 
@@ -349,6 +377,7 @@ def naive_chunk_kda(
     groups: int = 1,
     chunk_size: int = CHUNK_SIZE,
     return_operands: bool = False,
+    state_dtype: torch.dtype | None = None,
 ):
     """:func:`naive_recurrent_kda` through the chunk form (:func:`chunk_operands`
     then :func:`chunk_walk`). Same arguments and returns; ``return_operands=True``
@@ -361,7 +390,7 @@ def naive_chunk_kda(
             flat(q), flat(k), flat(v), flat(raw_g), flat(raw_beta), A_log, dt_bias,
             scale=scale, lower_bound=lower_bound, cu_seqlens=cu, initial_state=initial_state,
             output_final_state=output_final_state, checkpoint_offsets=checkpoint_offsets,
-            groups=groups, chunk_size=chunk_size, return_operands=return_operands,
+            groups=groups, chunk_size=chunk_size, return_operands=return_operands, state_dtype=state_dtype,
         )
         return (res[0].reshape(B, T, *res[0].shape[2:]),) + tuple(res[1:])
     if scale is None:
@@ -371,7 +400,7 @@ def naive_chunk_kda(
     )
     o, final, ckpt = chunk_walk(
         ops, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
-        checkpoint_offsets=checkpoint_offsets, groups=groups, chunk_size=chunk_size,
+        checkpoint_offsets=checkpoint_offsets, groups=groups, chunk_size=chunk_size, state_dtype=state_dtype,
     )
     res = (o, final if output_final_state else None, ckpt)
     return res + (ops,) if return_operands else res

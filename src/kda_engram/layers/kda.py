@@ -55,6 +55,8 @@ from torch import nn
 from .. import ops
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
 from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
+from ..constants import STATE_DTYPES
+from ..validation.kda import check_state_dtype_match
 from ..parallel import TensorParallelGroup
 
 __all__ = ["KDABatch", "KimiDeltaAttention", "kda_layer_reference"]
@@ -240,6 +242,10 @@ class KimiDeltaAttention(nn.Module):
         scale: attention scale (default ``head_dim ** -0.5``).
         tp: tensor-parallel group (``None``: one process).
         dtype, device: of the projections (``A_log``, ``dt_bias`` stay fp32).
+        fused_decode: run the decode rows through one launch
+            (:func:`~kda_engram.kda.fused_decode.fused_kda_decode_step`: conv, KDA
+            step and output gate) instead of the conv launch, ``kda_decode`` and
+            the PyTorch output gate. Same results up to fp32 summation order.
 
     Parameters (this rank's shard, ``torch.empty``: load with :meth:`load_weights`):
     ``in_proj.weight [2HK + HV + gate + H + g_out, hidden]``, ``f_b_proj.weight``,
@@ -262,6 +268,7 @@ class KimiDeltaAttention(nn.Module):
         tp: TensorParallelGroup | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        fused_decode: bool = True,
     ):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup.single()
@@ -290,6 +297,7 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = None if lower_bound is None else float(lower_bound)
         self.norm_eps = float(norm_eps)
         self.scale = float(scale) if scale is not None else K**-0.5
+        self.fused_decode = bool(fused_decode)
         self.conv_channels = C = 2 * H * K + H * V
         gate_cols = gate_low_rank_dim or H * K
         gout_cols = output_gate_low_rank_dim or H * V
@@ -315,13 +323,21 @@ class KimiDeltaAttention(nn.Module):
 
     # -- caches -----------------------------------------------------------------------
 
-    def allocate_cache(self, slots: int, *, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(state_cache fp32 [slots, H, V, K], conv_state [slots, 2HK + HV, 3])`` with
+    def allocate_cache(self, slots: int, *, device=None,
+                       state_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(state_cache [slots, H, V, K], conv_state [slots, 2HK + HV, 3])`` with
         ``torch.empty`` (the conv windows in the projection dtype: raw inputs are
-        stored exactly). Rows are only read where ``has_initial_state`` says so."""
+        stored exactly). Rows are only read where ``has_initial_state`` says so.
+
+        ``state_dtype``: float32 (default) or bfloat16. A bf16 cache halves the
+        bytes a decode step moves and the memory of every cached prefix; the
+        kernels step the state in fp32 and round it to bf16 (RTNE) once per store.
+        Checkpoint buffers must then be bf16 too."""
+        if state_dtype not in STATE_DTYPES:
+            raise TypeError(f"state_dtype: expected float32 or bfloat16, got {state_dtype}")
         device = device or self.in_proj.weight.device
         H, K = self.local_heads, self.head_dim
-        state = torch.empty(slots, H, K, K, dtype=torch.float32, device=device)
+        state = torch.empty(slots, H, K, K, dtype=state_dtype, device=device)
         conv = torch.empty(slots, self.conv_channels, self.conv_size - 1, dtype=self.in_proj.weight.dtype,
                            device=device)
         return state, conv
@@ -441,12 +457,13 @@ class KimiDeltaAttention(nn.Module):
         if not isinstance(batch, KDABatch):
             raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
         H, K = self.local_heads, self.head_dim
-        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=(torch.float32,), device=wt.device)
+        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=STATE_DTYPES, device=wt.device)
         check_tensor("conv_state", conv_state, shape=[None, self.conv_channels, self.conv_size - 1],
                      dtypes=FLOAT_DTYPES, device=wt.device)
         if checkpoint_state is not None:
-            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=(torch.float32,),
+            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=STATE_DTYPES,
                          device=wt.device)
+            check_state_dtype_match(["state_cache", "checkpoint_state"], [state_cache, checkpoint_state])
         if checkpoint_conv_state is not None:
             check_tensor("checkpoint_conv_state", checkpoint_conv_state,
                          shape=[None, self.conv_channels, self.conv_size - 1], dtypes=FLOAT_DTYPES, device=wt.device)
@@ -478,7 +495,7 @@ class KimiDeltaAttention(nn.Module):
 
         Args:
             batch: the step's :class:`KDABatch`.
-            state_cache: fp32 ``[slots, H, V, K]`` (this rank's heads), updated in place.
+            state_cache: fp32 or bf16 ``[slots, H, V, K]`` (this rank's heads), updated in place.
             conv_state: ``[slots, 2HK + HV, 3]`` conv windows, updated in place.
             checkpoint_state / checkpoint_conv_state: where the batch's checkpoints go
                 (rows ``batch.checkpoint_indices``); default the caches themselves.
@@ -504,8 +521,17 @@ class KimiDeltaAttention(nn.Module):
         g_out = proj[:, b["g_out"][0] : b["g_out"][1]]
         g_out = self.g_b_proj(g_out) if self.g_b_proj is not None else g_out
 
-        parts = []
-        if B > 0:
+        parts = []  # o_proj inputs [rows, H*V]: decode rows, then prefill tokens
+        dt = self.in_proj.weight.dtype
+        if B > 0 and self.fused_decode:
+            # One launch: conv window update + SiLU, norms, gate, beta, state step, gated RMSNorm.
+            parts.append(ops.fused_kda_decode_step(
+                proj[:B, :C], raw_g[:B], raw_beta[:B], g_out[:B], self.conv_weight, conv_state,
+                batch.decode_conv_indices, self.A_log, self.dt_bias, self.o_norm_weight, state_cache,
+                batch.decode_state_indices, scale=self.scale, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
+                out_dtype=dt,
+            ))
+        elif B > 0:
             x = proj[:B, :C]
             conv = ops.kda_conv_decode(x, self.conv_weight, conv_state, batch.decode_conv_indices,
                                        out_dtype=torch.float32)
@@ -515,7 +541,7 @@ class KimiDeltaAttention(nn.Module):
             o_d = ops.kda_decode(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
                                  state_cache, batch.decode_state_indices, scale=self.scale,
                                  lower_bound=self.lower_bound)
-            parts.append(o_d.to(hidden_states.dtype))
+            parts.append(self._output_gate(o_d.to(hidden_states.dtype), g_out[:B].view(B, H, V)).reshape(B, H * V))
         if batch.num_prefill > 0:
             Tp = T - B
             xp = proj[B:]
@@ -539,10 +565,10 @@ class KimiDeltaAttention(nn.Module):
                 ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,
                                         batch.checkpoint_indices,
                                         checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
-            parts.append(o_p.view(Tp, H, V))
+            parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
         # Decode rows then prefill tokens: together exactly the T rows (checked above).
-        o = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H, V))
-        y = self.o_proj(self._output_gate(o, g_out.view(T, H, V)).reshape(T, H * V))
+        z = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H * V))
+        y = self.o_proj(z)
         if self.tp.world_size > 1:
             y = self._all_reduce(y)
         return y

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..constants import (
+    STATE_DTYPES,
     CHUNK_SIZE,
     CONV_WIDTH,
     DECODE_MAX_HEAD_DIM,
@@ -79,6 +80,25 @@ def check_state_structure(initial_state, output_final_state, state_cache, state_
         raise ValueError("checkpoint_offsets needs checkpoint_state (the destination of the snapshots)")
     if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
         raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
+    # One storage dtype per state chain (a resumed checkpoint must equal the walk's state).
+    check_state_dtype_match(["state_cache", "initial_state", "checkpoint_state"],
+                            [state_cache, initial_state, checkpoint_state])
+
+
+def check_state_dtype_match(names: list[str], tensors: list[torch.Tensor | None]) -> None:
+    """States that feed one another share one storage dtype (TypeError otherwise).
+
+    ``names[0]`` is the reference argument (the cache / initial state)."""
+    present = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    if len(present) < 2:
+        return
+    ref_name, ref = present[0]
+    for n, t in present[1:]:
+        if t.dtype != ref.dtype:
+            raise TypeError(
+                f"{n}: expected the dtype of {ref_name} ({str(ref.dtype).replace('torch.', '')}), "
+                f"got {str(t.dtype).replace('torch.', '')}"
+            )
 
 
 def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, checks: DeviceChecks | None, *,
@@ -266,9 +286,9 @@ def check_state_arguments(
     sequence's state row."""
     N, H, V, K = num_seqs, num_heads, head_v, head_k
     if initial_state is not None:
-        check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=[torch.float32], device=device)
+        check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=STATE_DTYPES, device=device)
     if state_cache is not None:
-        check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+        check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=STATE_DTYPES, device=device)
         check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=device)
         check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=[torch.bool], device=device)
         if checks is not None:
@@ -276,7 +296,7 @@ def check_state_arguments(
     if checkpoint_offsets is None:
         return
     check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
-    check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=[torch.float32], device=device)
+    check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=STATE_DTYPES, device=device)
     rows = checkpoint_state.shape[0]
     if checkpoint_state_indices is not None:
         check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
@@ -320,7 +340,7 @@ def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, o
                         lead: int) -> tuple[int, ...]:
     """Host rules shared by both decode entry points; ``lead`` is 1 (``[B]``) or 2
     (``[B, S]``). Returns the leading sizes."""
-    check_tensor("state_cache", state_cache, dtypes=(torch.float32,))
+    check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)
     check_kernel_device("state_cache", state_cache)
     if state_cache.dim() != 4:
         raise ValueError(f"state_cache: expected shape [slots, H, V, K], got {list(state_cache.shape)}")
