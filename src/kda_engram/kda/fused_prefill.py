@@ -86,27 +86,31 @@ def _chunk16(
     rb = tl.load(b_ptr + t0 * sb_t + i_h * sb_h + o_c * sb_t, mask=live, other=0.0).to(tl.float32)
 
     # L2 norms (eps inside the sqrt), beta, bounded gate in log2 units (dead rows: 0).
-    q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    # The order keeps few [C, K] operands live at once: each replicated dot operand
+    # costs 32 registers per thread, so q's products are finished before k's start.
     beta = tl.where(live, tl.sigmoid(rb), 0.0)
     a = tl.where(lm, neg_bound * tl.sigmoid(a_scale * (g + dtb[None, :])), 0.0)
     G = tl.cumsum(a, 0)  # [C, K], in [16 L log2 e, 0]
     g_last = tl.sum(tl.where(o_c[:, None] == C - 1, G, 0.0), 0)  # dead rows add 0: = G at the last live row
-    eg = tl.exp2(G)
-    kd = k * eg
-    qd = q * eg
-    ki = k * tl.exp2(-G)
     decay = tl.exp2(g_last)
-    kg = ki * decay[None, :]
-
-    # Intra-chunk matrices: 2^(G_i - G_j) = 2^G_i 2^-G_j, no anchor at C = 16.
-    ki_t = tl.trans(ki).to(DT)
-    kd_op = kd.to(DT)
-    qd_op = qd.to(DT)
     causal = o_c[:, None] >= o_c[None, :]
     strict = o_c[:, None] > o_c[None, :]
-    akk = tl.where(strict, beta[:, None] * _dot(kd_op, ki_t, None, IEEE), 0.0)
+    sb = st.to(DT)
+
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    # 2^(G_i - G_j) = 2^G_i 2^-G_j, no anchor at C = 16.
+    ki = k * tl.exp2(-G)
+    ki_t = tl.trans(ki).to(DT)
+    kg_t = tl.trans(ki * decay[None, :]).to(DT)  # k^ 2^(G_last - G), [K, C]
+    q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    qd_op = (q * tl.exp2(G)).to(DT)
+    o = _dot(qd_op, sb, None, IEEE)
     aqk = tl.where(causal, _dot(qd_op, ki_t, None, IEEE), 0.0)
+    kd_op = (k * tl.exp2(G)).to(DT)
+    akk = tl.where(strict, beta[:, None] * _dot(kd_op, ki_t, None, IEEE), 0.0)
+    # R = beta (v - kd S^T); v_new = T R (= u - w S^T).
+    r = beta[:, None] * (v - _dot(kd_op, sb, None, IEEE))
+
     # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for the nilpotent
     # strictly lower A (A^16 = 0); fp32 IEEE: 6 tiny 16x16x16 products.
     eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
@@ -117,14 +121,10 @@ def _chunk16(
     tinv = tl.dot(tinv, eye + a4, input_precision="ieee")
     tinv = tl.dot(tinv, eye + a8, input_precision="ieee")
 
-    # The state step: v_new = T beta (v - kd S^T) (= u - w S^T).
-    sb = st.to(DT)
-    r = beta[:, None] * (v - _dot(kd_op, sb, None, IEEE))
     v_new = _dot(tinv.to(DT), r.to(DT), None, IEEE)  # [C, BV]
     vb = v_new.to(DT)
-    o = _dot(qd_op, sb, None, IEEE)
     o = _dot(aqk.to(DT), vb, o, IEEE)
-    st = _dot(tl.trans(kg).to(DT), vb, st * decay[:, None], IEEE)
+    st = _dot(kg_t, vb, st * decay[:, None], IEEE)
     tl.store(out_ptr + t0 * so_t + i_h * so_h + (o_c[:, None] * so_t + o_v[None, :] * so_v),
              (o * scale).to(out_ptr.dtype.element_ty), mask=lm)
     if HAS_CKPT:
@@ -282,7 +282,8 @@ def fused_kda_prefill_c16(
     * ``out`` ``[1, T, H, V]`` (default: new, ``v``'s dtype), written only where
       ``cu_seqlens`` covers; it may be ``v`` itself (each program reads a chunk's
       ``v`` columns before it writes the same rows and columns of ``out``).
-    * ``config``: ``BV``, ``num_warps``, ``num_stages`` overrides of :func:`fused_config`.
+    * ``config``: ``BV``, ``num_warps``, ``num_stages`` (and ``maxnreg``, a register
+      cap per thread) overrides of :func:`fused_config`.
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
@@ -309,7 +310,7 @@ def fused_kda_prefill_c16(
 
     cfg = fused_config(num_seqs, H, V, device)
     if config:
-        cfg.update({key: val for key, val in config.items() if key in ("BV", "num_warps", "num_stages")})
+        cfg.update({key: val for key, val in config.items() if key in ("BV", "num_warps", "num_stages", "maxnreg")})
     bv = cfg["BV"]
     if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or V % bv:
         raise ValueError(f"config: BV must be an int >= 16 dividing V={V}, got {bv!r}")
@@ -350,5 +351,6 @@ def fused_kda_prefill_c16(
         LOAD_STATE=load_mode, STORE_STATE=store_mode, HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
         IEEE=ieee, INTERPRET=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     return out, final_state
