@@ -9,7 +9,8 @@ more than ``MAX_SPILL_STACK_BYTES`` of stack per thread.
 
 ``python tests/kda/test_fused_prefill_compile.py --sweep`` prints the whole
 table (BV 32/64/128 x 4/8 warps x 1/2/3 stages) that picked the benchmark
-grid :data:`BENCH_CONFIGS` (also imported by ``benchmarks/sweep_kda_fused.py``).
+grid ``kda_engram.kda.fused_prefill.BENCH_CONFIGS`` (which ``benchmarks/sweep_kda_fused.py``
+times and this test compiles).
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ import triton
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
-# (BV, num_warps, num_stages): the configurations compiled by the test and timed
-# by the benchmark sweep (no spills in the --sweep table, 2026-12-04).
-BENCH_CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2), (128, 8, 1))
+# (BV, num_warps, num_stages[, maxnreg]): the whole table of --sweep.
 SWEEP_CONFIGS = tuple(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
 
 
@@ -48,6 +47,8 @@ def test_fused_prefill_compiles_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     rows = json.loads(report.read_text())
     # Every benchmark config, plus the state-cache + checkpoint build of the default.
+    from kda_engram.kda.fused_prefill import BENCH_CONFIGS
+
     assert len(rows) == len(BENCH_CONFIGS) + 1, rows
     assert all(r["registers"] > 0 for r in rows)
     heavy = [r for r in rows if r["spill_stack_bytes"] > MAX_SPILL_STACK_BYTES]
@@ -86,6 +87,12 @@ def _record(configs):
 
     import kda_engram.kda.fused_prefill as fp
 
+    if configs is None:
+        configs = tuple((c["BV"], c["num_warps"], c["num_stages"]) + ((c["maxnreg"],) if "maxnreg" in c else ())
+                        for c in fp.BENCH_CONFIGS)
+        with_cache = True
+    else:
+        with_cache = False
     calls = []
     kernel = fp._kda_fused_c16_kernel
 
@@ -108,7 +115,7 @@ def _record(configs):
             fp.fused_kda_prefill_c16(x["q"], x["k"], x["v"], raw_g, raw_beta, torch.zeros(H), torch.zeros(H * K),
                                      **common, initial_state=torch.zeros(N, H, K, K), output_final_state=True,
                                      config=dict(BV=bv, num_warps=nw, num_stages=ns, **extra))
-        if configs is BENCH_CONFIGS:
+        if with_cache:
             cache = torch.zeros(8, H, K, K)
             fp.fused_kda_prefill_c16(x["q"], x["k"], x["v"], raw_g, raw_beta, torch.zeros(H), torch.zeros(H * K),
                                      **common, state_cache=cache, state_indices=torch.tensor([3, -1]),
@@ -158,4 +165,4 @@ if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
     if "--sweep" in sys.argv:
         sys.exit(main(None, SWEEP_CONFIGS))
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None, BENCH_CONFIGS))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None, None))

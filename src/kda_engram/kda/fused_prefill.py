@@ -41,7 +41,7 @@ import triton.language as tl
 from ..platform import interpreting
 from .chunk import _structure_checks
 
-__all__ = ["CHUNK_C16", "MIN_LOWER_BOUND", "fused_config", "fused_kda_prefill_c16"]
+__all__ = ["BENCH_CONFIGS", "CHUNK_C16", "MIN_LOWER_BOUND", "fused_config", "fused_kda_prefill_c16"]
 
 CHUNK_C16 = 16
 # |G| over 16 tokens stays below 16 * 5 * log2(e) = 115.4 < 126 (smallest normal
@@ -49,6 +49,19 @@ CHUNK_C16 = 16
 MIN_LOWER_BOUND = -5.0
 LOG2E = math.log2(math.e)
 _HEAD_DIMS = (16, 32, 64, 128)
+# The launch configurations the sm_90a compile check builds and the GPU sweep
+# (benchmarks/sweep_kda_fused.py) times: the ones that compile with (almost) no
+# spills, see docs/design/kda_fused_prefill.md.
+BENCH_CONFIGS = (
+    {"BV": 32, "num_warps": 4, "num_stages": 2},
+    {"BV": 64, "num_warps": 4, "num_stages": 2},
+    {"BV": 64, "num_warps": 4, "num_stages": 3},
+    {"BV": 64, "num_warps": 8, "num_stages": 2},
+    {"BV": 128, "num_warps": 8, "num_stages": 2},
+    {"BV": 128, "num_warps": 8, "num_stages": 1},
+    {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
+    {"BV": 32, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
+)
 
 
 @triton.jit
@@ -140,12 +153,11 @@ def _kda_fused_c16_kernel(
     ck_ptr, ck_off_ptr, ck_idx_ptr,
     scale, neg_bound,
     sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h,
-    s_alog, sd_h, sd_k, so_t, so_h, so_v,
+    s_alog, sd_h, sd_k, so_t, so_h, so_v, H,
     st_in_r, st_in_h, st_in_v, st_in_k,
     st_out_r, st_out_h, st_out_v, st_out_k,
     st_ck_r, st_ck_h, st_ck_v, st_ck_k,
     st_cu, st_idx, st_has, st_cko, st_cki,
-    H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
@@ -343,11 +355,11 @@ def fused_kda_prefill_c16(
         checkpoint_state_indices if ck_indexed else cu_seqlens,
         float(scale), float(lower_bound) * LOG2E,
         *q.stride()[1:], *k.stride()[1:], *v.stride()[1:], *raw_g.stride()[1:], *raw_beta.stride()[1:],
-        A_log.stride(0), sd_h, sd_k, *out.stride()[1:],
+        A_log.stride(0), sd_h, sd_k, *out.stride()[1:], H,
         *st4(s_in), *st4(s_out), *st4(checkpoint_state if has_ckpt else None),
         cu_seqlens.stride(0), st1(state_indices), st1(has_initial_state),
         st1(checkpoint_offsets), st1(checkpoint_state_indices),
-        H=H, K=K, V=V, BV=bv, C=CHUNK_C16,
+        K=K, V=V, BV=bv, C=CHUNK_C16,
         LOAD_STATE=load_mode, STORE_STATE=store_mode, HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
         IEEE=ieee, INTERPRET=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
