@@ -125,14 +125,16 @@ def _chunk16(
     r = beta[:, None] * (v - _dot(kd_op, sb, None, IEEE))
 
     # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for the nilpotent
-    # strictly lower A (A^16 = 0); fp32 IEEE: 6 tiny 16x16x16 products.
+    # strictly lower A (A^16 = 0); fp32 IEEE, 6 tiny 16x16x16 products. The factors
+    # are polynomials in A and commute, so they are paired to shorten the chain
+    # (A^2 -> A^4 -> A^8 -> P2 -> T: 5 dependent products instead of 6).
     eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
     a2 = tl.dot(akk, akk, input_precision="ieee")
+    p1 = tl.dot(eye - akk, eye + a2, input_precision="ieee")
     a4 = tl.dot(a2, a2, input_precision="ieee")
     a8 = tl.dot(a4, a4, input_precision="ieee")
-    tinv = tl.dot(eye - akk, eye + a2, input_precision="ieee")
-    tinv = tl.dot(tinv, eye + a4, input_precision="ieee")
-    tinv = tl.dot(tinv, eye + a8, input_precision="ieee")
+    p2 = tl.dot(eye + a4, eye + a8, input_precision="ieee")
+    tinv = tl.dot(p1, p2, input_precision="ieee")
 
     v_new = _dot(tinv.to(DT), r.to(DT), None, IEEE)  # [C, BV]
     vb = v_new.to(DT)
