@@ -222,6 +222,13 @@ def test_lower_bound_outside_the_served_range(bound):
         fused_kda_prefill_c16(**raw, lower_bound=bound, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("config", [{"BV": 48}, {"BV": 16, "inv_precision": "fp8"}], ids=["bv48", "inv_fp8"])
+def test_bad_config(config):
+    raw, cu = make_raw([20], seed=12)
+    with pytest.raises(ValueError, match="config"):
+        fused_kda_prefill_c16(**raw, lower_bound=-5.0, cu_seqlens=cu, config=config)
+
+
 def test_state_arguments_combinations_are_checked():
     raw, cu = make_raw([20], seed=11)
     with pytest.raises(ValueError, match="replaces"):
@@ -279,9 +286,10 @@ def test_gpu_bf16_vs_portable_and_fp64(gpu, case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, {"BV": 32, "num_warps": 4, "num_stages": 2},
-                                    {"BV": 128, "num_warps": 8, "num_stages": 2},
-                                    {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128}],
-                         ids=["default", "bv32", "bv128", "maxnreg128"])
+                                    {"BV": 128, "num_warps": 8, "num_stages": 2, "inv_precision": "tf32x3"},
+                                    {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
+                                    {"BV": 64, "num_warps": 4, "num_stages": 2, "inv_precision": "tf32"}],
+                         ids=["default", "bv32", "bv128_tf32x3", "maxnreg128", "inv_tf32"])
 def test_gpu_small_cache_checkpoints_out_is_v(gpu, config):
     lengths = [128, 1, 0, 65, 200, 15]
     heads = 2

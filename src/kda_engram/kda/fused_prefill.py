@@ -53,14 +53,14 @@ _HEAD_DIMS = (16, 32, 64, 128)
 # (benchmarks/sweep_kda_fused.py) times: the ones that compile with (almost) no
 # spills, see docs/design/kda_fused_prefill.md.
 BENCH_CONFIGS = (
-    {"BV": 32, "num_warps": 4, "num_stages": 2},
     {"BV": 64, "num_warps": 4, "num_stages": 2},
+    {"BV": 32, "num_warps": 4, "num_stages": 2},
     {"BV": 64, "num_warps": 4, "num_stages": 3},
     {"BV": 64, "num_warps": 8, "num_stages": 2},
     {"BV": 128, "num_warps": 8, "num_stages": 2},
-    {"BV": 128, "num_warps": 8, "num_stages": 1},
+    {"BV": 64, "num_warps": 4, "num_stages": 2, "inv_precision": "tf32x3"},
+    {"BV": 128, "num_warps": 8, "num_stages": 2, "inv_precision": "tf32x3"},
     {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
-    {"BV": 32, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
 )
 
 
@@ -80,7 +80,7 @@ def _chunk16(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
     sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h, so_t, so_h, so_v,
     p_ck, ck_on, ck_off,
-    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     """Chunk ``c`` of one (sequence, head, V-tile): prepares it from the raw
     inputs, writes its output rows and returns the state after it."""
@@ -125,16 +125,17 @@ def _chunk16(
     r = beta[:, None] * (v - _dot(kd_op, sb, None, IEEE))
 
     # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for the nilpotent
-    # strictly lower A (A^16 = 0); fp32 IEEE, 6 tiny 16x16x16 products. The factors
+    # strictly lower A (A^16 = 0); fp32, 6 tiny 16x16x16 products (IEEE FMA by
+    # default; tf32/tf32x3 put them on the tensor cores, see the config). The factors
     # are polynomials in A and commute, so they are paired to shorten the chain
     # (A^2 -> A^4 -> A^8 -> P2 -> T: 5 dependent products instead of 6).
     eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    a2 = tl.dot(akk, akk, input_precision="ieee")
-    p1 = tl.dot(eye - akk, eye + a2, input_precision="ieee")
-    a4 = tl.dot(a2, a2, input_precision="ieee")
-    a8 = tl.dot(a4, a4, input_precision="ieee")
-    p2 = tl.dot(eye + a4, eye + a8, input_precision="ieee")
-    tinv = tl.dot(p1, p2, input_precision="ieee")
+    a2 = tl.dot(akk, akk, input_precision=INV_PREC)
+    p1 = tl.dot(eye - akk, eye + a2, input_precision=INV_PREC)
+    a4 = tl.dot(a2, a2, input_precision=INV_PREC)
+    a8 = tl.dot(a4, a4, input_precision=INV_PREC)
+    p2 = tl.dot(eye + a4, eye + a8, input_precision=INV_PREC)
+    tinv = tl.dot(p1, p2, input_precision=INV_PREC)
 
     v_new = _dot(tinv.to(DT), r.to(DT), None, IEEE)  # [C, BV]
     vb = v_new.to(DT)
@@ -169,6 +170,7 @@ def _kda_fused_c16_kernel(
     HAS_CKPT: tl.constexpr,
     CKPT_INDEXED: tl.constexpr,
     IEEE: tl.constexpr,
+    INV_PREC: tl.constexpr,  # input precision of the inverse's fp32 products
     INTERPRET: tl.constexpr,
 ):
     """Grid ``(N * H * V / BV,)``; program ``(n * H + h) * (V / BV) + i_v``
@@ -223,14 +225,14 @@ def _kda_fused_c16_kernel(
             st = _chunk16(c, st, bos, length, i_h, o_k, o_v, o_c, dtb, a_scale, neg_bound,
                           q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
                           sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h,
-                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE, INV_PREC)
             c += 1
     else:
         for c in range(0, n_chunks):
             st = _chunk16(c, st, bos, length, i_h, o_k, o_v, o_c, dtb, a_scale, neg_bound,
                           q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
                           sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h,
-                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE)
+                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE, INV_PREC)
 
     if STORE_STATE == 1:
         p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
@@ -297,7 +299,8 @@ def fused_kda_prefill_c16(
       ``cu_seqlens`` covers; it may be ``v`` itself (each program reads a chunk's
       ``v`` columns before it writes the same rows and columns of ``out``).
     * ``config``: ``BV``, ``num_warps``, ``num_stages`` (and ``maxnreg``, a register
-      cap per thread) overrides of :func:`fused_config`.
+      cap per thread, and ``inv_precision``: ``"ieee"`` (default), ``"tf32x3"`` or
+      ``"tf32"`` for the 16x16 inverse's products) overrides of :func:`fused_config`.
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
@@ -324,10 +327,16 @@ def fused_kda_prefill_c16(
 
     cfg = fused_config(num_seqs, H, V, device)
     if config:
-        cfg.update({key: val for key, val in config.items() if key in ("BV", "num_warps", "num_stages", "maxnreg")})
+        cfg.update({key: val for key, val in config.items() if key in ("BV", "num_warps", "num_stages", "maxnreg",
+                                                                      "inv_precision")})
     bv = cfg["BV"]
     if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or V % bv:
         raise ValueError(f"config: BV must be an int >= 16 dividing V={V}, got {bv!r}")
+    inv_prec = cfg.get("inv_precision", "ieee")
+    if inv_prec not in ("ieee", "tf32", "tf32x3"):
+        raise ValueError(f"config: inv_precision must be 'ieee', 'tf32' or 'tf32x3', got {inv_prec!r}")
+    if interpreting():
+        inv_prec = "ieee"  # the interpreter computes every fp32 product in fp32
     if num_seqs * H * (V // bv) >= 2**31:
         raise ValueError(f"cu_seqlens/q: N x H x V/BV programs must stay below 2^31, got N={num_seqs}, H={H}")
 
@@ -363,7 +372,7 @@ def fused_kda_prefill_c16(
         st1(checkpoint_offsets), st1(checkpoint_state_indices),
         K=K, V=V, BV=bv, C=CHUNK_C16,
         LOAD_STATE=load_mode, STORE_STATE=store_mode, HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
-        IEEE=ieee, INTERPRET=interpreting(),
+        IEEE=ieee, INV_PREC=inv_prec, INTERPRET=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
