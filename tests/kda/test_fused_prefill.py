@@ -21,6 +21,7 @@ LENGTHS = [0, 1, 15, 16, 17, 63, 64, 65, 130]
 ATOL = 3e-4
 RAW = ("q", "k", "v", "raw_g", "raw_beta")
 SMALL = {"BV": 16, "num_warps": 4, "num_stages": 1}  # two V-tiles per head at V = 32
+PIPE = {**SMALL, "pipeline": True}  # chunk c + 1 prepared beside chunk c's state step
 
 
 def make_raw(lengths, *, H=H, K=K, V=V, seed=0, device="cpu", dtype=torch.float32, gate_scale=2.0):
@@ -42,8 +43,9 @@ def close(a, b, atol=ATOL):
     assert err < atol, err
 
 
+@pytest.mark.parametrize("config", [SMALL, PIPE], ids=["serial", "pipeline"])
 @pytest.mark.parametrize("state", ["none", "initial", "cache"])
-def test_matches_naive_and_two_stage(state):
+def test_matches_naive_and_two_stage(state, config):
     raw, cu = make_raw(LENGTHS, seed=1)
     N = len(LENGTHS)
     h0 = torch.randn(N, H, V, K)
@@ -58,14 +60,14 @@ def test_matches_naive_and_two_stage(state):
                 cache[int(idx[n])] = h0[n]
         cache2 = cache.clone()
         o, final = fused_kda_prefill_c16(**raw, **kw, state_cache=cache, state_indices=idx, has_initial_state=has,
-                                         config=SMALL)
+                                         config=config)
         o2, _ = chunk_kda_prefill(**raw, **kw, state_cache=cache2, state_indices=idx, has_initial_state=has)
         assert final is None
         start = torch.where((has & (idx >= 0))[:, None, None, None], h0, torch.zeros_like(h0))
     else:
         start = h0 if state == "initial" else torch.zeros_like(h0)
         init = h0 if state == "initial" else None
-        o, final = fused_kda_prefill_c16(**raw, **kw, initial_state=init, output_final_state=True, config=SMALL)
+        o, final = fused_kda_prefill_c16(**raw, **kw, initial_state=init, output_final_state=True, config=config)
         o2, final2 = chunk_kda_prefill(**raw, **kw, initial_state=init, output_final_state=True)
         close(final, final2)
     o_nv, f_nv, _ = naive_recurrent_kda(**raw, **kw, initial_state=start, output_final_state=True)
@@ -92,8 +94,9 @@ def test_default_scale_and_explicit_scale():
     close(o_s, o_nvs)
 
 
-@pytest.mark.parametrize("indexed", [True, False], ids=["rows", "staging"])
-def test_checkpoints_at_64_and_128(indexed):
+@pytest.mark.parametrize(("indexed", "config"), [(True, SMALL), (False, SMALL), (True, PIPE)],
+                         ids=["rows", "staging", "rows_pipeline"])
+def test_checkpoints_at_64_and_128(indexed, config):
     lengths = [130, 64, 65, 0, 128, 17]
     N = len(lengths)
     raw, cu = make_raw(lengths, seed=3)
@@ -107,7 +110,7 @@ def test_checkpoints_at_64_and_128(indexed):
         o, _ = fused_kda_prefill_c16(**raw, lower_bound=-5.0, cu_seqlens=cu, state_cache=cache,
                                      state_indices=torch.arange(N), has_initial_state=torch.ones(N, dtype=torch.bool),
                                      checkpoint_state=cache, checkpoint_offsets=offs, checkpoint_state_indices=ck_rows,
-                                     config=SMALL)
+                                     config=config)
         ck = {n: cache[int(r)] for n, r in enumerate(ck_rows) if r >= 0 and offs[n] > 0}
         untouched = [6, 7, 10, 12, 13]  # offset 0 (rows 10, 12), or no sequence's row
         finals = cache[:N]
@@ -115,7 +118,7 @@ def test_checkpoints_at_64_and_128(indexed):
         staging = torch.full((N, H, V, K), math.nan)
         o, finals = fused_kda_prefill_c16(**raw, lower_bound=-5.0, cu_seqlens=cu, initial_state=h0,
                                           output_final_state=True, checkpoint_state=staging, checkpoint_offsets=offs,
-                                          config=SMALL)
+                                          config=config)
         ck = {n: staging[n] for n in range(N) if offs[n] > 0}
         untouched = None
         assert torch.isnan(staging[[3, 5]]).all()
@@ -288,8 +291,10 @@ def test_gpu_bf16_vs_portable_and_fp64(gpu, case):
 @pytest.mark.parametrize("config", [None, {"BV": 32, "num_warps": 4, "num_stages": 2},
                                     {"BV": 128, "num_warps": 8, "num_stages": 2, "inv_precision": "tf32x3"},
                                     {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
-                                    {"BV": 64, "num_warps": 4, "num_stages": 2, "inv_precision": "tf32"}],
-                         ids=["default", "bv32", "bv128_tf32x3", "maxnreg128", "inv_tf32"])
+                                    {"BV": 64, "num_warps": 4, "num_stages": 2, "inv_precision": "tf32"},
+                                    {"BV": 64, "num_warps": 8, "num_stages": 2, "pipeline": True},
+                                    {"BV": 128, "num_warps": 8, "num_stages": 2, "pipeline": True}],
+                         ids=["default", "bv32", "bv128_tf32x3", "maxnreg128", "inv_tf32", "pipe64", "pipe128"])
 def test_gpu_small_cache_checkpoints_out_is_v(gpu, config):
     lengths = [128, 1, 0, 65, 200, 15]
     heads = 2

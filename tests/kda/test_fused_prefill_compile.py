@@ -29,8 +29,9 @@ import triton
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
-# (BV, num_warps, num_stages[, maxnreg]): the whole table of --sweep.
-SWEEP_CONFIGS = tuple(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
+# The whole table of --sweep.
+SWEEP_CONFIGS = tuple({"BV": bv, "num_warps": nw, "num_stages": ns}
+                      for bv, nw, ns in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))
 
 
 def test_fused_prefill_compiles_for_sm90(tmp_path):
@@ -88,8 +89,7 @@ def _record(configs):
     import kda_engram.kda.fused_prefill as fp
 
     if configs is None:
-        configs = tuple((c["BV"], c["num_warps"], c["num_stages"], c.get("maxnreg"), c.get("inv_precision", "ieee"))
-                        for c in fp.BENCH_CONFIGS)
+        configs = fp.BENCH_CONFIGS
         with_cache = True
     else:
         with_cache = False
@@ -110,13 +110,9 @@ def _record(configs):
         cu = torch.tensor([0, 100, T], dtype=torch.int32)
         common = dict(lower_bound=-5.0, cu_seqlens=cu)
         for cfg in configs:
-            bv, nw, ns = cfg[:3]
-            extra = {"maxnreg": cfg[3]} if len(cfg) > 3 and cfg[3] else {}
-            if len(cfg) > 4:
-                extra["inv_precision"] = cfg[4]
             fp.fused_kda_prefill_c16(x["q"], x["k"], x["v"], raw_g, raw_beta, torch.zeros(H), torch.zeros(H * K),
                                      **common, initial_state=torch.zeros(N, H, K, K), output_final_state=True,
-                                     config=dict(BV=bv, num_warps=nw, num_stages=ns, **extra))
+                                     config=dict(cfg))
         if with_cache:
             cache = torch.zeros(8, H, K, K)
             fp.fused_kda_prefill_c16(x["q"], x["k"], x["v"], raw_g, raw_beta, torch.zeros(H), torch.zeros(H * K),
@@ -142,7 +138,7 @@ def main(report_path: str | None, configs) -> int:
         signature, constexprs, attrs, options = _specialize(fn, args, dict(kwargs), backend)
         const = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
         tag = dict(BV=const["BV"], num_warps=options.num_warps, num_stages=options.num_stages, maxnreg=options.maxnreg,
-                   INV_PREC=const["INV_PREC"], LOAD_STATE=const["LOAD_STATE"], HAS_CKPT=const["HAS_CKPT"])
+                   INV_PREC=const["INV_PREC"], PIPELINE=const["PIPELINE"], LOAD_STATE=const["LOAD_STATE"], HAS_CKPT=const["HAS_CKPT"])
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=target, options=options.__dict__)
@@ -152,7 +148,7 @@ def main(report_path: str | None, configs) -> int:
         regs, stack = _resources(kernel.asm["cubin"])
         smem = kernel.metadata.shared
         rows.append(dict(**tag, registers=regs, spill_stack_bytes=stack, shared_bytes=smem))
-        print(f"BV {tag['BV']:>3}  warps {tag['num_warps']}  stages {tag['num_stages']}  maxnreg {tag['maxnreg']}  inv {tag['INV_PREC']:<6}  "
+        print(f"BV {tag['BV']:>3}  warps {tag['num_warps']}  stages {tag['num_stages']}  maxnreg {tag['maxnreg']}  inv {tag['INV_PREC']:<6}  pipe {int(tag['PIPELINE'])}  "
               f"LOAD_STATE {tag['LOAD_STATE']} CKPT {int(tag['HAS_CKPT'])}:  regs {regs:>3}  "
               f"stack {stack:>5} B  smem {smem:>6} B", flush=True)
     if report_path:

@@ -55,12 +55,12 @@ _HEAD_DIMS = (16, 32, 64, 128)
 BENCH_CONFIGS = (
     {"BV": 64, "num_warps": 4, "num_stages": 2},
     {"BV": 32, "num_warps": 4, "num_stages": 2},
-    {"BV": 64, "num_warps": 4, "num_stages": 3},
     {"BV": 64, "num_warps": 8, "num_stages": 2},
     {"BV": 128, "num_warps": 8, "num_stages": 2},
     {"BV": 64, "num_warps": 4, "num_stages": 2, "inv_precision": "tf32x3"},
-    {"BV": 128, "num_warps": 8, "num_stages": 2, "inv_precision": "tf32x3"},
     {"BV": 64, "num_warps": 8, "num_stages": 2, "maxnreg": 128},
+    {"BV": 64, "num_warps": 8, "num_stages": 2, "pipeline": True},
+    {"BV": 128, "num_warps": 8, "num_stages": 2, "pipeline": True},
 )
 
 
@@ -75,15 +75,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _chunk16(
-    c, st, bos, length, i_h, o_k, o_v, o_c, dtb, a_scale, neg_bound,
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
-    sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h, so_t, so_h, so_v,
-    p_ck, ck_on, ck_off,
-    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
+def _prep16(
+    c, bos, length, i_h, o_k, o_c, dtb, a_scale, neg_bound,
+    q_ptr, k_ptr, g_ptr, b_ptr,
+    sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sg_t, sg_h, sg_k, sb_t, sb_h,
+    C: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
 ):
-    """Chunk ``c`` of one (sequence, head, V-tile): prepares it from the raw
-    inputs, writes its output rows and returns the state after it."""
+    """The state-independent half of chunk ``c``, from the raw inputs:
+    ``(qd, kd, kg, aqk, T, beta, decay)``; ``qd``, ``kd``, ``kg`` ``[C, K]`` in the
+    operand dtype, ``aqk`` (inclusive lower) and ``T = (I + A_kk)^-1`` ``[C, C]``
+    fp32. Rows past the sequence's end load as zeros and get ``beta = 0`` and
+    ``a = 0``, so they add nothing (a chunk wholly past the end is all zeros)."""
     DT: tl.constexpr = tl.float32 if IEEE else tl.bfloat16
     t0 = bos + c * C  # int64 base; tile offsets stay 32-bit
     live = (c * C + o_c) < length
@@ -94,35 +96,25 @@ def _chunk16(
                 other=0.0).to(tl.float32)
     g = tl.load(g_ptr + t0 * sg_t + i_h * sg_h + (o_c[:, None] * sg_t + o_k[None, :] * sg_k), mask=lm,
                 other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + t0 * sv_t + i_h * sv_h + (o_c[:, None] * sv_t + o_v[None, :] * sv_v), mask=lm,
-                other=0.0).to(tl.float32)
     rb = tl.load(b_ptr + t0 * sb_t + i_h * sb_h + o_c * sb_t, mask=live, other=0.0).to(tl.float32)
 
-    # L2 norms (eps inside the sqrt), beta, bounded gate in log2 units (dead rows: 0).
-    # The order keeps few [C, K] operands live at once: each replicated dot operand
-    # costs 32 registers per thread, so q's products are finished before k's start.
+    # beta, the bounded gate in log2 units, its chunk-local cumsum, L2 norms (eps inside the sqrt).
     beta = tl.where(live, tl.sigmoid(rb), 0.0)
     a = tl.where(lm, neg_bound * tl.sigmoid(a_scale * (g + dtb[None, :])), 0.0)
     G = tl.cumsum(a, 0)  # [C, K], in [16 L log2 e, 0]
     g_last = tl.sum(tl.where(o_c[:, None] == C - 1, G, 0.0), 0)  # dead rows add 0: = G at the last live row
     decay = tl.exp2(g_last)
-    causal = o_c[:, None] >= o_c[None, :]
-    strict = o_c[:, None] > o_c[None, :]
-    sb = st.to(DT)
-
     k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    # 2^(G_i - G_j) = 2^G_i 2^-G_j, no anchor at C = 16.
+    q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    # 2^(G_i - G_j) = 2^G_i 2^-G_j: no anchor at C = 16.
     ki = k * tl.exp2(-G)
     ki_t = tl.trans(ki).to(DT)
-    kg_t = tl.trans(ki * decay[None, :]).to(DT)  # k^ 2^(G_last - G), [K, C]
-    q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
-    qd_op = (q * tl.exp2(G)).to(DT)
-    o = _dot(qd_op, sb, None, IEEE)
-    aqk = tl.where(causal, _dot(qd_op, ki_t, None, IEEE), 0.0)
-    kd_op = (k * tl.exp2(G)).to(DT)
-    akk = tl.where(strict, beta[:, None] * _dot(kd_op, ki_t, None, IEEE), 0.0)
-    # R = beta (v - kd S^T); v_new = T R (= u - w S^T).
-    r = beta[:, None] * (v - _dot(kd_op, sb, None, IEEE))
+    kg = (ki * decay[None, :]).to(DT)  # k^ 2^(G_last - G)
+    eg = tl.exp2(G)
+    qd = (q * eg).to(DT)
+    kd = (k * eg).to(DT)
+    aqk = tl.where(o_c[:, None] >= o_c[None, :], _dot(qd, ki_t, None, IEEE), 0.0)
+    akk = tl.where(o_c[:, None] > o_c[None, :], beta[:, None] * _dot(kd, ki_t, None, IEEE), 0.0)
 
     # T = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8) for the nilpotent
     # strictly lower A (A^16 = 0); fp32, 6 tiny 16x16x16 products (IEEE FMA by
@@ -136,11 +128,32 @@ def _chunk16(
     a8 = tl.dot(a4, a4, input_precision=INV_PREC)
     p2 = tl.dot(eye + a4, eye + a8, input_precision=INV_PREC)
     tinv = tl.dot(p1, p2, input_precision=INV_PREC)
+    return qd, kd, kg, aqk, tinv, beta, decay
 
+
+@triton.jit
+def _step16(
+    c, st, qd, kd, kg, aqk, tinv, beta, decay, bos, length, i_h, o_v, o_c,
+    v_ptr, out_ptr, scale, sv_t, sv_h, sv_v, so_t, so_h, so_v,
+    p_ck, ck_on, ck_off,
+    HAS_CKPT: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The state step of chunk ``c`` on its prepared operands: writes the
+    chunk's output rows (and the checkpoint that ends here) and returns the state
+    after it. ``v_new = T beta (v - kd S^T)`` (= ``u - w S^T``)."""
+    DT: tl.constexpr = tl.float32 if IEEE else tl.bfloat16
+    t0 = bos + c * C
+    live = (c * C + o_c) < length
+    lm = live[:, None]
+    v = tl.load(v_ptr + t0 * sv_t + i_h * sv_h + (o_c[:, None] * sv_t + o_v[None, :] * sv_v), mask=lm,
+                other=0.0).to(tl.float32)
+    sb = st.to(DT)
+    o = _dot(qd, sb, None, IEEE)
+    r = beta[:, None] * (v - _dot(kd, sb, None, IEEE))
     v_new = _dot(tinv.to(DT), r.to(DT), None, IEEE)  # [C, BV]
     vb = v_new.to(DT)
     o = _dot(aqk.to(DT), vb, o, IEEE)
-    st = _dot(kg_t, vb, st * decay[:, None], IEEE)
+    st = _dot(tl.trans(kg), vb, st * decay[:, None], IEEE)  # S diag(decay) + v_new^T kg, transposed
     tl.store(out_ptr + t0 * so_t + i_h * so_h + (o_c[:, None] * so_t + o_v[None, :] * so_v),
              (o * scale).to(out_ptr.dtype.element_ty), mask=lm)
     if HAS_CKPT:
@@ -171,6 +184,7 @@ def _kda_fused_c16_kernel(
     CKPT_INDEXED: tl.constexpr,
     IEEE: tl.constexpr,
     INV_PREC: tl.constexpr,  # input precision of the inverse's fp32 products
+    PIPELINE: tl.constexpr,  # prepare chunk c + 1 beside chunk c's state step
     INTERPRET: tl.constexpr,
 ):
     """Grid ``(N * H * V / BV,)``; program ``(n * H + h) * (V / BV) + i_v``
@@ -218,21 +232,41 @@ def _kda_fused_c16_kernel(
         p_ck = ck_ptr + ck_row * st_ck_r + i_h * st_ck_h + (o_v[None, :] * st_ck_v + o_k[:, None] * st_ck_k)
 
     # The interpreter needs a `while` over a loaded bound; compiled code takes the
-    # `for`, software-pipelined at num_stages >= 2 (see kda/chunk.py).
+    # `for`, software-pipelined at num_stages >= 2 (see kda/chunk.py). PIPELINE
+    # prepares chunk c + 1 in the iteration that steps chunk c (its operands are
+    # carried in compact layouts), so the prologue chain and the state chain are
+    # independent instruction streams the scheduler can interleave.
+    pa = (bos, length, i_h, o_k, o_c, dtb, a_scale, neg_bound, q_ptr, k_ptr, g_ptr, b_ptr,
+          sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sg_t, sg_h, sg_k, sb_t, sb_h)
+    if PIPELINE:
+        qd, kd, kg, aqk, tinv, beta, decay = _prep16(0, *pa, C, IEEE, INV_PREC)
     if INTERPRET:
         c = 0
         while c < n_chunks:
-            st = _chunk16(c, st, bos, length, i_h, o_k, o_v, o_c, dtb, a_scale, neg_bound,
-                          q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
-                          sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h,
-                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE, INV_PREC)
+            if PIPELINE:
+                nq, nk, ng, naqk, ntinv, nbeta, ndecay = _prep16(c + 1, *pa, C, IEEE, INV_PREC)
+            else:
+                qd, kd, kg, aqk, tinv, beta, decay = _prep16(c, *pa, C, IEEE, INV_PREC)
+            st = _step16(c, st, qd, kd, kg, aqk, tinv, beta, decay, bos, length, i_h, o_v, o_c,
+                         v_ptr, out_ptr, scale, sv_t, sv_h, sv_v, so_t, so_h, so_v, p_ck, ck_on, ck_off,
+                         HAS_CKPT, C, IEEE)
+            if PIPELINE:
+                qd, kd, kg, aqk, tinv, beta, decay = nq, nk, ng, naqk, ntinv, nbeta, ndecay
             c += 1
     else:
-        for c in range(0, n_chunks):
-            st = _chunk16(c, st, bos, length, i_h, o_k, o_v, o_c, dtb, a_scale, neg_bound,
-                          q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, out_ptr, scale,
-                          sq_t, sq_h, sq_k, sk_t, sk_h, sk_k, sv_t, sv_h, sv_v, sg_t, sg_h, sg_k, sb_t, sb_h,
-                          so_t, so_h, so_v, p_ck, ck_on, ck_off, HAS_CKPT, C, IEEE, INV_PREC)
+        if PIPELINE:
+            for c in range(0, n_chunks):
+                nq, nk, ng, naqk, ntinv, nbeta, ndecay = _prep16(c + 1, *pa, C, IEEE, INV_PREC)
+                st = _step16(c, st, qd, kd, kg, aqk, tinv, beta, decay, bos, length, i_h, o_v, o_c,
+                             v_ptr, out_ptr, scale, sv_t, sv_h, sv_v, so_t, so_h, so_v, p_ck, ck_on, ck_off,
+                             HAS_CKPT, C, IEEE)
+                qd, kd, kg, aqk, tinv, beta, decay = nq, nk, ng, naqk, ntinv, nbeta, ndecay
+        else:
+            for c in range(0, n_chunks):
+                qd, kd, kg, aqk, tinv, beta, decay = _prep16(c, *pa, C, IEEE, INV_PREC)
+                st = _step16(c, st, qd, kd, kg, aqk, tinv, beta, decay, bos, length, i_h, o_v, o_c,
+                             v_ptr, out_ptr, scale, sv_t, sv_h, sv_v, so_t, so_h, so_v, p_ck, ck_on, ck_off,
+                             HAS_CKPT, C, IEEE)
 
     if STORE_STATE == 1:
         p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
@@ -300,7 +334,8 @@ def fused_kda_prefill_c16(
       ``v`` columns before it writes the same rows and columns of ``out``).
     * ``config``: ``BV``, ``num_warps``, ``num_stages`` (and ``maxnreg``, a register
       cap per thread, and ``inv_precision``: ``"ieee"`` (default), ``"tf32x3"`` or
-      ``"tf32"`` for the 16x16 inverse's products) overrides of :func:`fused_config`.
+      ``"tf32"`` for the 16x16 inverse's products, and ``pipeline``: prepare the
+      next chunk beside the current state step) overrides of :func:`fused_config`.
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
@@ -328,7 +363,7 @@ def fused_kda_prefill_c16(
     cfg = fused_config(num_seqs, H, V, device)
     if config:
         cfg.update({key: val for key, val in config.items() if key in ("BV", "num_warps", "num_stages", "maxnreg",
-                                                                      "inv_precision")})
+                                                                      "inv_precision", "pipeline")})
     bv = cfg["BV"]
     if isinstance(bv, bool) or not isinstance(bv, int) or bv < 16 or V % bv:
         raise ValueError(f"config: BV must be an int >= 16 dividing V={V}, got {bv!r}")
@@ -372,7 +407,7 @@ def fused_kda_prefill_c16(
         st1(checkpoint_offsets), st1(checkpoint_state_indices),
         K=K, V=V, BV=bv, C=CHUNK_C16,
         LOAD_STATE=load_mode, STORE_STATE=store_mode, HAS_CKPT=has_ckpt, CKPT_INDEXED=ck_indexed,
-        IEEE=ieee, INV_PREC=inv_prec, INTERPRET=interpreting(),
+        IEEE=ieee, INV_PREC=inv_prec, PIPELINE=bool(cfg.get("pipeline", False)), INTERPRET=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
