@@ -39,7 +39,11 @@ def _rel_rmse(a, b) -> float:
     return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
-def run(cases, configs) -> list[dict]:
+def run(cases, configs, json_path=None) -> list[dict]:
+    """Baselines of every case first, then every config over every case (configs
+    outer, in ``BENCH_CONFIGS`` order, the least tried last): a config that faults
+    the device loses only its own rows and the ones after it; the rows so far are
+    rewritten to ``json_path`` after each config."""
     import torch
     import triton.testing
 
@@ -51,7 +55,7 @@ def run(cases, configs) -> list[dict]:
         return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
     device = torch.device("cuda")
-    rows = []
+    state, rows = {}, []
     for name in cases:
         lengths, heads = CASES[name]
         x = make_inputs(lengths, heads, device)
@@ -59,20 +63,25 @@ def run(cases, configs) -> list[dict]:
         kw = dict(lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True)
         out = torch.empty_like(x["v"])
 
-        def two_stage():
+        def two_stage(args=args, kw=kw, out=out):
             return chunk_kda_prefill(*args, **kw, out=out, check_inputs=False)
 
         o_ref, f_ref = two_stage()
         o_ref, f_ref = o_ref.clone(), f_ref.clone()
         ms_ref = bench(two_stage)
         default = fused_config(len(lengths), heads, 128, device)
-        print(f"== {name}: two-stage {ms_ref:.3f} ms (anchor best peer {ANCHOR_BEST_PEER_MS.get(name, '-')} ms, "
+        print(f"{name:<12} two-stage {ms_ref:.3f} ms (anchor best peer {ANCHOR_BEST_PEER_MS.get(name, '-')} ms, "
               f"target {TARGET_MS.get(name, '-')} ms); fused default config {default}", flush=True)
-        row = dict(case=name, two_stage_ms=ms_ref, anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
-                   target_ms=TARGET_MS.get(name), default_config=default, fused=[])
-        fo = torch.empty_like(x["v"])
-        for cfg in configs:
-            def fused(cfg=cfg):
+        state[name] = (args, kw, o_ref, f_ref, out)
+        rows.append(dict(case=name, two_stage_ms=ms_ref, anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
+                         target_ms=TARGET_MS.get(name), default_config=default, fused=[]))
+    for cfg in configs:
+        print(f"== config {json.dumps(cfg)}", flush=True)
+        for row in rows:
+            name = row["case"]
+            args, kw, o_ref, f_ref, fo = state[name]
+
+            def fused(args=args, kw=kw, fo=fo, cfg=cfg):
                 return fused_kda_prefill_c16(*args, **kw, out=fo, config=cfg)
 
             try:
@@ -81,24 +90,29 @@ def run(cases, configs) -> list[dict]:
                 ms = bench(fused)
             except Exception as exc:  # a config failing (compile, launch): report, keep the others
                 torch.cuda.synchronize()
-                print(f"  {json.dumps(cfg):<62} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                print(f"  {name:<12} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 row["fused"].append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"))
                 continue
             d_o = (o.float() - o_ref.float()).abs().max().item()
             d_f = (f - f_ref).abs().max().item()
             r_o, r_f = _rel_rmse(o, o_ref), _rel_rmse(f, f_ref)
             finite = bool(torch.isfinite(o.float()).all() and torch.isfinite(f).all())
-            print(f"  {json.dumps(cfg):<62} {ms:7.3f} ms  x{ms_ref / ms:5.2f}  max|do| {d_o:.2e}  max|df| {d_f:.2e}  "
-                  f"relrms o {r_o:.2e} f {r_f:.2e}{'' if finite else '  NON-FINITE'}", flush=True)
+            ms_ref = row["two_stage_ms"]
+            print(f"  {name:<12} {ms:7.3f} ms  x{ms_ref / ms:5.2f} vs two-stage {ms_ref:.3f}  max|do| {d_o:.2e}  "
+                  f"max|df| {d_f:.2e}  relrms o {r_o:.2e} f {r_f:.2e}{'' if finite else '  NON-FINITE'}", flush=True)
             row["fused"].append(dict(config=cfg, ms=ms, ratio=ms_ref / ms, max_abs_out=d_o, max_abs_state=d_f,
                                      rel_rmse_out=r_o, rel_rmse_state=r_f, finite=finite))
+        if json_path:
+            with open(json_path, "w") as fh:
+                json.dump(rows, fh, indent=1)
+    print("== best per case (ms; ratio two-stage / fused)")
+    for row in rows:
         ok = [r for r in row["fused"] if "ms" in r and r["finite"]]
         if ok:
             best = min(ok, key=lambda r: r["ms"])
-            print(f"  best: {best['ms']:.3f} ms {json.dumps(best['config'])} (x{best['ratio']:.2f} vs two-stage)")
-        rows.append(row)
-        del x, out, fo, o_ref, f_ref
-        torch.cuda.empty_cache()
+            print(f"  {row['case']:<12} two-stage {row['two_stage_ms']:.3f}  fused {best['ms']:.3f} "
+                  f"x{best['ratio']:.2f}  {json.dumps(best['config'])}  (target {row['target_ms']}, "
+                  f"anchor best peer {row['anchor_best_peer_ms']})")
     return rows
 
 
@@ -125,10 +139,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {list(CASES)}")
     configs = json.loads(args.configs) if args.configs else [dict(c) for c in BENCH_CONFIGS]
-    rows = run(cases, configs)
+    run(cases, configs, args.json)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
         print(f"wrote {args.json}")
     return 0
 
