@@ -137,8 +137,9 @@ def main(report_path: str | None, configs) -> int:
     for args, kwargs in calls:
         signature, constexprs, attrs, options = _specialize(fn, args, dict(kwargs), backend)
         const = {fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
-        tag = dict(BV=const["BV"], num_warps=options.num_warps, num_stages=options.num_stages, maxnreg=options.maxnreg,
-                   INV_PREC=const["INV_PREC"], PIPELINE=const["PIPELINE"], LOAD_STATE=const["LOAD_STATE"], HAS_CKPT=const["HAS_CKPT"])
+        tag = dict(BV=const["BV"], num_warps=options.num_warps, num_stages=options.num_stages,
+                   maxnreg=options.maxnreg, INV_PREC=const["INV_PREC"], PIPELINE=const["PIPELINE"],
+                   LOAD_STATE=const["LOAD_STATE"], HAS_CKPT=const["HAS_CKPT"])
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=target, options=options.__dict__)
@@ -148,7 +149,8 @@ def main(report_path: str | None, configs) -> int:
         regs, stack = _resources(kernel.asm["cubin"])
         smem = kernel.metadata.shared
         rows.append(dict(**tag, registers=regs, spill_stack_bytes=stack, shared_bytes=smem))
-        print(f"BV {tag['BV']:>3}  warps {tag['num_warps']}  stages {tag['num_stages']}  maxnreg {tag['maxnreg']}  inv {tag['INV_PREC']:<6}  pipe {int(tag['PIPELINE'])}  "
+        print(f"BV {tag['BV']:>3}  warps {tag['num_warps']}  stages {tag['num_stages']}  maxnreg {tag['maxnreg']}  "
+              f"inv {tag['INV_PREC']:<6}  pipe {int(tag['PIPELINE'])}  "
               f"LOAD_STATE {tag['LOAD_STATE']} CKPT {int(tag['HAS_CKPT'])}:  regs {regs:>3}  "
               f"stack {stack:>5} B  smem {smem:>6} B", flush=True)
     if report_path:

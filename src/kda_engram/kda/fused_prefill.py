@@ -270,7 +270,8 @@ def _kda_fused_c16_kernel(
                              HAS_CKPT, C, IEEE)
 
     if STORE_STATE == 1:
-        p_out = s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k)
+        p_out = (s_out_ptr + i_n.to(tl.int64) * st_out_r + i_h * st_out_h
+                 + (o_v[None, :] * st_out_v + o_k[:, None] * st_out_k))
         tl.store(p_out, st)
     elif STORE_STATE == 2:
         slot_out = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
