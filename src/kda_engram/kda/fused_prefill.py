@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import L2NORM_EPS, LOG2E
 from ..platform import interpreting
-from .chunk import _structure_checks
+from ..validation.kda import check_state_structure
 
 __all__ = ["BENCH_CONFIGS", "CHUNK_C16", "MIN_LOWER_BOUND", "fused_config", "fused_kda_prefill_c16"]
 
@@ -47,7 +48,8 @@ CHUNK_C16 = 16
 # |G| over 16 tokens stays below 16 * 5 * log2(e) = 115.4 < 126 (smallest normal
 # exponent): 2^G and 2^-G are normal numbers. Steeper bounds need anchoring.
 MIN_LOWER_BOUND = -5.0
-LOG2E = math.log2(math.e)
+# The L2-norm epsilon as a compile-time constant of the kernels.
+_L2_EPS = tl.constexpr(L2NORM_EPS)
 _HEAD_DIMS = (16, 32, 64, 128)
 # The launch configurations the sm_90a compile check builds and the GPU sweep
 # (benchmarks/sweep_kda_fused.py) times, all under 1 KB of spills (table in
@@ -105,8 +107,8 @@ def _prep16(
     G = tl.cumsum(a, 0)  # [C, K], in [16 L log2 e, 0]
     g_last = tl.sum(tl.where(o_c[:, None] == C - 1, G, 0.0), 0)  # dead rows add 0: = G at the last live row
     decay = tl.exp2(g_last)
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-    q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + _L2_EPS)[:, None]
+    q = q * tl.rsqrt(tl.sum(q * q, 1) + _L2_EPS)[:, None]
     # 2^(G_i - G_j) = 2^G_i 2^-G_j: no anchor at C = 16.
     ki = k * tl.exp2(-G)
     ki_t = tl.trans(ki).to(DT)
@@ -341,8 +343,8 @@ def fused_kda_prefill_c16(
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
-    _structure_checks(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                      checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
     if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) or not (
             MIN_LOWER_BOUND <= lower_bound < 0):
         raise ValueError(f"lower_bound: expected a float in [{MIN_LOWER_BOUND}, 0) (the chunk-16 path serves the "
