@@ -32,8 +32,6 @@ notes and measurements are in ``docs/design/kda_fused_prefill.md``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
