@@ -59,6 +59,7 @@ from .kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from .kda.conv import kda_conv_decode as _kda_conv_decode
 from .kda.decode import kda_decode as _kda_decode
 from .kda.decode import kda_decode_multi as _kda_decode_multi
+from .kda.fused_decode import fused_kda_decode_step as _fused_kda_decode_step
 from .kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from .kda.prologue import fused_kda_prologue as _fused_kda_prologue
 from .validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
@@ -69,6 +70,7 @@ from .validation.kda import (
     check_conv_decode,
     check_cu_seqlens,
     check_decode_indices,
+    check_fused_decode_arguments,
     check_decode_inputs,
     check_decode_multi_indices,
     check_prologue_arguments,
@@ -665,13 +667,11 @@ def _fused_kda_decode_step_op(
     state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float], norm_eps: float,
     out_dtype: Optional[torch.dtype],
 ) -> Tensor:
-    from .kda.fused_decode import fused_kda_decode_step
-
     H, V = state_cache.shape[1], state_cache.shape[2]
     out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
-    return fused_kda_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
-                                 dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
-                                 lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=False)
+    return _fused_kda_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                  dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
+                                  lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=False)
 
 
 @_fused_kda_decode_step_op.register_fake
@@ -689,14 +689,9 @@ def fused_kda_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, co
     or S tokens per sequence with the default initial rows; ``state_cache`` and
     ``conv_state`` mutated, ``out`` allocated by the op). Host-side shape checks
     only; index ranges are the caller's contract."""
-    check_tensor("state_cache", state_cache, shape=[None, None, None, None], dtypes=(torch.float32, torch.bfloat16))
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, device=state_cache.device)
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x: expected shape [B, C] or [B, S, C], got {list(x.shape)}")
-    check_tensor("state_indices", state_indices, shape=list(x.shape[:-1]), dtypes=INDEX_DTYPES,
-                 device=state_cache.device)
-    check_tensor("conv_state_indices", conv_state_indices, shape=list(x.shape[:-1]), dtypes=INDEX_DTYPES,
-                 device=state_cache.device)
+    check_fused_decode_arguments(None, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                 dt_bias, o_norm_weight, state_cache, state_indices, None, None, scale, lower_bound,
+                                 norm_eps, None)
     return _fused_kda_decode_step_op(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
                                      dt_bias, o_norm_weight, state_cache, state_indices, _opt_float(scale),
                                      _opt_float(lower_bound), float(norm_eps), out_dtype)

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.fused_decode import fused_kda_decode_reference, fused_kda_decode_step
+from kda_engram.kda.fused_decode import fused_kda_decode_step
+from kda_engram.kda.reference import fused_kda_decode_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 

@@ -37,18 +37,16 @@ copied; nothing is allocated except ``out`` when not given. With
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..constants import CONV_WIDTH, L2NORM_EPS
+from ..validation.common import DeviceChecks
+from ..validation.kda import check_fused_decode_arguments
 from .decode import _softplus
-from .reference import L2NORM_EPS, kda_gate, l2norm, round_state as _round_state_ref
-from .state_dtype import STATE_DTYPES, round_state
+from .state_dtype import round_state
 
-__all__ = ["fused_kda_decode_step", "fused_kda_decode_reference", "CONV_WIDTH"]
-
-CONV_WIDTH = 4
+__all__ = ["fused_kda_decode_step", "CONV_WIDTH"]
 
 
 @triton.jit
@@ -265,46 +263,20 @@ def fused_kda_decode_step(
     * ``out [B, S, H V]`` (default: new, ``x``'s dtype): the input of ``o_proj``,
       ``RMSNorm(o) · o_norm_weight · sigmoid(g_out)`` per head.
 
-    ``check_inputs`` validates shapes, dtypes and index ranges (syncs); ``False``
-    skips every host-side check (CUDA-graph capturable). Rows written in one call
+    ``check_inputs`` validates every argument with one device read-back
+    (:func:`kda_engram.validation.kda.check_fused_decode_arguments`); ``False``
+    skips it (CUDA-graph capturable). Rows written in one call
     must be distinct, and no sequence may start from a row another one writes.
     """
     multi = x.dim() == 3
     _, H, V, K = state_cache.shape
-    C = 2 * H * K + H * V
     if check_inputs:
-        check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)
-        if state_cache.dim() != 4 or K != V or K not in (16, 32, 64, 128):
-            raise ValueError(f"state_cache: expected [slots, H, D, D] with D in 16..128, got {list(state_cache.shape)}")
-        dev = state_cache.device
-        lead = list(x.shape[:2]) if multi else [x.shape[0]]
-        check_tensor("x", x, shape=[*lead, C], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("raw_g", raw_g, shape=[*lead, H * K], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("raw_beta", raw_beta, shape=[*lead, H], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("g_out", g_out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("conv_weight", conv_weight, shape=[C, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("conv_state", conv_state, shape=[None, C, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
-        if list(dt_bias.shape) not in ([H, K], [H * K]):
-            raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
-        check_tensor("o_norm_weight", o_norm_weight, shape=[V], dtypes=FLOAT_DTYPES, device=dev)
-        check_tensor("state_indices", state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
-        for name, t in (("initial_state_indices", initial_state_indices),
-                        ("initial_conv_indices", initial_conv_indices)):
-            if t is not None:
-                if not multi:
-                    raise ValueError(f"{name}: only with S tokens per sequence (x [B, S, C])")
-                check_tensor(name, t, shape=[lead[0]], dtypes=INDEX_DTYPES, device=dev)
-        if out is not None:
-            check_tensor("out", out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
-        check_index_range("state_indices", state_indices.reshape(-1), state_cache.shape[0])
-        check_index_range("conv_state_indices", conv_state_indices.reshape(-1), conv_state.shape[0])
-        for name, t, rows in (("initial_state_indices", initial_state_indices, state_cache.shape[0]),
-                              ("initial_conv_indices", initial_conv_indices, conv_state.shape[0])):
-            if t is not None:
-                check_index_range(name, t, rows)
+        checks = DeviceChecks()
+        check_fused_decode_arguments(
+            checks, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
+            o_norm_weight, state_cache, state_indices, initial_state_indices, initial_conv_indices, scale,
+            lower_bound, norm_eps, out)
+        checks.run()  # the one read-back, before the launch writes either cache
     if out is None:
         out = torch.empty(*x.shape[:-1], H * V, dtype=x.dtype, device=x.device)
     B = x.shape[0]
@@ -349,58 +321,3 @@ def fused_kda_decode_step(
         num_warps=num_warps,
     )
     return out
-
-
-def fused_kda_decode_reference(
-    x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias, o_norm_weight,
-    state_cache, state_indices, *, initial_state_indices=None, initial_conv_indices=None, scale=None,
-    lower_bound=None, norm_eps=1e-5, out_dtype=None,
-):
-    """:func:`fused_kda_decode_step` in plain PyTorch (fp32 math, caches updated in
-    place with the same store points and bf16 rounding). Returns ``out``."""
-    multi = x.dim() == 3
-    if not multi:
-        x, raw_g, raw_beta, g_out = (t[:, None] for t in (x, raw_g, raw_beta, g_out))
-        state_indices, conv_state_indices = state_indices[:, None], conv_state_indices[:, None]
-    B, S, _ = x.shape
-    _, H, V, K = state_cache.shape
-    scale = K**-0.5 if scale is None else scale
-    init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
-    cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
-    out = torch.zeros(B, S, H * V, dtype=out_dtype or x.dtype, device=x.device)
-    f = lambda t: t.float()  # noqa: E731
-    cw = f(conv_weight)
-    for b in range(B):
-        r0, c0 = int(init[b]), int(cinit[b])
-        win = f(conv_state[c0]) if c0 >= 0 else torch.zeros(conv_state.shape[1:], device=x.device)
-        S_ = f(state_cache[r0]) if r0 >= 0 else None
-        hist = win  # [C, 3] raw inputs, oldest first
-        for s in range(S):
-            xs = f(x[b, s])
-            taps = torch.cat([hist, xs[:, None]], dim=1)  # [C, 4]
-            y = (taps * cw).sum(1)
-            y = F.silu(y)
-            hist = taps[:, 1:]
-            crow = int(conv_state_indices[b, s])
-            if crow >= 0:
-                conv_state[crow] = hist.to(conv_state.dtype)
-            if S_ is None:
-                continue  # padding sequence: output zero, no state
-            q = l2norm(y[: H * K].view(H, K))
-            k = l2norm(y[H * K: 2 * H * K].view(H, K))
-            v = y[2 * H * K:].view(H, V)
-            a = kda_gate(f(raw_g[b, s]).view(1, 1, H, K), f(A_log), f(dt_bias), lower_bound)[0, 0]
-            beta = torch.sigmoid(f(raw_beta[b, s]))
-            S_ = S_ * torch.exp(a)[:, None, :]
-            d = beta[:, None] * (v - torch.einsum("hvk,hk->hv", S_, k))
-            S_ = S_ + d[:, :, None] * k[:, None, :]
-            o = scale * torch.einsum("hvk,hk->hv", S_, q)  # from the fp32 state, before the store
-            S_ = _round_state_ref(S_, state_cache.dtype)
-            o = f(o.to(out.dtype))
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm_eps) * f(o_norm_weight)
-            o = o * torch.sigmoid(f(g_out[b, s]).view(H, V))
-            out[b, s] = o.reshape(-1).to(out.dtype)
-            row = int(state_indices[b, s])
-            if row >= 0:
-                state_cache[row] = S_.to(state_cache.dtype)
-    return out if multi else out[:, 0]

@@ -7,7 +7,7 @@ state tile on chip and, for each 16-token chunk of its sequence, prepares the
 chunk from the raw projections (L2 norms, gate, cumsum, intra-chunk matrices,
 inverse) right before the state step. Nothing but the raw inputs, the output
 and the states crosses HBM (1.28 KB per token-head against 3.6 KB for the
-two-stage contract, see PREFILL_NOTES.md).
+two-stage contract).
 
 Why chunk 16 and the bounded gate only: with ``lower_bound = L`` in
 ``[-5, 0)`` the chunk-local cumulative gate ``G`` (log2 units) of 16 tokens

@@ -410,3 +410,58 @@ def naive_group_chunk_kda(*args, groups: int, **kwargs):
     """:func:`naive_chunk_kda` with every sequence cut into ``groups`` chunk groups
     joined by the transfer-operator scan (see :func:`chunk_walk`)."""
     return naive_chunk_kda(*args, groups=groups, **kwargs)
+
+
+def fused_kda_decode_reference(
+    x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias, o_norm_weight,
+    state_cache, state_indices, *, initial_state_indices=None, initial_conv_indices=None, scale=None,
+    lower_bound=None, norm_eps=1e-5, out_dtype=None,
+):
+    """:func:`fused_kda_decode_step` in plain PyTorch (fp32 math, caches updated in
+    place with the same store points and bf16 rounding). Returns ``out``."""
+    multi = x.dim() == 3
+    if not multi:
+        x, raw_g, raw_beta, g_out = (t[:, None] for t in (x, raw_g, raw_beta, g_out))
+        state_indices, conv_state_indices = state_indices[:, None], conv_state_indices[:, None]
+    B, S, _ = x.shape
+    _, H, V, K = state_cache.shape
+    scale = K**-0.5 if scale is None else scale
+    init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
+    cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
+    out = torch.zeros(B, S, H * V, dtype=out_dtype or x.dtype, device=x.device)
+    f = lambda t: t.float()  # noqa: E731
+    cw = f(conv_weight)
+    for b in range(B):
+        r0, c0 = int(init[b]), int(cinit[b])
+        win = f(conv_state[c0]) if c0 >= 0 else torch.zeros(conv_state.shape[1:], device=x.device)
+        S_ = f(state_cache[r0]) if r0 >= 0 else None
+        hist = win  # [C, 3] raw inputs, oldest first
+        for s in range(S):
+            xs = f(x[b, s])
+            taps = torch.cat([hist, xs[:, None]], dim=1)  # [C, 4]
+            y = (taps * cw).sum(1)
+            y = F.silu(y)
+            hist = taps[:, 1:]
+            crow = int(conv_state_indices[b, s])
+            if crow >= 0:
+                conv_state[crow] = hist.to(conv_state.dtype)
+            if S_ is None:
+                continue  # padding sequence: output zero, no state
+            q = l2norm(y[: H * K].view(H, K))
+            k = l2norm(y[H * K: 2 * H * K].view(H, K))
+            v = y[2 * H * K:].view(H, V)
+            a = kda_gate(f(raw_g[b, s]).view(1, 1, H, K), f(A_log), f(dt_bias), lower_bound)[0, 0]
+            beta = torch.sigmoid(f(raw_beta[b, s]))
+            S_ = S_ * torch.exp(a)[:, None, :]
+            d = beta[:, None] * (v - torch.einsum("hvk,hk->hv", S_, k))
+            S_ = S_ + d[:, :, None] * k[:, None, :]
+            o = scale * torch.einsum("hvk,hk->hv", S_, q)  # from the fp32 state, before the store
+            S_ = round_state(S_, state_cache.dtype)
+            o = f(o.to(out.dtype))
+            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm_eps) * f(o_norm_weight)
+            o = o * torch.sigmoid(f(g_out[b, s]).view(H, V))
+            out[b, s] = o.reshape(-1).to(out.dtype)
+            row = int(state_indices[b, s])
+            if row >= 0:
+                state_cache[row] = S_.to(state_cache.dtype)
+    return out if multi else out[:, 0]

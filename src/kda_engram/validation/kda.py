@@ -48,6 +48,8 @@ __all__ = [
     "check_decode_multi_indices",
     "check_conv_decode",
     "check_conv_checkpoint",
+    "check_fused_decode_arguments",
+    "check_state_dtype_match",
 ]
 
 
@@ -458,3 +460,60 @@ def check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices,
     active = torch.where(offs > 0, checkpoint_indices.to(torch.int64), -1)
     check_index_values(checks, "checkpoint_indices", active, conv_state.shape[0])
     return N
+
+
+def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta, g_out, conv_weight, conv_state,
+                                 conv_state_indices, A_log, dt_bias, o_norm_weight, state_cache, state_indices,
+                                 initial_state_indices, initial_conv_indices, scale, lower_bound, norm_eps,
+                                 out) -> None:
+    """``fused_kda_decode_step``: host rules raise at once; the index rules (rows
+    in range, distinct, no sequence starting from a row another one writes) are
+    queued on ``checks`` for the caller's one read-back (``None``: host rules only)."""
+    check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)
+    check_kernel_device("state_cache", state_cache)
+    if state_cache.dim() != 4 or state_cache.shape[2] != state_cache.shape[3] or state_cache.shape[3] not in KDA_HEAD_DIMS:
+        raise ValueError(f"state_cache: expected [slots, H, D, D] with D in {KDA_HEAD_DIMS}, "
+                         f"got {list(state_cache.shape)}")
+    _, H, V, K = state_cache.shape
+    C = 2 * H * K + H * V
+    dev = state_cache.device
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, device=dev)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [B, {C}] or [B, S, {C}], got {list(x.shape)}")
+    multi = x.dim() == 3
+    lead = list(x.shape[:-1])
+    check_tensor("x", x, shape=[*lead, C])
+    check_tensor("raw_g", raw_g, shape=[*lead, H * K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[*lead, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("g_out", g_out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("conv_weight", conv_weight, shape=[C, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("conv_state", conv_state, shape=[None, C, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if list(dt_bias.shape) not in ([H, K], [H * K]):
+        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    check_tensor("o_norm_weight", o_norm_weight, shape=[V], dtypes=FLOAT_DTYPES, device=dev)
+    if out is not None:
+        check_tensor("out", out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
+    check_scale(scale)
+    check_lower_bound(lower_bound)
+    check_real("norm_eps", norm_eps, sign="non-negative")
+    if not multi:
+        for name, t in (("initial_state_indices", initial_state_indices),
+                        ("initial_conv_indices", initial_conv_indices)):
+            if t is not None:
+                raise ValueError(f"{name}: only with S tokens per sequence (x [B, S, C])")
+        check_decode_indices(state_indices, lead[0], state_cache, checks)
+        check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
+        if checks is not None:
+            check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+        return
+    B, S = lead
+    check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
+    check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
+    if initial_conv_indices is not None:
+        check_tensor("initial_conv_indices", initial_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+    if checks is not None and B and S:
+        check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+        cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
+        check_index_values(checks, "initial_conv_indices", cinit, conv_state.shape[0])
