@@ -13,38 +13,14 @@ import torch
 from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
 from kda_engram.kda.reference import naive_recurrent_kda
 
+from ..helpers import assert_untouched, make_step
+
 # The interpreter evaluates tl.sigmoid(z) as 1 / (1 + exp(-z)) in numpy: at the
 # extreme gates exp overflows to inf and the sigmoid correctly becomes 0, with a
 # RuntimeWarning that is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def make_step(B, H, K, V, *, S=None, dtype=torch.float32, gate="random", device="cpu", seed=0):
-    """Raw decode inputs; ``S=None`` gives the one-token shapes ``[B, H, *]``."""
-    gen = torch.Generator().manual_seed(seed)
-    lead = (B,) if S is None else (B, S)
-    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    q, k, raw_g = rnd(*lead, H, K), rnd(*lead, H, K), rnd(*lead, H, K)
-    v, raw_beta = rnd(*lead, H, V), rnd(*lead, H)
-    if gate == "extreme":
-        # Gates far into both tails of softplus/sigmoid, saturated betas, and
-        # zero q/k heads (the L2 norm's eps decides; k = 0 means no update).
-        sign = torch.where(rnd(*lead, H, K) > 0, 1.0, -1.0)
-        raw_g = sign * (30.0 + 20.0 * rnd(*lead, H, K).abs())
-        raw_beta = 40.0 * torch.sign(rnd(*lead, H))
-        q.reshape(-1, H, K)[0, 0] = 0.0
-        k.reshape(-1, H, K)[-1, H - 1] = 0.0
-    return dict(
-        q=q.to(dtype).to(device),
-        k=k.to(dtype).to(device),
-        v=v.to(dtype).to(device),
-        raw_g=raw_g.to(dtype).to(device),
-        raw_beta=raw_beta.to(dtype).to(device),
-        A_log=(rnd(H) * 0.5).to(device),
-        dt_bias=rnd(H * K).to(device),
-    )
 
 
 def make_cache(slots, H, V, K, named, *, device="cpu", seed=1):
@@ -64,13 +40,6 @@ def reference_step(inputs, cache, rows, lower_bound, scale=None):
         **one, scale=scale, lower_bound=lower_bound, initial_state=h0, output_final_state=True
     )
     return o[:, 0], final
-
-
-def assert_untouched(cache, before, named):
-    rows = [r for r in range(cache.shape[0]) if r not in {int(x) for x in named}]
-    # NaN sentinels stay NaN, everything else bit-identical.
-    assert torch.equal(cache[rows].isnan(), before[rows].isnan())
-    torch.testing.assert_close(cache[rows], before[rows], equal_nan=True, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ one token, CPU

@@ -16,7 +16,7 @@ from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import naive_recurrent_kda, round_state
 
-from .test_decode import assert_untouched, make_step
+from ..helpers import assert_untouched, make_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -362,8 +362,14 @@ def test_gpu_bf16_state_drift_bound(gpu, lower_bound):
 
 @pytest.mark.gpu
 def test_gpu_bf16_store_is_rtne_at_real_shapes(gpu):
-    """K = V = 128 compiled: the bf16 row is RTNE of the fp32-cache step, bit for
-    bit (the compiled rounding is the hand-written one, not the backend's cast)."""
+    """K = V = 128 compiled: the bf16 row is RTNE of the fp32-cache step (the
+    compiled rounding is the hand-written one, not the backend's cast).
+
+    The two builds (STATE_BF16 on and off) are different kernels, and the GPU
+    compiler may contract their fp32 arithmetic differently (seen on the H200:
+    the outputs differed in the last bit), so the fp32 step can differ by an ulp
+    between them; a rounding that is not RTNE (truncation) would put about half
+    of all elements one bf16 ulp off, which the mean bound catches."""
     B, H, D = 64, 8, 128
     inputs = make_step(B, H, D, D, seed=11, device=gpu)
     c16 = (0.5 * torch.randn(B + 2, H, D, D, device=gpu)).to(BF16)
@@ -371,5 +377,7 @@ def test_gpu_bf16_store_is_rtne_at_real_shapes(gpu):
     idx = torch.randperm(B + 2, device=gpu)[:B]
     o16 = kda_decode(**inputs, state_cache=c16, state_indices=idx, lower_bound=-5.0)
     o32 = kda_decode(**inputs, state_cache=c32, state_indices=idx, lower_bound=-5.0)
-    assert torch.equal(o16, o32)
-    assert torch.equal(c16.view(torch.int16), c32.to(BF16).view(torch.int16))
+    torch.testing.assert_close(o16.float(), o32.float(), rtol=2**-7, atol=1e-6)  # one output ulp
+    off = (c16.view(torch.int16).int() - c32.to(BF16).view(torch.int16).int()).abs()
+    assert int(off.max()) <= 1, int(off.max())
+    assert float(off.float().mean()) < 1e-3, float(off.float().mean())
