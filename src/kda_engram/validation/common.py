@@ -164,6 +164,13 @@ class DeviceChecks:
                 raise ValueError(message.format(*got))
 
 
+def value_at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``x[i]`` of a 1-d tensor at a 0-d device index, as a 0-d tensor, without a
+    host sync (``x[i]`` would read ``i`` back to the host): a detail for
+    :meth:`DeviceChecks.add`."""
+    return x.index_select(0, i.reshape(1)).reshape(())
+
+
 def _zero_detail(idx: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=idx.device)
 

@@ -18,6 +18,7 @@ from .common import (
     check_kernel_device,
     check_real,
     check_tensor,
+    value_at,
 )
 
 __all__ = [
@@ -162,4 +163,5 @@ def check_table_rows(rows, n_cols: int, allowed_devices, bounds, checks: DeviceC
     first = torch.argmax(bad.to(torch.int8))
     t, c = torch.div(first, n_cols, rounding_mode="floor"), first % n_cols
     checks.add(bad.any(), "rows: entry [{}, {}] = {} lies outside hash column {}'s table [{}, {})",
-               t, c, rows.reshape(-1)[first], c, starts[c], ends[c])
+               t, c, value_at(rows.reshape(-1), first), c, value_at(starts.reshape(-1), c),
+               value_at(ends.reshape(-1), c))

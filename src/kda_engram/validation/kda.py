@@ -25,6 +25,7 @@ from .common import (
     INDEX_DTYPES,
     DeviceChecks,
     check_index_values,
+    value_at,
     check_kernel_device,
     check_real,
     check_same_dtype,
@@ -259,8 +260,9 @@ def _owner_of_rows(indices: torch.Tensor, slots: int) -> torch.Tensor:
     idx = torch.where((idx >= 0) & (idx < slots), idx, slots)
     owner = torch.full((slots + 1,), -1, dtype=torch.int64, device=indices.device)
     owner.scatter_(0, idx, torch.arange(idx.numel(), dtype=torch.int64, device=indices.device))
-    owner[slots] = -1
+    owner[slots:].fill_(-1)  # a view and a fill: no host-to-device copy, no sync
     return owner
+
 
 
 def check_state_arguments(
@@ -312,9 +314,10 @@ def check_state_arguments(
     if lengths is not None:
         bad = bad | (offs > lengths)
     first = torch.argmax(bad.to(torch.int8))
-    length = lengths[first] if lengths is not None else offs[first]
+    length = value_at(lengths if lengths is not None else offs, first)
     checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or a multiple of KDA_CHECKPOINT_ALIGNMENT="
-               f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}", first, length, offs[first])
+               f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}", first, length,
+               value_at(offs, first))
     active = offs > 0
     if checkpoint_state_indices is not None:
         # Only sequences that actually export claim their row.
@@ -331,7 +334,7 @@ def check_state_arguments(
         clash = (who >= 0) & (who != torch.arange(N, device=device))
         n = torch.argmax(clash.to(torch.int8))
         checks.add(clash.any(), "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}",
-                   n, ck_rows[n], who[n])
+                   n, value_at(ck_rows, n), value_at(who, n))
 
 
 def _is_pow2(n: int) -> bool:
@@ -406,7 +409,7 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
     clash = (who >= 0) & (torch.div(who, steps, rounding_mode="floor") != seq)
     b = torch.argmax(clash.to(torch.int8))
     checks.add(clash.any(), "initial_state_indices: sequence {} starts from row {}, which another sequence's "
-               "state_indices writes (the write would race with the read)", b, start[b])
+               "state_indices writes (the write would race with the read)", b, value_at(start, b))
 
 
 def _check_conv_tensors(x_name, x, conv_weight, conv_state, lead):
@@ -456,7 +459,7 @@ def check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices,
     bad = (offs < 0) | ((offs > 0) & ((offs < W - 1) | (offs > lengths)))
     first = torch.argmax(bad.to(torch.int8))
     checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or {W - 1} <= p <= the sequence length "
-               "{}, got {}", first, lengths[first], offs[first])
+               "{}, got {}", first, value_at(lengths, first), value_at(offs, first))
     active = torch.where(offs > 0, checkpoint_indices.to(torch.int64), -1)
     check_index_values(checks, "checkpoint_indices", active, conv_state.shape[0])
     return N
