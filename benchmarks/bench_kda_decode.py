@@ -188,6 +188,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_decode needs a GPU")
     device = torch.device("cuda")
+    default_cases = cases is None  # the layer rows run with the default cases only
     cases = (QUICK_CASES if quick else CASES) if cases is None else [c if len(c) == 3 else (*c, None) for c in cases]
     api, fwd, note = load_peer() if peers else (None, None, "peer not requested")
     if peers and api is None:
@@ -199,7 +200,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
             x, idx, cache = make_case(B, H, S, device)
             out = torch.empty(x["v"].shape, dtype=x["v"].dtype, device=device)
             row = dict(case=case_name(B, H, S), peer=None, peer_note=note, copy_gbps=bw / 1e9,
-                       tiling=decode_tiling(B, H, V, device, S))
+                       tiling=decode_tiling(B, H, V, device, S or 1))
             row["ours_ms"] = bench(ours_fn(x, idx, cache, S, out))
             timings = {}
             if api is not None:
@@ -252,7 +253,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
             rows.append(row)
             del x, idx, cache, out
             torch.cuda.empty_cache()
-        if layer and cases is None:
+        if layer and default_cases:
             rows += run_layer(device, bw, sweep=sweep)
     return rows
 
