@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
 from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
 from ..constants import STATE_DTYPES
 from ..validation.kda import check_state_dtype_match
@@ -154,7 +154,8 @@ class KDABatch:
 
     def validate(self, num_tokens: int, state_slots: int | None = None, conv_slots: int | None = None,
                  checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
-        """Every field against the host (reads them back: a sync; eager only).
+        """Every field against the host (one read-back of the device values: a
+        sync; eager only).
 
         ``num_tokens`` is the step's token count (``num_decode`` + prefill tokens).
         With the cache sizes, index ranges and distinctness are checked too: all
@@ -176,43 +177,46 @@ class KDABatch:
                      device=dev)
         if num_tokens < B:
             raise ValueError(f"hidden_states: {num_tokens} tokens cannot hold num_decode={B} decode rows")
-        cu = self.prefill_cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != num_tokens - B or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(
-                f"prefill_cu_seqlens: expected non-decreasing offsets from 0 to the {num_tokens - B} prefill tokens, "
-                f"got {cu if len(cu) <= 16 else '[...]'}"
-            )
         if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
             raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        # The value rules are vectorised and read back together (one sync).
+        checks = DeviceChecks()
+        cu = self.prefill_cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        checks.add((cu[0] != 0) | (cu[-1] != num_tokens - B) | (lengths < 0).any(),
+                   f"prefill_cu_seqlens: expected non-decreasing offsets from 0 to the {num_tokens - B} prefill "
+                   "tokens, got {} to {}", cu[0], cu[-1])
         ck_rows = torch.zeros(0, dtype=torch.int64, device=dev)
         if self.checkpoint_offsets is not None:
             check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            for n, p in enumerate(self.checkpoint_offsets.tolist()):
-                length = cu[n + 1] - cu[n]
-                if p < 0 or p % KDA_CHECKPOINT_ALIGNMENT or p > length:
-                    raise ValueError(
-                        f"checkpoint_offsets[{n}]: expected 0 (none) or a multiple of {KDA_CHECKPOINT_ALIGNMENT} "
-                        f"at most the sequence length {length}, got {p}"
-                    )
-            ck_rows = self.checkpoint_indices[self.checkpoint_offsets > 0].to(torch.int64)
+            offs = self.checkpoint_offsets.to(torch.int64)
+            if N:
+                bad = (offs < 0) | (offs % KDA_CHECKPOINT_ALIGNMENT != 0) | (offs > lengths)
+                first = torch.argmax(bad.to(torch.int8))
+                checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or a multiple of "
+                           f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}",
+                           first, value_at(lengths, first), value_at(offs, first))
+            # Only sequences that take a checkpoint claim a row (-1: none).
+            ck_rows = torch.where(offs > 0, self.checkpoint_indices.to(torch.int64), -1)
             if checkpoint_rows is not None:
-                check_index_range("checkpoint_indices", ck_rows, checkpoint_rows)
+                check_index_values(checks, "checkpoint_indices", ck_rows, checkpoint_rows)
             if conv_checkpoint_rows is not None:
-                check_index_range("checkpoint_indices", ck_rows, conv_checkpoint_rows)
+                check_index_values(checks, "checkpoint_indices", ck_rows, conv_checkpoint_rows)
         cat = lambda *xs: torch.cat([x.to(torch.int64) for x in xs])  # noqa: E731
         if state_slots is not None:
             rows = cat(self.decode_state_indices, self.prefill_state_indices)
-            check_index_range("decode_state_indices/prefill_state_indices", rows, state_slots)
+            check_index_values(checks, "decode_state_indices/prefill_state_indices", rows, state_slots)
             if checkpoint_rows is None:  # checkpoints into the state cache itself
-                check_index_range("state rows written this step (decode, prefill, checkpoints)",
-                                  torch.cat([rows, ck_rows]), state_slots)
+                check_index_values(checks, "state rows written this step (decode, prefill, checkpoints)",
+                                   torch.cat([rows, ck_rows]), state_slots)
         if conv_slots is not None:
             rows = cat(self.decode_conv_indices, self.prefill_conv_indices)
-            check_index_range("decode_conv_indices/prefill_conv_indices", rows, conv_slots)
+            check_index_values(checks, "decode_conv_indices/prefill_conv_indices", rows, conv_slots)
             if conv_checkpoint_rows is None:
-                check_index_range("conv rows written this step (decode, prefill, checkpoints)",
-                                  torch.cat([rows, ck_rows]), conv_slots)
+                check_index_values(checks, "conv rows written this step (decode, prefill, checkpoints)",
+                                   torch.cat([rows, ck_rows]), conv_slots)
+        checks.run()
 
 
 # --------------------------------------------------------------------------- layer
