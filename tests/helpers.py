@@ -134,3 +134,13 @@ def assert_untouched(cache, before, named):
     # NaN sentinels stay NaN, everything else bit-identical.
     assert torch.equal(cache[rows].isnan(), before[rows].isnan())
     torch.testing.assert_close(cache[rows], before[rows], equal_nan=True, rtol=0, atol=0)
+
+
+def raw_kda_inputs(lead, H, K, V, seed=0):
+    """Raw KDA inputs (fp32, CPU) with leading dims ``lead``: ``(1, T)`` for a
+    prefill, ``(B,)`` or ``(B, S)`` for decode."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return dict(q=rnd(*lead, H, K), k=rnd(*lead, H, K), v=rnd(*lead, H, V), raw_g=rnd(*lead, H, K),
+                raw_beta=rnd(*lead, H), A_log=rnd(H) * 0.5, dt_bias=rnd(H * K))
+

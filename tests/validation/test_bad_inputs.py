@@ -16,6 +16,8 @@ from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import chunk_operands, naive_recurrent_kda
 
+from ..helpers import raw_kda_inputs
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 H, K, V = 1, 16, 16
@@ -26,18 +28,11 @@ def rnd(gen, *shape):
 
 
 def prefill_raw(T, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return dict(q=rnd(gen, 1, T, H, K), k=rnd(gen, 1, T, H, K), v=rnd(gen, 1, T, H, V),
-                raw_g=rnd(gen, 1, T, H, K), raw_beta=rnd(gen, 1, T, H), A_log=rnd(gen, H) * 0.5,
-                dt_bias=rnd(gen, H * K))
+    return raw_kda_inputs((1, T), H, K, V, seed)
 
 
 def decode_raw(B, S=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    lead = (B,) if S is None else (B, S)
-    return dict(q=rnd(gen, *lead, H, K), k=rnd(gen, *lead, H, K), v=rnd(gen, *lead, H, V),
-                raw_g=rnd(gen, *lead, H, K), raw_beta=rnd(gen, *lead, H), A_log=rnd(gen, H) * 0.5,
-                dt_bias=rnd(gen, H * K))
+    return raw_kda_inputs((B,) if S is None else (B, S), H, K, V, seed)
 
 
 def gate_inputs(T=4, hc=2, dim=16, seed=0):
