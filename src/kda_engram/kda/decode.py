@@ -18,23 +18,11 @@ bf16 (:mod:`kda_engram.kda.state_dtype`; always fp32 on chip)::
        = L·sigmoid(exp(A_log)·(raw_g + dt_bias))          (lower_bound L)
     S' = S·diag(exp a);  δ = β (v − S' k̂);  S = S' + δ k̂ᵀ;  o = scale · S q̂
 
-Machine fit. Decode moves the fp32 state (64 KiB per head at K = V = 128) in and
-out of HBM once per step and does ~6 flops per state element, so it is purely
-memory-bound: the goal is the HBM floor. Each program owns ``BLOCK_V`` rows of the
-state of one (sequence, head) and all ``K`` columns, i.e. one contiguous
-``BLOCK_V·K·4``-byte block of the V-first row (16 KiB at ``BLOCK_V = 32``). It
-loads that block once, runs the step(s) in registers and stores it once (per
-token for the multi-token variant). The cheap 128-wide work (L2 norms, gate, β)
-is recomputed by each of the ``V / BLOCK_V`` programs of a head instead of being
-staged through memory; those reads hit L2. The output uses
-``S q̂ = S' q̂ + δ (k̂·q̂)``, so both reductions over the tile (``S' k̂`` and
-``S' q̂``) come from the same decayed tile and the updated tile is never reduced
-again. Programs are numbered tile-fastest, then head, then sequence, so
-neighbouring programs stream neighbouring blocks of a state row.
-
-Portability: plain ``tl.load``/``tl.store``/``tl.sum`` and ``exp``/``log``/
-``sigmoid`` only (no inline PTX, no libdevice), no ``tl.dot``; the same code runs
-on NVIDIA Hopper, AMD CDNA3/4 and the Triton interpreter.
+Machine fit: decode is memory-bound (the state moves in and out once per step,
+~6 flops per element); each program owns ``BLOCK_V`` contiguous rows of one
+(sequence, head) state and all ``K`` columns, loads them once and stores them once
+(per token with ``S`` tokens). Plain loads, stores and reductions, no ``tl.dot``:
+the same code runs on Hopper, CDNA3/4 and the interpreter (docs/design/kda_decode.md).
 
 Memory ownership. Inputs may be arbitrary strided views (e.g. column slices of one
 fused projection); the kernel takes every stride and never copies them. The

@@ -1,38 +1,19 @@
 """KDA fused prologue: two launches from raw ``q, k, v, raw_g, raw_beta`` to the
-operands of the chunk kernel.
-
-With a conv weight, a launch before them (:func:`~kda_engram.kda.conv.conv_prefill_bands`)
-applies the depthwise causal conv of width 4 and its SiLU to the raw q/k/v bands,
-starting from each sequence's conv-state row, and writes the convolved bands
-(input dtype) to a workspace the two launches read like raw inputs.
+operands of the chunk kernel (a third, before them, applies the short conv when
+``conv_weight`` is given: :func:`~kda_engram.kda.conv.conv_prefill_bands`).
 
 The first launch (``_kda_prologue_intra_kernel``, one program per (chunk row,
-head)) does, for its 64-token chunk:
+head)) takes the L2 norms of ``q`` and ``k``, the gate (:func:`kda_engram.kda.reference.kda_gate`)
+and its chunk-local cumsum in log2 units, ``beta = sigmoid(raw_beta)``, and builds
+``A_qk`` and ``A_kk`` from 16-row sub-chunk blocks, writing ``qg``, ``kg_t``, ``decay``,
+the right-hand sides ``beta k̂ 2^g`` / ``beta v`` into ``w`` / ``u`` and ``A_kk`` into an
+fp32 workspace. The second (``_kda_prologue_solve_kernel``, same grid) solves
+``w = T (beta k̂ 2^g)``, ``u = T (beta v)`` with ``T = (I + A_kk)^-1`` in place, by
+block forward substitution over 16x16 fp32 diagonal inverses. Why two launches:
+one program would need far more than the 255 registers a thread may hold.
 
-1. the L2 norms of ``q`` and ``k`` (``x / sqrt(sum x^2 + 1e-6)``);
-2. the gate (softplus form when ``lower_bound is None``, bounded sigmoid form
-   otherwise: :func:`kda_engram.kda.reference.kda_gate`), its chunk-local cumulative sum in log2 units, and
-   ``beta = sigmoid(raw_beta)``;
-3. ``A_qk`` and ``A_kk`` (A_kk strictly lower, rows scaled by beta) from 16-row
-   sub-chunk blocks, plus ``qg``, ``kg_t``, ``decay``; it writes the right-hand
-   sides ``beta k̂ 2^g`` into ``w`` and ``beta v`` into ``u``, and ``A_kk`` into an
-   fp32 workspace ``[1, T, H, 64]`` (row blocks ``J <= I`` only).
-
-The second launch (``_kda_prologue_solve_kernel``, same grid) turns them into
-``w = T (beta k̂ 2^g)``, ``u = T (beta v)`` with ``T = (I + A_kk)^-1``, in place:
-sub-chunk ``I`` inverts its 16x16 diagonal block ``T_II = (I + A_II)^-1`` in fp32
-(recursive doubling, see :func:`_tri_inv`) and solves its rows by block forward
-substitution, ``w_I = T_II (beta k̂_I 2^g_I - sum_{J<I} A_IJ w_J)`` (same for
-``u``); ``T``'s off-diagonal blocks are never formed.
-
-Why two launches: fused into one program the work needs far more than the 255
-registers a thread may hold; split, each kernel is half the code and the pair
-runs faster although ``A_kk`` makes one more HBM round trip (measurements and the
-variants tried: docs/design/kda_prefill.md).
-
-Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`,
-which the tests compare against). With ``g`` the chunk-local inclusive cumsum
-of ``a * log2(e)`` (``g <= 0``, non-increasing within a chunk):
+Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`),
+with ``g`` the chunk-local inclusive cumsum of ``a * log2(e)``:
 
 ====== ============================ ====================================================
 key    shape, dtype                 contents
@@ -40,71 +21,19 @@ key    shape, dtype                 contents
 qg     ``[1, T, H, K]``, input      ``q̂_i 2^g_i``; ``scale`` is *not* folded in
 w      ``[1, T, H, K]``, input      ``T (beta k̂ 2^g)``
 u      ``[1, T, H, V]``, input      ``T (beta v)`` (``v`` after conv + SiLU when on)
-kg_t   ``[chunks, H, K, 64]``, in.  ``k̂_i 2^(g_last - g_i)`` transposed: K rows, one
-                                    column per token of the chunk; zero in the
-                                    columns past the chunk's last token
-aqk    ``[1, T, H, 64]``, input     row ``i``: ``sum_c q̂_ic k̂_jc 2^(g_ic - g_jc)``
-                                    for ``j <= i`` (inclusive), zero elsewhere; no
-                                    ``scale``, no ``beta``
-decay  ``[chunks, H, K]``, fp32     ``2^g_last`` (the decay over the whole chunk)
+kg_t   ``[chunks, H, K, 64]``, in.  ``k̂_i 2^(g_last - g_i)`` transposed, zero past
+                                    the chunk's last token
+aqk    ``[1, T, H, 64]``, input     ``sum_c q̂_ic k̂_jc 2^(g_ic - g_jc)`` for ``j <= i``
+decay  ``[chunks, H, K]``, fp32     ``2^g_last``
 ====== ============================ ====================================================
 
-``T = (I + A_kk)^-1`` with ``A_kk[i, j] = beta_i sum_c k̂_ic k̂_jc 2^(g_ic - g_jc)``
-for ``j < i``; beta is folded into ``w`` and ``u`` (through ``T`` and the right
-operands), not into ``aqk``. ``chunks = chunk_indices.shape[0]``
-(``T // 64 + N`` for :func:`~kda_engram.kda.metadata.prepare_chunk_indices`);
-row ``r`` belongs to chunk ``chunk_indices[r]``, i.e. sequence ``n``'s chunk ``c``
-is row ``chunk_offsets[n] + c``. Rows whose sequence id is -1 (padding) are
-never written: their contents are undefined (``torch.empty``) and the chunk
-kernel never reads them. Token rows of ``qg/w/u/aqk`` outside every sequence
-(none, when ``cu_seqlens[-1] == T``) are not written either.
-
-Numerics. The decays are per channel and the cumulative gate of a chunk can
-pass fp32's exponent range (``-462`` in log2 units for ``lower_bound = -5``), so
-the kernel never forms ``2^(+-g)`` of a whole chunk: each 16-row sub-chunk is
-anchored at the cumulative gate just before its first row, every off-diagonal
-factor is ``<= 1``, the bounded gate's diagonal blocks are split symmetrically
-around the anchor (while ``|L| <= 5.45``), and the softplus gate's diagonal
-blocks use the exact per-channel ``2^(g_i - g_j)`` (derivation:
-docs/design/kda_prefill.md).
-
-Precision: with bf16 inputs the tensor-core products take bf16 operands and
-accumulate in fp32 (the rounding matches that of the bf16 inputs and outputs;
-the column keys of earlier sub-chunks are kept in bf16, so ``kg_t`` of sub-chunks
-0-2 is rounded twice). With fp16 or fp32 inputs every product runs on fp32
-operands at IEEE precision (fp16 cannot hold the ``2^+-57.7`` factors; TF32 would
-lose digits). The 16x16 triangular inverses always run in fp32 IEEE.
-
-Conv path (``conv_weight`` given): ``q, k, v`` are the raw bands of the QKV
-projection. ``conv_weight [C, 4]`` with ``C = 2 H K + H V`` channels ordered
-q band, k band, v band and, within a band, ``h * K + c`` -- torch's depthwise
-``conv1d`` weight ``[C, 1, 4]`` squeezed (tap 3 multiplies the current token).
-``out_t = silu(sum_w W[ch, w] x_(t - 3 + w))``; inputs before a sequence's first
-token come from ``conv_state[conv_state_indices[n], ch, :]`` (``[slots, C, 3]``,
-the last three raw inputs, oldest first) when ``conv_has_initial_state[n]`` and
-the index is non-negative, else zeros. After the launch the row holds the
-sequence's last three raw inputs (shifted in after the old window for sequences
-shorter than three tokens; zeros when there was no initial state). A negative
-index means no row: never read, never written. Zero-length sequences have no
-chunk, so their row is left untouched. The conv is summed in fp32 and its
-output rounded once to the input dtype (exact for fp32 inputs) before the norms.
-
-Why the conv state needs no staging copy: the only program that reads sequence
-``n``'s row (its first chunk's program, for one band of one head's channels) is
-also the one that writes it, after a barrier; every other program reads the raw inputs
-of earlier tokens from ``q/k/v`` themselves, which nobody writes.
-
-Why the conv is a launch of its own: fused into the first launch (255 registers
-already) its taps tripled that kernel's time (docs/design/kda_prefill.md); the
-separate pass moves the three bands through HBM once more.
-
-Memory ownership: all outputs are allocated here with ``torch.empty`` in
-PyTorch's caching allocator and returned to the caller; so are the ``A_kk``
-workspace (``T * H * 256`` bytes) and, with the conv, the convolved bands
-(``T * H * (2K + V)`` elements), both released when the call returns
-(stream-ordered, so the launches still own them until they finish); inputs (including the
-strided ``raw_g`` / ``raw_beta`` column slices of a fused projection) are read
-through their strides and never copied.
+Row ``chunk_offsets[n] + c`` of ``kg_t`` / ``decay`` is sequence ``n``'s chunk ``c``;
+padding rows and tokens outside every sequence are never written. Numerics
+(sub-chunk anchors, so no ``2^(+-g)`` of a whole chunk is formed), precision (bf16
+tensor-core operands with fp32 accumulation for bf16 inputs, fp32 IEEE otherwise),
+the conv path's state contract and memory ownership: docs/design/kda_prefill.md
+("Prologue contract details"). All outputs are new ``torch.empty`` tensors; inputs
+are read through their strides and never copied.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
 One Engram layer of DeepSeek-V4.1 is four steps, each a kernel of this package:
 
 1. hash every token's n-grams (:func:`~kda_engram.engram.hashing.ngram_hash`, all
-   Engram layers at once: one launch per *model step*, not per layer);
-2. gather (and dequantise) the table rows of this layer
-   (:class:`~kda_engram.engram.table.EngramTable`, hash columns sharded over TP);
-3. project them with ``wkv`` to ``hc`` keys and a value;
-4. gate them into the ``hc`` hyper-connection streams (fused gate, or the
-   dim-sharded gate under TP: :class:`~kda_engram.engram.module.Engram`).
+   Engram layers in one launch per model step);
+2. gather and dequantise this layer's table rows (:class:`~kda_engram.engram.table.EngramTable`);
+3. project them with ``wkv`` to ``hc`` keys and a value, and 4. gate them into the
+   ``hc`` streams (fused or dim-sharded gate: :class:`~kda_engram.engram.module.Engram`).
 
 Serving adds the one piece of state Engram has: the **hash history**, the last
 ``max_ngram - 1`` token ids of every sequence, which the n-grams of a chunk's
@@ -23,11 +21,9 @@ resumes there exactly, as the KDA layer does for its recurrent state and conv
 window. The cache kernels live in :mod:`kda_engram.engram.history` (re-exported
 here).
 
-Everything on the forward path is a ``torch.ops.kda_engram`` custom op
-(:mod:`kda_engram.ops`) called with its device-side checks off, so a step can be
-captured in a CUDA graph and compiled with ``torch.compile(fullgraph=True)``;
-the host-side checks (``check_inputs=True``) read nothing back from the device
-except in :meth:`EngramBatch.validate`, which syncs and is for eager use.
+Every kernel on the forward path is a ``torch.ops.kda_engram`` custom op called
+without device reads (CUDA-graph capturable, ``torch.compile(fullgraph=True)``-able);
+:meth:`EngramBatch.validate` reads the batch back and is for eager use.
 
 Weights (DeepSeek-V4.1 checkpoint names, under ``layers.{layer_id}.engram.``):
 

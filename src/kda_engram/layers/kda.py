@@ -8,11 +8,12 @@ Per token (hidden ``x``), per head ``h`` of this rank:
    whose up projection ``f_b_proj`` / ``g_b_proj`` follows the fused matmul);
 2. the width-4 causal depthwise conv + SiLU on ``q, k, v`` with a per-sequence
    conv window cache ``[slots, 2HK + HV, 3]`` (the last three raw inputs);
-3. KDA itself: prefill sequences through ``chunk_kda_prefill`` (conv launch and
-   prologue, chunk kernel with the paged state cache and checkpoints), decode
-   rows through ``kda_decode`` after the decode conv step, in the same call;
-4. the output gate ``RMSNorm(o) * o_norm.weight * sigmoid(g_out)`` per head and the
-   output projection (row-parallel: an all-reduce under tensor parallelism).
+3. KDA itself and 4. the output gate ``RMSNorm(o) * o_norm.weight * sigmoid(g_out)``:
+   prefill sequences through ``chunk_kda_prefill`` (conv launch, prologue, chunk
+   kernel with the paged state cache and checkpoints) then the gate; decode rows
+   through one fused launch (:func:`~kda_engram.kda.fused_decode.fused_kda_decode_step`:
+   conv step, KDA step, gate), in the same call; then the output projection
+   (row-parallel: an all-reduce under tensor parallelism).
 
 Batches follow the engines' order: the ``num_decode`` decode rows first (one token
 each), then the prefill tokens (``prefill_cu_seqlens`` over them alone).
@@ -30,17 +31,12 @@ the checkpoint row; a later prefill from that row with ``has_initial_state``
 reproduces the uninterrupted prefill. Chunked prefill carries both caches the same
 way.
 
-Memory ownership: the caches are the caller's (:meth:`KimiDeltaAttention.allocate_cache`
-makes them with ``torch.empty``: rows are read only where ``has_initial_state``
-says so). The projection output is read through strided band views, never copied;
-the kernels' workspaces are ``torch.empty`` of the caching allocator.
+Memory ownership: the caches are the caller's (:meth:`KimiDeltaAttention.allocate_cache`,
+fp32 or bf16 state); the projection is read through strided band views, never copied.
 
-Tensor parallelism: heads are sharded over the group (rank ``r`` of ``P`` owns heads
-``[r H/P, (r+1) H/P)``): the q/k/v/gate/beta/g_out bands, conv channels, ``A_log``,
-``dt_bias`` and the up projections are column-parallel, the low-rank down
-projections replicated, ``o_proj`` row-parallel. :meth:`KimiDeltaAttention.load_weights`
-takes the full (unsharded) Kimi-Linear checkpoint tensors and keeps this rank's
-shard.
+Tensor parallelism: rank ``r`` of ``P`` owns heads ``[r H/P, (r+1) H/P)`` (their bands,
+conv channels, ``A_log``, ``dt_bias``, up projections; ``o_proj`` row-parallel);
+:meth:`KimiDeltaAttention.load_weights` takes the full checkpoint and keeps the shard.
 """
 
 from __future__ import annotations
