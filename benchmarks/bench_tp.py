@@ -223,6 +223,10 @@ def worker(args) -> int:
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump(rows, fh, indent=2)
+        # Every rank past its last collective before any tears down: a rank that
+        # destroyed its gloo group while a peer was still sending aborted once
+        # ("terminate called without an active exception", a loaded CPU host).
+        dist.barrier()
         return 0 if all(r["ok"] for r in rows) else 1
     finally:
         dist.destroy_process_group()
