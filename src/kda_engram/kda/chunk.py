@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, MAX_GRID_DIM
+from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
 from ..launch_config import ChunkConfig, chunk_launch, scan_precision_for, walk_tile
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import DeviceChecks, check_tensor
@@ -60,10 +60,6 @@ __all__ = [
     "fused_kda_chunk",
 ]
 
-# Head dims the kernel compiles for: the model's 128, and smaller powers of two
-# (the CPU tests use them to keep the interpreter fast). The state tile is
-# [K, BV] fp32 in registers, so K above 128 would spill.
-_HEAD_DIMS = KDA_HEAD_DIMS
 
 
 def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.device | str | None = None) -> dict:

@@ -49,16 +49,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
-from ..kda.reference import KDA_CHECKPOINT_ALIGNMENT, naive_recurrent_kda
-from ..constants import STATE_DTYPES
-from ..validation.kda import check_state_dtype_match
+from ..constants import CONV_WIDTH, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, STATE_DTYPES
+from ..kda.reference import naive_recurrent_kda
 from ..parallel import TensorParallelGroup
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
+from ..validation.kda import check_state_dtype_match
 
 __all__ = ["KDABatch", "KimiDeltaAttention", "kda_layer_reference"]
 
-CONV_SIZE = 4
-_HEAD_DIMS = (16, 32, 64, 128)
+CONV_SIZE = CONV_WIDTH  # the short conv's taps (the layer's public name for it)
 
 
 # --------------------------------------------------------------------------- batch
@@ -275,8 +274,8 @@ class KimiDeltaAttention(nn.Module):
         P = self.tp.world_size
         if conv_size != CONV_SIZE:
             raise ValueError(f"conv_size: the fused conv kernels implement width {CONV_SIZE}, got {conv_size}")
-        if head_dim not in _HEAD_DIMS:
-            raise ValueError(f"head_dim: expected one of {_HEAD_DIMS} (128 in production), got {head_dim}")
+        if head_dim not in KDA_HEAD_DIMS:
+            raise ValueError(f"head_dim: expected one of {KDA_HEAD_DIMS} (128 in production), got {head_dim}")
         if num_heads < 1 or num_heads % P:
             raise ValueError(f"num_heads: expected a positive multiple of tp_size {P}, got {num_heads}")
         if lower_bound is not None and not lower_bound <= 0:
