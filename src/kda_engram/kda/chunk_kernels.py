@@ -109,6 +109,27 @@ def _group_span(n_chunks, n_groups, min_len):
 
 
 @triton.jit
+def _load_start_state(s_in_ptr, s_idx_ptr, has_init_ptr, i_n, i_h, o_k, o_v, full,
+                      st_in_r, st_in_h, st_in_v, st_in_k, st_idx, st_has,
+                      LOAD_STATE: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
+    """The ``[K, BV]`` fp32 start tile (transposed, ``st[k, v] = S[v, k]``) of
+    sequence ``i_n``, head ``i_h``: zeros (``LOAD_STATE`` 0), row ``i_n`` of
+    ``initial_state`` (1) or cache row ``state_indices[i_n]`` where
+    ``has_initial_state`` (2; a negative row or no initial state reads nothing,
+    so garbage/NaN there is harmless). Shared by the walk and the group scan."""
+    st = tl.zeros([K, BV], dtype=tl.float32)
+    if LOAD_STATE == 1:
+        p_in = s_in_ptr + i_n.to(tl.int64) * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        st = tl.load(p_in).to(tl.float32)
+    elif LOAD_STATE == 2:
+        slot = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
+        has = tl.load(has_init_ptr + i_n * st_has) != 0
+        p_in = s_in_ptr + slot * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
+        st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
+    return st
+
+
+@triton.jit
 def _kda_chunk_walk_kernel(
     qg_ptr, w_ptr, u_ptr, kg_t_ptr, aqk_ptr, decay_ptr, out_ptr,
     cu_ptr, chunk_off_ptr,
@@ -183,18 +204,9 @@ def _kda_chunk_walk_kernel(
 
     # The state is held transposed, st[k, v] = S[v, k]: every product below is
     # then a plain [M, K] @ [K, N] dot, with no transpose in memory or registers.
-    st = tl.zeros([K, BV], dtype=tl.float32)
-    if LOAD_STATE == 1:
-        p_in = s_in_ptr + i_n.to(tl.int64) * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
-        st = tl.load(p_in).to(tl.float32)
-    elif LOAD_STATE == 2:
-        slot = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
-        has = tl.load(has_init_ptr + i_n * st_has) != 0
-        p_in = s_in_ptr + slot * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
-        # A masked-off load reads nothing: rows of sequences that start from zero
-        # (or have no row) are never touched, so garbage/NaN there is harmless.
-        st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
-    elif LOAD_STATE == 3:
+    st = _load_start_state(s_in_ptr, s_idx_ptr, has_init_ptr, i_n, i_h, o_k, o_v, full,
+                           st_in_r, st_in_h, st_in_v, st_in_k, st_idx, st_has, LOAD_STATE, K, BV)
+    if LOAD_STATE == 3:
         # The scan wrote the start state of every live group of the sequence.
         p_in = (s_in_ptr + i_n.to(tl.int64) * st_in_r + i_g.to(tl.int64) * st_in_g + i_h * st_in_h
                 + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k))
@@ -388,15 +400,8 @@ def _kda_group_scan_kernel(
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     full = (o_k[:, None] < K) & (o_v[None, :] < V)
-    st = tl.zeros([K, BV], dtype=tl.float32)
-    if LOAD_STATE == 1:
-        p_in = s_in_ptr + i_n.to(tl.int64) * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
-        st = tl.load(p_in).to(tl.float32)
-    elif LOAD_STATE == 2:
-        slot = tl.load(s_idx_ptr + i_n * st_idx).to(tl.int64)
-        has = tl.load(has_init_ptr + i_n * st_has) != 0
-        p_in = s_in_ptr + slot * st_in_r + i_h * st_in_h + (o_v[None, :] * st_in_v + o_k[:, None] * st_in_k)
-        st = tl.load(p_in, mask=full & has & (slot >= 0), other=0.0).to(tl.float32)
+    st = _load_start_state(s_in_ptr, s_idx_ptr, has_init_ptr, i_n, i_h, o_k, o_v, full,
+                           st_in_r, st_in_h, st_in_v, st_in_k, st_idx, st_has, LOAD_STATE, K, BV)
 
     # The product runs in BJ-row blocks of the contraction, with both factors
     # read from memory: S_g is the tile this program has just stored (a CTA
