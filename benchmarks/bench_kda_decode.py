@@ -63,6 +63,9 @@ LOWER_BOUND = -5.0
 CASES = [(64, 32, None), (256, 32, None), (1024, 8, None), (256, 32, 4)]
 QUICK_CASES = CASES[:3]
 SWEEP = [(bv, nw) for bv in (16, 32, 64) for nw in (2, 4, 8)]
+# A bf16 tile is half the bytes of an fp32 one: the bf16 sweep also tries 128 rows,
+# and the hardware conversion (``native``) against the integer RTNE.
+SWEEP_BF16 = [(bv, nw, native) for bv in (16, 32, 64, 128) for nw in (2, 4, 8) for native in (True, False)]
 
 
 def case_name(B, H, S=None):
@@ -129,13 +132,14 @@ def _as_fla(x, S):
     return t(x["q"]), t(x["k"]), t(x["v"]), t(x["raw_g"]), t(x["raw_beta"])
 
 
-def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None, check_inputs=False):
+def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None, check_inputs=False, native_round=None):
     if block_v is not None:
         init = idx if S is None else idx[:, 0]
         strides = (idx.stride(0), 0) if S is None else idx.stride()
         return lambda: _launch(
             *x.values(), cache, init, idx, out, None, LOWER_BOUND, steps=S or 1,
             init_stride=init.stride(0), idx_strides=strides, block_v=block_v, num_warps=num_warps,
+            native_round=native_round,
         )
     if S is None:
         return lambda: kda_decode(**x, state_cache=cache, state_indices=idx, lower_bound=LOWER_BOUND,
@@ -231,6 +235,13 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
             # bf16 state cache: ours, and fla's in-place path if it takes one.
             x16, idx16, cache16 = make_case(B, H, S, device, state_dtype=torch.bfloat16)
             row["ours_bf16_ms"] = bench(ours_fn(x16, idx16, cache16, S, out))
+            row["tiling_bf16"] = decode_tiling(B, H, V, device, S or 1, state_dtype=torch.bfloat16)
+            if sweep:
+                row["sweep_bf16_ms"] = {
+                    f"bv{bv}_w{nw}_{'cvt' if nat else 'int'}": bench(ours_fn(x16, idx16, cache16, S, out, bv, nw,
+                                                                            native_round=nat))
+                    for bv, nw, nat in SWEEP_BF16
+                }
             row["hbm_floor_bf16_ms"] = hbm_bytes(B, H, S, state_bytes=2) / bw * 1e3
             row["floor_fraction_bf16"] = row["hbm_floor_bf16_ms"] / row["ours_bf16_ms"]
             row["bf16_speedup"] = row["ours_ms"] / row["ours_bf16_ms"]
@@ -274,10 +285,13 @@ def layer_hbm_bytes(B, H, state_bytes=4):
 
 
 def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
-    """Layer-decode rows: fused step vs the multi-launch step (see the module doc);
+    """Layer-decode rows: fused step vs the multi-launch step (see the module doc),
+    with an fp32 and a bf16 state cache; both steps call the kernels with
+    ``check_inputs=False`` (like for like: an engine's graph-captured step).
     ``sweep`` also times the fused kernel at every (BLOCK_V, num_warps)."""
-    from kda_engram import ops
+    from kda_engram.kda.conv import kda_conv_decode
     from kda_engram.kda.fused_decode import fused_kda_decode_step
+    from kda_engram.launch_config import device_arch, fused_decode_tiling_for
     from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
 
     rows = []
@@ -286,59 +300,57 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
                                dtype=torch.bfloat16, device=device)
     layer.reset_parameters(torch.Generator().manual_seed(0))
     H, C, b = layer.local_heads, layer.conv_channels, layer.bands
-    for B in batches:
-        gen = torch.Generator(device=device).manual_seed(B)
-        hs = torch.randn(B, LAYER_HIDDEN, device=device, generator=gen).to(torch.bfloat16)
-        sc, cs = layer.allocate_cache(B)
-        sc.normal_(0, 0.3, generator=gen)
-        cs.normal_(generator=gen)
-        idx = torch.randperm(B, device=device, generator=gen)
-        batch = KDABatch.from_query_lens(torch.ones(B, dtype=torch.int64, device=device), idx, num_decode=B)
-        proj = layer.in_proj(hs)
-        raw_g = layer.f_b_proj(proj[:, b["gate"][0]: b["gate"][1]])
-        raw_beta = proj[:, b["beta"][0]: b["beta"][1]]
-        g_out = layer.g_b_proj(proj[:, b["g_out"][0]: b["g_out"][1]])
+    for state_dtype in (torch.float32, torch.bfloat16):
+        for B in batches:
+            gen = torch.Generator(device=device).manual_seed(B)
+            hs = torch.randn(B, LAYER_HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+            sc, cs = layer.allocate_cache(B, state_dtype=state_dtype)
+            sc.copy_(torch.randn(sc.shape, device=device, generator=gen) * 0.3)
+            cs.normal_(generator=gen)
+            idx = torch.randperm(B, device=device, generator=gen)
+            batch = KDABatch.from_query_lens(torch.ones(B, dtype=torch.int64, device=device), idx, num_decode=B)
+            proj = layer.in_proj(hs)
+            raw_g = layer.f_b_proj(proj[:, b["gate"][0]: b["gate"][1]])
+            raw_beta = proj[:, b["beta"][0]: b["beta"][1]]
+            g_out = layer.g_b_proj(proj[:, b["g_out"][0]: b["g_out"][1]])
+            out = torch.empty(B, H * V, dtype=torch.bfloat16, device=device)
 
-        def fused():
-            return ops.fused_kda_decode_step(proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx,
-                                             layer.A_log, layer.dt_bias, layer.o_norm_weight, sc, idx,
-                                             scale=layer.scale, lower_bound=LOWER_BOUND, norm_eps=layer.norm_eps,
-                                             out_dtype=torch.bfloat16)
+            def fused(block_v=None, num_warps=4):
+                return fused_kda_decode_step(
+                    proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx, layer.A_log, layer.dt_bias,
+                    layer.o_norm_weight, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
+                    norm_eps=layer.norm_eps, out=out, block_v=block_v, num_warps=num_warps, check_inputs=False)
 
-        def unfused():
-            conv = ops.kda_conv_decode(proj[:, :C], layer.conv_weight, cs, idx, out_dtype=torch.float32)
-            o = ops.kda_decode(conv[:, : H * K].view(B, H, K), conv[:, H * K: 2 * H * K].view(B, H, K),
+            def unfused():
+                conv = kda_conv_decode(proj[:, :C], layer.conv_weight, cs, idx, out_dtype=torch.float32,
+                                       check_inputs=False)
+                o = kda_decode(conv[:, : H * K].view(B, H, K), conv[:, H * K: 2 * H * K].view(B, H, K),
                                conv[:, 2 * H * K:].view(B, H, V), raw_g.view(B, H, K), raw_beta, layer.A_log,
-                               layer.dt_bias, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND)
-            return layer._output_gate(o.to(torch.bfloat16), g_out.view(B, H, V)).reshape(B, H * V)
+                               layer.dt_bias, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
+                               check_inputs=False)
+                return layer._output_gate(o.to(torch.bfloat16), g_out.view(B, H, V)).reshape(B, H * V)
 
-        row = dict(case=f"layer_B{B}_H{H}", peer="multi-launch step", peer_note="ours = fused one-launch step",
-                   copy_gbps=bw / 1e9, tiling=(min(32, V), 4))
-        with torch.inference_mode():
-            sc0, cs0 = sc.clone(), cs.clone()
-            y_fused = fused().float()
-            sc.copy_(sc0)
-            cs.copy_(cs0)
-            row["max_abs_diff"] = (y_fused - unfused().float()).abs().max().item()  # one step from one start
-            row["ours_ms"] = bench(fused)
-            row["peer_ms"] = bench(unfused)
-            row["ratio"] = row["peer_ms"] / row["ours_ms"]
-            row["hbm_floor_ms"] = layer_hbm_bytes(B, H) / bw * 1e3
-            row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
-            if sweep:
-                out = torch.empty(B, H * V, dtype=torch.bfloat16, device=device)
-                row["sweep_ms"] = {
-                    f"bv{bv}_w{nw}": bench(lambda bv=bv, nw=nw: fused_kda_decode_step(
-                        proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx, layer.A_log,
-                        layer.dt_bias, layer.o_norm_weight, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
-                        norm_eps=layer.norm_eps, out=out, block_v=bv, num_warps=nw, check_inputs=False))
-                    for bv, nw in SWEEP
-                }
-            for name, flag in (("layer_fused_ms", True), ("layer_unfused_ms", False)):
-                layer.fused_decode = flag
-                row[name] = bench(lambda: layer(hs, batch, sc, cs, check_inputs=False))
-            layer.fused_decode = True
-        rows.append(row)
+            tag = "" if state_dtype == torch.float32 else "_bf16state"
+            row = dict(case=f"layer_B{B}_H{H}{tag}", peer="multi-launch step", peer_note="ours = fused one-launch step",
+                       copy_gbps=bw / 1e9, tiling=tuple(vars(fused_decode_tiling_for(device_arch(device), V)).values()))
+            with torch.inference_mode():
+                sc0, cs0 = sc.clone(), cs.clone()
+                y_fused = fused().float()
+                sc.copy_(sc0)
+                cs.copy_(cs0)
+                row["max_abs_diff"] = (y_fused - unfused().float()).abs().max().item()  # one step from one start
+                row["ours_ms"] = bench(fused)
+                row["peer_ms"] = bench(unfused)
+                row["ratio"] = row["peer_ms"] / row["ours_ms"]
+                row["hbm_floor_ms"] = layer_hbm_bytes(B, H, state_bytes=sc.element_size()) / bw * 1e3
+                row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
+                if sweep:
+                    row["sweep_ms"] = {f"bv{bv}_w{nw}": bench(lambda bv=bv, nw=nw: fused(bv, nw)) for bv, nw in SWEEP}
+                for name, flag in (("layer_fused_ms", True), ("layer_unfused_ms", False)):
+                    layer.fused_decode = flag
+                    row[name] = bench(lambda: layer(hs, batch, sc, cs, check_inputs=False))
+                layer.fused_decode = True
+            rows.append(row)
     return rows
 
 
@@ -357,10 +369,11 @@ def print_rows(rows):
             f"{fmt(r['hbm_floor_ms'], '.4f'):>8} {fmt(r['floor_fraction'], '.0%'):>8} "
             f"{'%dx%d' % r['tiling']:>8} {fmt(r.get('max_abs_diff'), '.2e'):>9} {fmt(r.get('max_abs_diff_state'), '.2e'):>9}"
         )
-        if "sweep_ms" in r:
-            best = min(r["sweep_ms"], key=r["sweep_ms"].get)
-            cells = "  ".join(f"{k}={v:.4f}" for k, v in r["sweep_ms"].items())
-            print(f"    sweep (best {best}): {cells}")
+        for key in ("sweep_ms", "sweep_bf16_ms"):
+            if key in r:
+                best = min(r[key], key=r[key].get)
+                cells = "  ".join(f"{k}={v:.4f}" for k, v in r[key].items())
+                print(f"    {key} (best {best}): {cells}")
     extra = [r for r in rows if "ours_bf16_ms" in r]
     if extra:
         print(f"\nbf16 state cache (own floor: half the state bytes){'':<4}")

@@ -42,6 +42,7 @@ __all__ = [
     "arch_facts",
     "chunk_launch",
     "decode_tiling_for",
+    "fused_decode_tiling_for",
     "device_arch",
     "prologue_warps_for",
     "scan_precision_for",
@@ -342,18 +343,37 @@ class DecodeTiling:
             raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
 
 
-def decode_tiling_for(arch: str, v_dim: int, steps: int = 1) -> DecodeTiling:
+def decode_tiling_for(arch: str, v_dim: int, steps: int = 1, state_dtype=None) -> DecodeTiling:
     """The decode tiling (numbers in ``kda/decode.py: decode_tiling``).
 
-    * 16 rows per program on every target: a 16-row tile of a 128-wide fp32 state is
-      8 KiB, so more programs keep more bytes in flight (H200 sweep).
-    * 4 warps for one token, 2 for several (the tile stays live across the steps and
-      each thread then does more independent work per load; H200 sweep). On AMD the
-      same warp counts: at 4 wavefronts of 64 lanes a one-token program holds 8 state
-      elements per lane and the compile shows no spills (tests/test_compile_amd.py).
+    * 16 rows per program: a 16-row tile of a 128-wide fp32 state is 8 KiB, so more
+      programs keep more bytes in flight (H200 sweep).
+    * fp32 state: 4 warps for one token, 2 for several (the tile stays live across
+      the steps and each thread then does more independent work per load).
+    * bf16 state, one token: the whole head (128 rows) and 8 warps (H200 sweep of
+      16..128 rows x 2..8 warps, 2026-12-04: B256_H32 0.1675 ms against 0.1741
+      at 16 x 2, B64_H32 0.047 against 0.053, B1024_H8 0.1695 against 0.1634).
+      Several tokens: 32 rows and 2 warps (B256_H32_S4 0.548 against 0.585).
+    * On AMD the same choices: at 4 wavefronts of 64 lanes a one-token program holds
+      8 state elements per lane and the compile shows no spills
+      (tests/test_compile_amd.py).
     """
     del arch  # the same on every target until an AMD sweep says otherwise
+    if state_dtype == torch.bfloat16:
+        return DecodeTiling(block_v=min(128, v_dim), num_warps=8) if steps == 1 else \
+            DecodeTiling(block_v=min(32, v_dim), num_warps=2)
     return DecodeTiling(block_v=min(16, v_dim), num_warps=4 if steps == 1 else 2)
+
+
+def fused_decode_tiling_for(arch: str, v_dim: int, state_dtype=None) -> DecodeTiling:
+    """The fused layer decode step's tiling (``kda/fused_decode.py``): one program
+    per (sequence, head) walks the head's ``V`` rows in ``block_v`` tiles, two
+    tiles live at a time (the next one's load in flight). 16 rows x 4 warps (H200
+    sweep at B256_H32, 2026-12-04: 0.328 ms against 0.346 at 32 x 4 with an fp32
+    state, 0.186 against 0.189 with bf16); 64 x 2 spills once double-buffered
+    (sm_90 compile) and ran 6x slower."""
+    del arch, state_dtype  # one choice so far for both state dtypes and every target
+    return DecodeTiling(block_v=min(16, v_dim), num_warps=4)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
 """A call that raises on bad input leaves every cache bit-identical.
 
 The caches hold NaN sentinels and real values; each call is refused by a rule on
-device values (the ones read back once, right before the launches), so this pins
-that nothing writes a cache before that read-back.
+device values. Where the entry point launches before its one read-back
+(``chunk_kda_prefill``, ``kda_decode``, ``kda_decode_multi``, the fused decode
+step: guarded indices) this pins that the guarded launches write no cache; for
+the others, that nothing writes one before the read-back.
 """
 
 import math
@@ -75,12 +77,13 @@ PREFILL_BAD = [
     ("checkpoint_state_indices", dict(checkpoint_offsets=torch.tensor([64, 0]),
                                       checkpoint_state_indices=torch.tensor([3, -1]))),  # sequence 1's row
     ("state_indices", dict(state_indices=torch.tensor([3, 3]))),
+    ("state_indices", dict(state_indices=torch.tensor([0, 4]))),  # past the cache: the guard must hold the write
     ("conv_state_indices", dict(conv_state_indices=torch.tensor([0, 9]))),
     ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 80, 70]))),
 ]
 
 
-@pytest.mark.parametrize("name, bad", [("", {})] + PREFILL_BAD, ids=["valid"] + [b[0] for b in PREFILL_BAD])
+@pytest.mark.parametrize("name, bad", [("", {})] + PREFILL_BAD, ids=["valid"] + [f"{b[0]}{i}" for i, b in enumerate(PREFILL_BAD)])
 def test_chunk_kda_prefill(name, bad):
     """The base call is valid (and writes); each bad argument makes it write nothing."""
     T = 70
@@ -147,3 +150,28 @@ def test_next_history_into_itself():
     with pytest.raises(ValueError, match="cu_seqlens"):
         next_history(torch.arange(6), torch.tensor([0, 4, 3]), layout, history=history, out=history)
     assert_same([history], [before])
+
+
+@pytest.mark.gpu
+def test_guarded_launches_on_the_gpu(gpu):
+    """On the GPU the read-back runs on a side stream after the launches: the
+    guarded decode and prefill launches still leave every cache bit-identical."""
+    cache = with_sentinels(8, 4, 128, 128).to(gpu)
+    before = cache.clone()
+    x = {n: t.to(gpu) for n, t in raw_kda_inputs((4,), 4, 128, 128, 0).items()}
+    with pytest.raises(ValueError, match="state_indices"):
+        kda_decode(**x, state_cache=cache, state_indices=torch.tensor([0, 2, 9, 3], device=gpu))
+    torch.cuda.synchronize()
+    assert_same([cache], [before])
+    T = 300
+    x = {n: t.to(gpu) for n, t in raw_kda_inputs((1, T), 4, 128, 128, 1).items()}
+    for bad in (dict(cu_seqlens=torch.tensor([0, 200, 100, T], device=gpu)),
+                dict(state_indices=torch.tensor([0, 8, 1], device=gpu))):
+        kw = dict(cu_seqlens=torch.tensor([0, 100, 200, T], device=gpu), state_cache=cache,
+                  state_indices=torch.tensor([1, 3, 5], device=gpu),
+                  has_initial_state=torch.tensor([True, True, False], device=gpu))
+        kw.update(bad)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            chunk_kda_prefill(**x, **kw)
+        torch.cuda.synchronize()
+        assert_same([cache], [before])

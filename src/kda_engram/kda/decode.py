@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch
+from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_decode_indices, check_decode_inputs, check_decode_multi_indices
 from .state_dtype import round_state
@@ -85,6 +86,7 @@ def _kda_decode_kernel(
     HAS_LOWER_BOUND: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
+    NATIVE_ROUND: tl.constexpr,
 ):
     """Grid: ``(B · H · V / BLOCK_V,)``, tile index fastest, then head, then sequence.
 
@@ -143,7 +145,7 @@ def _kda_decode_kernel(
         state = state + delta[:, None] * k[None, :]
         # The decay was applied above in fp32, before the rounding: a decay that
         # would round to 1.0 in bf16 still shrinks the fp32 tile.
-        state = round_state(state, STATE_BF16)
+        state = round_state(state, STATE_BF16, NATIVE_ROUND)
         o = scale * (sq + delta * tl.sum(k * q, axis=0))
         o = tl.where(live, o, 0.0)
         tl.store(o_ptr + b * so_b + s * so_s + h * so_h + offs_v * so_v, o.to(o_ptr.dtype.element_ty))
@@ -159,7 +161,8 @@ def _kda_decode_kernel(
 
 
 def decode_tiling(
-    batch: int, heads: int, v_dim: int, device: torch.device | str | None = None, steps: int = 1
+    batch: int, heads: int, v_dim: int, device: torch.device | str | None = None, steps: int = 1,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[int, int]:
     """``(BLOCK_V, num_warps)`` for a decode launch of ``batch · heads`` heads of
     ``steps`` tokens each.
@@ -175,7 +178,7 @@ def decode_tiling(
     power-of-two ``BLOCK_V`` dividing ``V`` is correct; this only picks speed.
     """
     del batch, heads  # the measured optimum did not depend on the grid size
-    tiling = decode_tiling_for(device_arch(device), v_dim, steps)  # the per-architecture rule
+    tiling = decode_tiling_for(device_arch(device), v_dim, steps, state_dtype)  # the per-architecture rule
     return tiling.block_v, tiling.num_warps
 
 
@@ -191,7 +194,8 @@ def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int
 
 
 def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
-            scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None):
+            scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
+            native_round=None):
     """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
     point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
     B = q.shape[0]
@@ -199,7 +203,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
     if B == 0:
         return out
     if block_v is None or num_warps is None:
-        bv, nw = decode_tiling(B, H, V, state_cache.device, steps)
+        bv, nw = decode_tiling(B, H, V, state_cache.device, steps, state_cache.dtype)
         block_v = bv if block_v is None else block_v
         num_warps = nw if num_warps is None else num_warps
     if not (_is_pow2(block_v) and V % block_v == 0):
@@ -228,6 +232,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
         HAS_LOWER_BOUND=lower_bound is not None,
         EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
+        NATIVE_ROUND=not interpreting() if native_round is None else native_round,
         num_warps=num_warps,
     )
     return out
@@ -271,8 +276,11 @@ def kda_decode(
         out: optional ``[B, H, V]`` output buffer (any float dtype, any strides);
             default ``torch.empty`` in ``v``'s dtype.
         check_inputs: validate shapes, dtypes, devices, scalars, index range and
-            duplicate indices (the last two read one flag tensor back: one host sync). ``False`` skips every
-            host-side check, so the call is CUDA-graph capturable.
+            duplicate indices. The last two are computed on the device and read
+            back once, after the launch, which a broken rule turns into a no-op
+            on the cache (one host sync that waits only for the flags).
+            ``False`` skips every host-side check, so the call is CUDA-graph
+            capturable.
 
     Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
@@ -283,15 +291,19 @@ def kda_decode(
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
         check_decode_indices(state_indices, batch, state_cache, checks)
+        # Launch, then read back: a broken rule turns every row into "none" (the
+        # launch then touches no state row) and raises after the launch.
+        state_indices = checks.guard(state_indices, -1)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if checks is not None:
-        checks.run()  # the one read-back (index range and distinctness), then the launch
-    return _launch(
+    _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0),
     )
+    if checks is not None:
+        checks.run()  # the one read-back (index range and distinctness)
+    return out
 
 
 def kda_decode_multi(
@@ -351,12 +363,17 @@ def kda_decode_multi(
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:
         return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
-    if checks is not None:
-        checks.run()  # the one read-back, then the launch
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]
-    return _launch(
+    if checks is not None:
+        # Launch, then read back (see kda_decode): broken rules make every row "none".
+        state_indices = checks.guard(state_indices, -1)
+        initial_state_indices = checks.guard(initial_state_indices, -1)
+    _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
         idx_strides=state_indices.stride(),
     )
+    if checks is not None:
+        checks.run()  # the one read-back
+    return out

@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from ..constants import CONV_WIDTH, L2NORM_EPS
+from ..launch_config import device_arch, fused_decode_tiling_for
+from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_fused_decode_arguments
 from .decode import _softplus
@@ -99,6 +101,27 @@ def _store_window(x_ptr, cs_ptr, b, crow_new, chans, s: tl.constexpr, old0, old1
 
 
 @triton.jit
+def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
+              lower_bound, s: tl.constexpr, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
+              sb_b, sb_s, sb_h, K: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+    """Token ``s`` of a head: L2-normed q and k after the conv, the per-channel
+    decay exp(a), beta and q·k (all fp32)."""
+    q = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, q_ch, s,
+                   sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
+    k = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, k_ch, s,
+                   sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
+    xg = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32) + bias
+    beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
+    if HAS_LOWER_BOUND:
+        a = lower_bound * tl.sigmoid(a_scale * xg)
+    else:
+        a = -a_scale * _softplus(xg)
+    return q, k, tl.exp(a), beta, tl.sum(k * q, axis=0)
+
+
+@triton.jit
 def _fused_kda_decode_kernel(
     x_ptr, cw_ptr, cs_ptr, cinit_ptr, cidx_ptr,
     g_ptr, beta_ptr, gout_ptr, alog_ptr, dtb_ptr, nw_ptr,
@@ -123,6 +146,7 @@ def _fused_kda_decode_kernel(
     HAS_LOWER_BOUND: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
+    NATIVE_ROUND: tl.constexpr,
 ):
     """Grid ``(B · H,)``, head fastest: program ``b·H + h`` runs head ``h`` of sequence ``b``."""
     pid = tl.program_id(0)
@@ -144,40 +168,48 @@ def _fused_kda_decode_kernel(
     state_h = state_ptr + h * ss_h
 
     NUM_TILES: tl.constexpr = V // BLOCK_V
+    # A one-token step's q, k, decay and beta do not depend on the tile: once here.
+    if S == 1:
+        q1, k1, decay1, beta1, qk1 = _token_qk(
+            x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
+            lower_bound, 0, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c, sb_b, sb_s, sb_h,
+            K, HAS_LOWER_BOUND, EPS)
+    # The state tiles stream through one register double buffer: tile t + 1's load
+    # is in flight while tile t is stepped (one program walks all V rows).
+    rows = tl.arange(0, BLOCK_V)
+    tile_offs = rows[:, None] * ss_v + offs_k[None, :] * ss_k
+    tile_in = (rows[:, None] < BLOCK_V) & (offs_k[None, :] < K)  # all true; gives the mask its shape
+    state_row = state_h + srow * ss_n
+    st_next = tl.load(state_row + tile_offs, mask=tile_in & live, other=0.0)
     for tile in range(NUM_TILES):
-        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        st = st_next.to(tl.float32)
+        st_next = tl.load(state_row + (tile + 1) * BLOCK_V * ss_v + tile_offs,
+                          mask=tile_in & live & (tile + 1 < NUM_TILES), other=0.0)
+        offs_v = tile * BLOCK_V + rows
         v_ch = 2 * H * K + h * V + offs_v
-        tile_offs = offs_v[:, None] * ss_v + offs_k[None, :] * ss_k
-        tile_in = (offs_v[:, None] < V) & (offs_k[None, :] < K)
-        st = tl.load(state_h + srow * ss_n + tile_offs, mask=tile_in & live, other=0.0).to(tl.float32)
         for s in tl.static_range(S):
-            q = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, q_ch, s,
-                           sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
-            k = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, k_ch, s,
-                           sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
+            if S == 1:
+                q, k, decay, beta, qk = q1, k1, decay1, beta1, qk1
+            else:
+                q, k, decay, beta, qk = _token_qk(
+                    x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
+                    lower_bound, s, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
+                    sb_b, sb_s, sb_h, K, HAS_LOWER_BOUND, EPS)
             vv = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, v_ch, s,
                             sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
-            xg = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32) + bias
-            beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
-            if HAS_LOWER_BOUND:
-                a = lower_bound * tl.sigmoid(a_scale * xg)
-            else:
-                a = -a_scale * _softplus(xg)
-            st = st * tl.exp(a)[None, :]  # fp32 decay before any rounding
+            st = st * decay[None, :]  # fp32 decay before any rounding
             pred = tl.sum(st * k[None, :], axis=1)
             sq = tl.sum(st * q[None, :], axis=1)
             delta = beta * (vv - pred)
             st = st + delta[:, None] * k[None, :]
-            st = round_state(st, STATE_BF16)
-            o = scale * (sq + delta * tl.sum(k * q, axis=0))
+            st = round_state(st, STATE_BF16, NATIVE_ROUND)
+            o = scale * (sq + delta * qk)
             o = tl.where(live, o, 0.0)
             # Un-normalised, in out's dtype (the unfused path's rounding before its norm).
             tl.store(out_ptr + b * so_b + s * so_s + (h * V + offs_v) * so_c, o.to(out_ptr.dtype.element_ty))
             out_row = tl.load(idx_ptr + b * sw_b + s * sw_s).to(tl.int64)
             write = live & (out_row >= 0)
-            tl.store(state_h + tl.where(write, out_row, 0) * ss_n + tile_offs,
+            tl.store(state_h + tl.where(write, out_row, 0) * ss_n + tile * BLOCK_V * ss_v + tile_offs,
                      st.to(state_ptr.dtype.element_ty), mask=tile_in & write)
 
     # The initial conv window of this head's channels, held before any write.
@@ -239,7 +271,7 @@ def fused_kda_decode_step(
     norm_eps: float = 1e-5,
     out: torch.Tensor | None = None,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     check_inputs: bool = True,
 ) -> torch.Tensor:
     """The KDA layer's decode step for ``B`` sequences of ``S`` tokens, one launch.
@@ -270,30 +302,41 @@ def fused_kda_decode_step(
     """
     multi = x.dim() == 3
     _, H, V, K = state_cache.shape
+    checks = None
     if check_inputs:
         checks = DeviceChecks()
         check_fused_decode_arguments(
             checks, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
             o_norm_weight, state_cache, state_indices, initial_state_indices, initial_conv_indices, scale,
             lower_bound, norm_eps, out)
-        checks.run()  # the one read-back, before the launch writes either cache
     if out is None:
         out = torch.empty(*x.shape[:-1], H * V, dtype=x.dtype, device=x.device)
     B = x.shape[0]
     S = x.shape[1] if multi else 1
     if B == 0 or S == 0:
+        if checks is not None:
+            checks.run()
         return out
     if multi:
         init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
+    else:
+        init, cinit = state_indices, conv_state_indices
+    if checks is not None:
+        # Launch, then read back: a broken rule makes every row "none", so the
+        # launch touches neither cache, and the error is raised after it.
+        state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
+        init, cinit = checks.guard(init, -1), checks.guard(cinit, -1)
+    if multi:
         w_strides = tuple(state_indices.stride())
         cw_strides = tuple(conv_state_indices.stride())
     else:
-        init, cinit = state_indices, conv_state_indices
         w_strides = (state_indices.stride(0), 0)
         cw_strides = (conv_state_indices.stride(0), 0)
-    if block_v is None:
-        block_v = min(32, V)
+    if block_v is None or num_warps is None:
+        tiling = fused_decode_tiling_for(device_arch(x.device), V, state_cache.dtype)
+        block_v = tiling.block_v if block_v is None else block_v
+        num_warps = tiling.num_warps if num_warps is None else num_warps
     if scale is None:
         scale = K**-0.5
     sd_h, sd_k = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (K * dt_bias.stride(0),
@@ -318,6 +361,9 @@ def fused_kda_decode_step(
         S=S, H=H, K=K, V=V, BLOCK_V=block_v,
         HAS_LOWER_BOUND=lower_bound is not None, EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
+        NATIVE_ROUND=not interpreting(),
         num_warps=num_warps,
     )
+    if checks is not None:
+        checks.run()  # the one read-back
     return out

@@ -107,7 +107,9 @@ def chunk_kda_prefill(
 
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
-    one transfer, before any cache is written. With ``False`` nothing synchronises (the
+    one transfer after the launches, which a broken rule turns into no-ops on
+    every cache (guarded indices; the read-back waits only for the flags). With
+    ``False`` nothing synchronises (the
     chunk metadata is built on the device with the static bound ``T // 64 + N``
     rows), so the call can be captured in a CUDA graph.
 
@@ -125,8 +127,7 @@ def chunk_kda_prefill(
     checks = None
     if check_inputs:
         # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
-        # are queued and read back once, below, before the first launch that
-        # writes anything the caller owns (the conv launch writes conv_state).
+        # are queued and read back once, after the guarded launches (below).
         checks = DeviceChecks()
         T, H, K, V = check_prologue_arguments(
             q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight, conv_state,
@@ -147,9 +148,19 @@ def chunk_kda_prefill(
     T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     if scale is None:
         scale = K**-0.5
+    if checks is not None:
+        # Launch, then read back: a broken rule turns the batch into empty
+        # sequences whose rows are all "none", so the launches below touch no
+        # cache, no checkpoint row and no conv row, and the error is raised after
+        # them. The read-back waits only for the flags, not for the launches.
+        cu_seqlens = checks.guard(cu_seqlens, 0)
+        state_indices = checks.guard(state_indices, -1)
+        checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
+        checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
+        conv_state_indices = checks.guard(conv_state_indices, -1)
 
     # Chunk metadata on the device, sized from static shapes: one launch, no host
-    # sync, writing only its own new tensors (so it may precede the read-back).
+    # sync, writing only its own new tensors.
     chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
@@ -158,10 +169,8 @@ def chunk_kda_prefill(
         conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
         conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
     )
-    if checks is not None:
-        checks.run()  # the one host sync of the call; the launches follow at once
     ops = launch_prologue()
-    return fused_kda_chunk(
+    result = fused_kda_chunk(
         ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
         initial_state, output_final_state,
         chunk_offsets=chunk_offsets,
@@ -175,3 +184,6 @@ def chunk_kda_prefill(
         final_state_dtype=final_state_dtype,
         check_inputs=False,  # validated above; the operands come from the prologue
     )
+    if checks is not None:
+        checks.run()  # the one host sync of the call
+    return result

@@ -34,18 +34,29 @@ def rtne_bf16(x):
 
 
 @triton.jit
-def store_value(x, STATE_BF16: tl.constexpr):
+def _to_bf16(x, NATIVE: tl.constexpr):
+    # NATIVE: the hardware conversion (cvt.rn.bf16.f32 on NVIDIA, RTNE as well, one
+    # instruction per pair); only a compiled kernel may take it, the interpreter
+    # truncates.
+    if NATIVE:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        return rtne_bf16(x)
+
+
+@triton.jit
+def store_value(x, STATE_BF16: tl.constexpr, NATIVE: tl.constexpr = False):
     """The value a fp32 state tile is stored as: itself, or rounded to bf16."""
     if STATE_BF16:
-        return rtne_bf16(x)
+        return _to_bf16(x, NATIVE)
     else:
         return x
 
 
 @triton.jit
-def round_state(x, STATE_BF16: tl.constexpr):
+def round_state(x, STATE_BF16: tl.constexpr, NATIVE: tl.constexpr = False):
     """The fp32 value the stored tile reads back as (identity for fp32 storage)."""
     if STATE_BF16:
-        return rtne_bf16(x).to(tl.float32)
+        return _to_bf16(x, NATIVE).to(tl.float32)
     else:
         return x

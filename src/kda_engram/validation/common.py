@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "check_bool",
     "check_index_range",
     "check_index_values",
+    "read_back",
 ]
 
 
@@ -130,38 +132,131 @@ class DeviceChecks:
     Every :meth:`add` queues a 0-d bool tensor ``bad`` (true = the rule is broken)
     with its message; ``{}`` fields in the message are filled with the values of
     the ``details`` tensors (0-d, integer; int64 saves a conversion), which travel
-    in the same transfer.
-    :meth:`run` stacks everything into one int64 tensor and reads it with one
-    ``.tolist()`` (the only host sync), then raises the first broken rule in the
-    order the rules were added. Nothing queued here writes caller-visible memory.
+    in the same transfer. :meth:`run` reads everything back in one transfer (the
+    only host sync) and raises the first broken rule in the order the rules were
+    added. Nothing queued here writes caller-visible memory.
+
+    Two ways to use it:
+
+    * check, then launch: :meth:`run` before the first launch that writes anything
+      the caller owns. The launches wait for the host.
+    * launch, then check (the entry points on the hot path): :meth:`guard` the
+      device values the kernels index with (``cu_seqlens`` to zeros, row indices to
+      -1 = none) so a broken rule turns the launches into no-ops on every cache,
+      launch, then :meth:`run`. The read-back then waits only for the flags (a side
+      stream, see :func:`read_back`), so the launches are already queued when the
+      host waits, and the host may run ahead into the next call as without checks.
     """
 
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor, str, tuple[torch.Tensor, ...]]] = []
+        self._values: torch.Tensor | None = None  # flags then details, int64 (after _finish)
+        self._ready = None  # the event after which _values is complete (CUDA only)
+        self._bad: torch.Tensor | None = None
 
     def add(self, bad: torch.Tensor, message: str, *details: torch.Tensor) -> None:
+        if self._values is not None:
+            raise RuntimeError("DeviceChecks: a rule was added after the flags were gathered")
         self._items.append((bad, message, details))
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def _finish(self) -> None:
+        """Gather the flags and details into one int64 tensor (few device ops
+        whatever the number of rules) and mark the point the read-back waits for."""
+        if self._values is not None or not self._items:
+            return
+        items = self._items
+        values = torch.stack([bad for bad, _, _ in items]).to(torch.int64)
+        details = [d if d.dtype == torch.int64 else d.to(torch.int64) for _, _, ds in items for d in ds]
+        if details:
+            values = torch.cat([values, torch.stack(details)])
+        self._values = values
+        if values.is_cuda:
+            self._ready = _side_slot(values.device).mark_ready()
+
+    def any_bad(self) -> torch.Tensor | None:
+        """0-d bool on the device: some rule is broken (None without rules)."""
+        if not self._items:
+            return None
+        if self._bad is None:
+            self._finish()
+            self._bad = self._values[: len(self._items)].any()
+        return self._bad
+
+    def guard(self, x: torch.Tensor | None, none_value: int) -> torch.Tensor | None:
+        """``x`` when every rule holds, else ``x`` filled with ``none_value`` (a new
+        tensor either way, on the device, no sync). Kernels given guarded index
+        tensors touch no caller row when a rule is broken."""
+        if x is None or not self._items:
+            return x
+        return torch.where(self.any_bad(), none_value, x)
+
     def run(self) -> None:
         if not self._items:
             return
-        items, self._items = self._items, []
-        # Few device ops whatever the number of rules: one stack of the flags, one of
-        # the details (converted only where a rule produced another dtype), one cat.
-        flags = torch.stack([bad for bad, _, _ in items]).to(torch.int64)
-        details = [d if d.dtype == torch.int64 else d.to(torch.int64) for _, _, ds in items for d in ds]
-        if details:
-            flags = torch.cat([flags, torch.stack(details)])
-        values = flags.tolist()  # the one host sync
+        self._finish()
+        items, values = self._items, self._values
+        self._items, self._values, self._bad = [], None, None
+        got = read_back(values, self._ready)  # the one host sync
+        self._ready = None
         pos = len(items)
         for i, (_bad, message, ds) in enumerate(items):
-            got = values[pos: pos + len(ds)]
+            detail = got[pos: pos + len(ds)]
             pos += len(ds)
-            if values[i]:
-                raise ValueError(message.format(*got))
+            if got[i]:
+                raise ValueError(message.format(*detail))
+
+
+class _SideSlot:
+    """Per thread and device: a side stream, a reused pinned buffer and two events
+    for :func:`read_back` (a fresh pinned allocation per call costs more than the
+    whole check)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.host = torch.empty(0, dtype=torch.int64)
+        self.done = torch.cuda.Event()
+        self.device = device
+
+    def mark_ready(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+_SIDE = threading.local()
+
+
+def _side_slot(device: torch.device) -> _SideSlot:
+    slots = getattr(_SIDE, "slots", None)
+    if slots is None:
+        slots = _SIDE.slots = {}
+    slot = slots.get(device)
+    if slot is None:
+        slot = slots[device] = _SideSlot(device)
+    return slot
+
+
+def read_back(values: torch.Tensor, ready=None) -> list[int]:
+    """``values.tolist()`` in one transfer. On a CUDA device with a ``ready`` event
+    (recorded when ``values`` was complete) the copy runs on a side stream that
+    waits for that event only: work queued on the current stream after it (the
+    guarded launches) keeps running, and only the flags' own producers are waited
+    for."""
+    if not values.is_cuda or ready is None:
+        return values.tolist()
+    slot = _side_slot(values.device)
+    n = values.numel()
+    if slot.host.numel() < n:
+        slot.host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+    slot.stream.wait_event(ready)
+    with torch.cuda.stream(slot.stream):
+        slot.host[:n].copy_(values, non_blocking=True)
+        slot.done.record(slot.stream)
+    slot.done.synchronize()
+    return slot.host[:n].tolist()
 
 
 def value_at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
