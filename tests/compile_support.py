@@ -216,6 +216,11 @@ def drive_state_variants() -> None:
                 if S is None:  # the layer's unfused decode step (fused_decode=False) still runs the conv launch
                     kda_conv_decode(proj[:, :C], torch.zeros(C, 4, dtype=dt), torch.zeros(B, C, 3, dtype=dt), idx,
                                     out_dtype=torch.float32, check_inputs=False)
+        # The decode's index rules (one program): a serving batch and the largest.
+        from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, index_rules
+
+        for n in (256, MAX_ONE_PROGRAM_INDICES):
+            index_rules("state_indices", torch.arange(n, dtype=torch.int32), n)
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
         common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),

@@ -222,3 +222,42 @@ def test_kernels_take_constants_from_constants():
                  "engram.gate", "engram.sharded_gate", "engram.table", "engram.hashing"):
         source = inspect.getsource(importlib.import_module(f"kda_engram.{name}"))
         assert "from .reference import" not in source and "reference import" not in source, name
+
+
+# ---------------------------------------------------------------- decode index rules in one launch
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 300])
+def test_index_rules_kernel_matches_the_rules(n):
+    """The one-program rules agree with the PyTorch rules on valid, duplicate,
+    out-of-range and negative indices, and guard every entry to -1 on a refusal."""
+    from kda_engram.validation.index_rules import index_rules
+
+    gen = torch.Generator().manual_seed(n)
+    valid = torch.randperm(2 * n, generator=gen)[:n].to(torch.int32)
+    valid[::7] = -1  # padding rows
+    cases = [(valid, None)]
+    if n > 1:
+        dup = valid.clone()
+        dup[n - 1] = dup[n // 2] = 2 * n - 1
+        cases.append((dup, "distinct"))
+    high = valid.clone()
+    high[n // 3] = 2 * n
+    cases.append((high, f"got max {2 * n}"))
+    for idx, error in cases:
+        guarded, verdict = index_rules("state_indices", idx, 2 * n)
+        if error is None:
+            verdict.run()
+            assert torch.equal(guarded, idx)
+        else:
+            with pytest.raises(ValueError, match=f"state_indices: .*{error}"):
+                verdict.run()
+            assert torch.equal(guarded, torch.full_like(idx, -1))
+    guarded, verdict = index_rules("rows", valid, 2 * n, allow_negative=False)
+    with pytest.raises(ValueError, match="rows: expected non-negative entries, got min -1"):
+        verdict.run()
+    # Strided input, int64: read through its stride, guarded copy contiguous.
+    wide = torch.stack([valid.long(), valid.long()], 1)[:, 0]
+    guarded, verdict = index_rules("state_indices", wide, 2 * n)
+    verdict.run()
+    assert guarded.dtype == torch.int64 and torch.equal(guarded, valid.long())

@@ -46,7 +46,7 @@ from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch
 from ..platform import interpreting
 from ..validation.common import DeviceChecks
-from ..validation.kda import check_decode_indices, check_decode_inputs, check_decode_multi_indices
+from ..validation.kda import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
@@ -285,15 +285,13 @@ def kda_decode(
     Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
     """
-    checks = None
+    pending = None
     if check_inputs:
-        checks = DeviceChecks()
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
-        check_decode_indices(state_indices, batch, state_cache, checks)
         # Launch, then read back: a broken rule turns every row into "none" (the
         # launch then touches no state row) and raises after the launch.
-        state_indices = checks.guard(state_indices, -1)
+        state_indices, pending = guard_decode_indices(state_indices, batch, state_cache)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _launch(
@@ -301,8 +299,8 @@ def kda_decode(
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0),
     )
-    if checks is not None:
-        checks.run()  # the one read-back (index range and distinctness)
+    if pending is not None:
+        pending.run()  # the one read-back (index range and distinctness)
     return out
 
 

@@ -32,6 +32,8 @@ from .common import (
     check_tensor,
 )
 
+from .index_rules import MAX_ONE_PROGRAM_INDICES, index_rules
+
 __all__ = [
     "check_scale",
     "check_lower_bound",
@@ -46,6 +48,7 @@ __all__ = [
     "check_state_arguments",
     "check_decode_inputs",
     "check_decode_indices",
+    "guard_decode_indices",
     "check_decode_multi_indices",
     "check_conv_decode",
     "check_conv_checkpoint",
@@ -383,6 +386,21 @@ def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceC
     check_tensor("state_indices", state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=state_cache.device)
     if checks is not None:
         check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+
+
+def guard_decode_indices(state_indices, batch: int, state_cache):
+    """:func:`check_decode_indices` for a launch-then-read-back call: returns
+    ``(rows, pending)``, the indices to launch with (all -1 when a rule is
+    broken) and the pending verdict whose ``run()`` reads it back and raises.
+    One Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
+    (:mod:`kda_engram.validation.index_rules`), the PyTorch rules beyond."""
+    check_decode_indices(state_indices, batch, state_cache, None)
+    slots = state_cache.shape[0]
+    if state_indices.numel() <= MAX_ONE_PROGRAM_INDICES:
+        return index_rules("state_indices", state_indices, slots)
+    checks = DeviceChecks()
+    check_index_values(checks, "state_indices", state_indices, slots)
+    return checks.guard(state_indices, -1), checks
 
 
 def check_decode_multi_indices(state_indices, initial_state_indices, batch: int, steps: int, state_cache,
