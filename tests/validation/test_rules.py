@@ -261,3 +261,34 @@ def test_index_rules_kernel_matches_the_rules(n):
     guarded, verdict = index_rules("state_indices", wide, 2 * n)
     verdict.run()
     assert guarded.dtype == torch.int64 and torch.equal(guarded, valid.long())
+
+
+def test_device_checks_mix_packed_and_plain_rules():
+    """Plain rules and kernel verdicts share one read-back; each broken rule
+    reports its own details, in the order the rules were added."""
+    from kda_engram.validation.index_rules import cu_seqlens_rules
+
+    def first_error(cu, plain_bad):
+        checks = DeviceChecks()
+        checks.add(torch.tensor(plain_bad[0]), "first: {} {}", torch.tensor(11), torch.tensor(12, dtype=torch.int32))
+        checks.add_packed(*cu_seqlens_rules(torch.tensor(cu), 10, covers_all=True))
+        checks.add(torch.tensor(plain_bad[1]), "last: {}", torch.tensor(13))
+        guarded = checks.guard(torch.tensor([4, 5]), -1)
+        try:
+            checks.run()
+        except ValueError as exc:
+            return str(exc), guarded.tolist()
+        return None, guarded.tolist()
+
+    assert first_error([0, 4, 10], (False, False)) == (None, [4, 5])
+    assert first_error([0, 4, 10], (True, True)) == ("first: 11 12", [-1, -1])
+    assert first_error([1, 4, 10], (False, True)) == ("cu_seqlens: must start at 0, got 1", [-1, -1])
+    assert first_error([0, 6, 4, 10], (False, False))[0] == "cu_seqlens: must be non-decreasing, got a sequence of length -2"
+    assert first_error([0, 4, 9], (False, False))[0] == (
+        "cu_seqlens: must end at T=10 (the tokens of the inputs), got 9")
+    assert first_error([0, 4, 10], (False, True)) == ("last: 13", [-1, -1])
+    # One packed verdict alone: no gathering op, the verdict itself is read back.
+    checks = DeviceChecks()
+    checks.add_packed(*cu_seqlens_rules(torch.tensor([0, 3, 2]), 2, covers_all=False))
+    with pytest.raises(ValueError, match="length -1"):
+        checks.run()

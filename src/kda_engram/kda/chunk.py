@@ -220,7 +220,8 @@ def fused_kda_chunk(
         check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
         check_scale(scale, allow_none=False)
         checks = DeviceChecks()
-        lengths = check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False)
+        lengths = check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False,
+                                   return_lengths=checkpoint_offsets is not None)
         expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
         check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
         check_state_arguments(

@@ -149,64 +149,108 @@ class DeviceChecks:
     """
 
     def __init__(self) -> None:
-        self._items: list[tuple[torch.Tensor, str, tuple[torch.Tensor, ...]]] = []
-        self._values: torch.Tensor | None = None  # flags then details, int64 (after _finish)
+        # Rules in the order they were added: ("flag", bad, message, details) or
+        # ("packed", j, flag position, message, detail positions) into packed[j].
+        self._rules: list[tuple] = []
+        self._packed: list[tuple[torch.Tensor, int]] = []  # (verdict, number of leading flags)
+        self._values: torch.Tensor | None = None  # all flags, then all details, int64 (after _finish)
+        self._positions: list[tuple[int, tuple[int, ...]]] = []  # per rule: flag and detail positions
         self._ready = None  # the event after which _values is complete (CUDA only)
         self._bad: torch.Tensor | None = None
 
     def add(self, bad: torch.Tensor, message: str, *details: torch.Tensor) -> None:
+        self._open()
+        self._rules.append(("flag", bad, message, details))
+
+    def add_packed(self, verdict: torch.Tensor, rules) -> None:
+        """Rules computed by one kernel into an int64 ``verdict``: its leading
+        entries are the flags, then the details; ``rules`` lists
+        ``(flag position, message, detail positions)`` in ``verdict``. Costs no
+        device op of its own."""
+        self._open()
+        flags = 1 + max(f for f, _, _ in rules)
+        self._packed.append((verdict, flags))
+        for flag, message, details in rules:
+            self._rules.append(("packed", len(self._packed) - 1, flag, message, tuple(details)))
+
+    def _open(self) -> None:
         if self._values is not None:
             raise RuntimeError("DeviceChecks: a rule was added after the flags were gathered")
-        self._items.append((bad, message, details))
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._rules)
 
     def _finish(self) -> None:
-        """Gather the flags and details into one int64 tensor (few device ops
-        whatever the number of rules) and mark the point the read-back waits for."""
-        if self._values is not None or not self._items:
+        """Gather every flag, then every detail, into one int64 tensor (a few device
+        ops whatever the number of rules; none for one packed verdict alone) and
+        mark the point the read-back waits for."""
+        if self._values is not None or not self._rules:
             return
-        items = self._items
-        values = torch.stack([bad for bad, _, _ in items]).to(torch.int64)
-        details = [d if d.dtype == torch.int64 else d.to(torch.int64) for _, _, ds in items for d in ds]
-        if details:
-            values = torch.cat([values, torch.stack(details)])
-        self._values = values
+        plain = [r for r in self._rules if r[0] == "flag"]
+        plain_details = [d for r in plain for d in r[3]]
+        flag_parts, detail_parts = [], []
+        if plain:
+            flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
+        flag_parts += [v[:f] for v, f in self._packed]
+        if plain_details:
+            detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
+                                             for d in plain_details]))
+        detail_parts += [v[f:] for v, f in self._packed]
+        if not plain and len(self._packed) == 1:
+            values = self._packed[0][0]
+        else:
+            values = torch.cat(flag_parts + detail_parts)
+        # Absolute positions: flags [plain..., packed_0 flags, ...], then details likewise.
+        flag_base, pos = {}, len(plain)
+        for j, (v, f) in enumerate(self._packed):
+            flag_base[j] = pos
+            pos += f
+        n_flags = pos
+        detail_base, pos = {}, n_flags + len(plain_details)
+        for j, (v, f) in enumerate(self._packed):
+            detail_base[j] = pos - f  # packed detail position p (>= f) lands at base + p
+            pos += v.numel() - f
+        positions, plain_i, plain_d = [], 0, n_flags
+        for r in self._rules:
+            if r[0] == "flag":
+                positions.append((plain_i, tuple(range(plain_d, plain_d + len(r[3])))))
+                plain_i += 1
+                plain_d += len(r[3])
+            else:
+                _, j, flag, _, details = r
+                positions.append((flag_base[j] + flag, tuple(detail_base[j] + d for d in details)))
+        self._values, self._positions, self._n_flags = values, positions, n_flags
         if values.is_cuda:
             self._ready = _side_slot(values.device).mark_ready()
 
     def any_bad(self) -> torch.Tensor | None:
         """0-d bool on the device: some rule is broken (None without rules)."""
-        if not self._items:
+        if not self._rules:
             return None
         if self._bad is None:
             self._finish()
-            self._bad = self._values[: len(self._items)].any()
+            self._bad = self._values[: self._n_flags].any()
         return self._bad
 
     def guard(self, x: torch.Tensor | None, none_value: int) -> torch.Tensor | None:
         """``x`` when every rule holds, else ``x`` filled with ``none_value`` (a new
         tensor either way, on the device, no sync). Kernels given guarded index
         tensors touch no caller row when a rule is broken."""
-        if x is None or not self._items:
+        if x is None or not self._rules:
             return x
         return torch.where(self.any_bad(), none_value, x)
 
     def run(self) -> None:
-        if not self._items:
+        if not self._rules:
             return
         self._finish()
-        items, values = self._items, self._values
-        self._items, self._values, self._bad = [], None, None
-        got = read_back(values, self._ready)  # the one host sync
-        self._ready = None
-        pos = len(items)
-        for i, (_bad, message, ds) in enumerate(items):
-            detail = got[pos: pos + len(ds)]
-            pos += len(ds)
-            if got[i]:
-                raise ValueError(message.format(*detail))
+        rules, positions, values, ready = self._rules, self._positions, self._values, self._ready
+        self._rules, self._packed, self._values, self._bad, self._ready = [], [], None, None, None
+        got = read_back(values, ready)  # the one host sync
+        for rule, (flag, details) in zip(rules, positions):
+            if got[flag]:
+                message = rule[2] if rule[0] == "flag" else rule[3]
+                raise ValueError(message.format(*(got[d] for d in details)))
 
 
 class _SideSlot:

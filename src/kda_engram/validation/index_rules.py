@@ -1,13 +1,12 @@
-"""The index rules of a decode step in one launch: range, distinctness and the
-guarded copy the kernels index with.
+"""Rules on device values in one launch each: a decode step's row indices
+(range, distinctness, and the guarded copy the kernels index with) and a varlen
+batch's ``cu_seqlens``.
 
-A decode step's only device-value rules are about its row indices. As separate
-PyTorch ops (max, sort, compare, any, stack, where, ...) they cost ~15 launches
-of host time per call, more than the decode kernel itself at serving batch
-sizes; here they are one Triton program. It reads the indices, decides, and
-writes both the verdict (for the one read-back) and the guarded indices (every
-entry ``-1`` = no row when a rule is broken, so the launch that follows touches
-no cache row).
+As separate PyTorch ops (max, sort, compare, any, stack, where, ...) these rules
+cost ~15 launches of host time per call, more than the decode kernel itself at
+serving batch sizes, and more than a few-head prefill's whole launch sequence;
+here each is one Triton program writing a small int64 verdict for the one
+read-back.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import triton.language as tl
 
 from .common import read_back
 
-__all__ = ["IndexVerdict", "MAX_ONE_PROGRAM_INDICES", "index_rules"]
+__all__ = ["IndexVerdict", "MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rules"]
 
 # One program compares all pairs: fine up to a few thousand indices (4096: 256
 # tile pairs of 128 x 128); larger index sets use the sort-based rules.
@@ -117,3 +116,51 @@ def index_rules(name: str, idx: torch.Tensor, upper: int, *, allow_negative: boo
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(idx.device))
     return guarded, IndexVerdict(name, upper, verdict, ready)
+
+
+@triton.jit
+def _cu_seqlens_rules_kernel(cu_ptr, num_seqs, stride, total, verdict_ptr,
+                             BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, COVERS_ALL: tl.constexpr):
+    """One program. ``verdict = [cu[0] != 0, some length < 0, cu[N] != total
+    (COVERS_ALL) or > total, cu[0], the smallest length, cu[N]]``."""
+    offs = tl.arange(0, BLOCK)
+    low = tl.full([BLOCK], 2**62, tl.int64)
+    for blk in range(NUM_BLOCKS):
+        i = blk * BLOCK + offs
+        m = i < num_seqs
+        a = tl.load(cu_ptr + i * stride, mask=m, other=0).to(tl.int64)
+        b = tl.load(cu_ptr + (i + 1) * stride, mask=m, other=0).to(tl.int64)
+        low = tl.minimum(low, tl.where(m, b - a, 2**62))
+    shortest = tl.min(low, axis=0)
+    first = tl.load(cu_ptr).to(tl.int64)
+    last = tl.load(cu_ptr + num_seqs * stride).to(tl.int64)
+    tl.store(verdict_ptr + 0, (first != 0).to(tl.int64))
+    tl.store(verdict_ptr + 1, (shortest < 0).to(tl.int64))
+    if COVERS_ALL:
+        tl.store(verdict_ptr + 2, (last != total).to(tl.int64))
+    else:
+        tl.store(verdict_ptr + 2, (last > total).to(tl.int64))
+    tl.store(verdict_ptr + 3, first)
+    tl.store(verdict_ptr + 4, shortest)
+    tl.store(verdict_ptr + 5, last)
+
+
+def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all: bool):
+    """``(verdict, rules)`` for :meth:`~kda_engram.validation.common.DeviceChecks.add_packed`:
+    ``cu_seqlens [N+1]`` (N >= 0, checked by the caller) starts at 0, never
+    decreases, and ends at ``total_tokens`` (``covers_all``) or at most there.
+    One launch, no host sync."""
+    num_seqs = cu_seqlens.numel() - 1
+    verdict = torch.empty(6, dtype=torch.int64, device=cu_seqlens.device)
+    block = 1024 if num_seqs > 256 else 256
+    _cu_seqlens_rules_kernel[(1,)](
+        cu_seqlens, num_seqs, cu_seqlens.stride(0), total_tokens, verdict,
+        BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(num_seqs, block))),
+        COVERS_ALL=covers_all, num_warps=4,
+    )
+    end = (f"cu_seqlens: must end at T={total_tokens} (the tokens of the inputs), got {{}}" if covers_all else
+           f"cu_seqlens: last entry {{}} exceeds the {total_tokens} tokens of the inputs")
+    rules = [(0, "cu_seqlens: must start at 0, got {}", (3,)),
+             (1, "cu_seqlens: must be non-decreasing, got a sequence of length {}", (4,)),
+             (2, end, (5,))]
+    return verdict, rules

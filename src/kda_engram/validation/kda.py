@@ -32,7 +32,7 @@ from .common import (
     check_tensor,
 )
 
-from .index_rules import MAX_ONE_PROGRAM_INDICES, index_rules
+from .index_rules import MAX_ONE_PROGRAM_INDICES, cu_seqlens_rules, index_rules
 
 __all__ = [
     "check_scale",
@@ -108,29 +108,23 @@ def check_state_dtype_match(names: list[str], tensors: list[torch.Tensor | None]
 
 
 def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, checks: DeviceChecks | None, *,
-                     covers_all: bool) -> torch.Tensor | None:
+                     covers_all: bool, return_lengths: bool = False) -> torch.Tensor | None:
     """``cu_seqlens``: int32/int64 ``[N+1]`` on ``device``; its values (queued on
-    ``checks``; skipped when ``checks`` is None) start at 0, never decrease and end
-    at ``total_tokens`` (``covers_all``) or at most there. Returns the int64
-    per-sequence lengths ``[N]`` on the device (None without ``checks``)."""
+    ``checks`` as one launch, :func:`kda_engram.validation.index_rules.cu_seqlens_rules`;
+    skipped when ``checks`` is None) start at 0, never decrease and end at
+    ``total_tokens`` (``covers_all``) or at most there. Returns the int64
+    per-sequence lengths ``[N]`` on the device when ``return_lengths`` and
+    ``checks`` are given (for rules that need them), else None."""
     check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
     if checks is None:
         return None
+    checks.add_packed(*cu_seqlens_rules(cu_seqlens, total_tokens, covers_all=covers_all))
+    if not return_lengths:
+        return None
     cu = cu_seqlens.to(torch.int64)
-    lengths = cu[1:] - cu[:-1]
-    checks.add(cu[0] != 0, "cu_seqlens: must start at 0, got {}", cu[0])
-    if lengths.numel():
-        low = lengths.min()
-        checks.add(low < 0, "cu_seqlens: must be non-decreasing, got a sequence of length {}", low)
-    if covers_all:
-        checks.add(cu[-1] != total_tokens, f"cu_seqlens: must end at T={total_tokens} (the tokens of the inputs), "
-                   "got {}", cu[-1])
-    else:
-        checks.add(cu[-1] > total_tokens, f"cu_seqlens: last entry {{}} exceeds the {total_tokens} tokens of the "
-                   "inputs", cu[-1])
-    return lengths
+    return cu[1:] - cu[:-1]
 
 
 def _check_head_dims(K: int, V: int) -> None:
@@ -215,7 +209,8 @@ def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lo
     T, H, K, V = check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias)
     check_scale(scale, allow_none=scale_optional)
     check_lower_bound(lower_bound)
-    lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True)
+    lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True,
+                               return_lengths=chunk_indices is not None)
     N = cu_seqlens.numel() - 1
     if chunk_indices is not None:
         check_chunk_indices(chunk_indices, N, q.device, checks, lengths)
@@ -466,7 +461,7 @@ def check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices,
     check_kernel_device("x", x)
     dev = x.device
     check_tensor("conv_state", conv_state, shape=[None, x.shape[1], None], dtypes=FLOAT_DTYPES, device=dev)
-    lengths = check_cu_seqlens(cu_seqlens, x.shape[0], dev, checks, covers_all=False)
+    lengths = check_cu_seqlens(cu_seqlens, x.shape[0], dev, checks, covers_all=False, return_lengths=True)
     N = cu_seqlens.numel() - 1
     check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
     check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
