@@ -174,8 +174,10 @@ def decode_tiling(
     of a 128-wide fp32 state is 8 KiB, so twice as many programs keep more bytes
     in flight per SM. With several tokens (speculative decode, S = 4) the state
     tile stays live across the steps and 2 warps win (0.834 ms against 0.914 at
-    4 warps), as each thread then does more independent work per load. Any
-    power-of-two ``BLOCK_V`` dividing ``V`` is correct; this only picks speed.
+    4 warps), as each thread then does more independent work per load. A bf16
+    state has its own rule (the whole head per program, 8 warps; see
+    :func:`kda_engram.launch_config.decode_tiling_for`). Any power-of-two
+    ``BLOCK_V`` dividing ``V`` is correct; this only picks speed.
     """
     del batch, heads  # the measured optimum did not depend on the grid size
     tiling = decode_tiling_for(device_arch(device), v_dim, steps, state_dtype)  # the per-architecture rule

@@ -295,7 +295,12 @@ def fused_kda_decode_step(
     * ``out [B, S, H V]`` (default: new, ``x``'s dtype): the input of ``o_proj``,
       ``RMSNorm(o) · o_norm_weight · sigmoid(g_out)`` per head.
 
-    ``check_inputs`` validates every argument with one device read-back
+    * ``block_v``, ``num_warps``: the state tile walked per step and the warps
+      (default :func:`kda_engram.launch_config.fused_decode_tiling_for`; only
+      speed changes).
+
+    ``check_inputs`` validates every argument with one device read-back after
+    the launch, which a broken rule turns into a no-op on both caches
     (:func:`kda_engram.validation.kda.check_fused_decode_arguments`); ``False``
     skips it (CUDA-graph capturable). Rows written in one call
     must be distinct, and no sequence may start from a row another one writes.
