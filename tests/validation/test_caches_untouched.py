@@ -175,3 +175,17 @@ def test_guarded_launches_on_the_gpu(gpu):
             chunk_kda_prefill(**x, **kw)
         torch.cuda.synchronize()
         assert_same([cache], [before])
+
+
+@pytest.mark.parametrize("indices", [[1, 1, 2], [0, 6, 2]], ids=["duplicate", "out_of_range"])
+def test_kda_decode_past_the_one_program_rules(indices, monkeypatch):
+    """Past MAX_ONE_PROGRAM_INDICES rows the decode's rules run as PyTorch ops:
+    the same refusal, the cache untouched."""
+    import kda_engram.validation.kda as rules
+
+    monkeypatch.setattr(rules, "MAX_ONE_PROGRAM_INDICES", 2)
+    cache = with_sentinels(6, H, V, K)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="state_indices"):
+        kda_decode(**decode_raw(3), state_cache=cache, state_indices=torch.tensor(indices))
+    assert_same([cache], [before])
