@@ -254,9 +254,9 @@ class DeviceChecks:
 
 
 class _SideSlot:
-    """Per thread and device: a side stream, a reused pinned buffer and two events
-    for :func:`read_back` (a fresh pinned allocation per call costs more than the
-    whole check)."""
+    """Per thread and device: a side stream, a reused pinned buffer and the event
+    the host waits on, for :func:`read_back` (a fresh pinned allocation per call
+    cost more than the whole check in the first prototype)."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
