@@ -138,3 +138,36 @@ def test_fp32_close_to_fp64():
     o32, _, _ = naive_chunk_kda(**{k: v.float() for k, v in inputs.items()}, cu_seqlens=cu, lower_bound=-5.0)
     assert o32.dtype == torch.float32
     assert (o32.double() - o64).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("gate", ["random", "strong"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_folded_contract_walk_equals_the_recurrence(gate, lower_bound):
+    """The folded operands (kd, t_fold, a_fold: the inverse folded in, w and u
+    gone, v read directly) walk to the recurrence's outputs and final state, over
+    ragged sequences and a random initial state; and each folded operand is what
+    the fold says (w = M kd, u = M v)."""
+    from kda_engram.kda.reference import _chunk_rows, folded_chunk_step
+
+    lengths = [1, 63, 64, 65, 200]
+    inputs, cu = make_inputs(lengths, gate=gate, seed=9)
+    N = len(lengths)
+    h0 = torch.randn(N, H, V, K, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    scale = K**-0.5
+    ref_o, ref_final, _ = naive_recurrent_kda(**inputs, cu_seqlens=cu, lower_bound=lower_bound, scale=scale,
+                                              initial_state=h0, output_final_state=True)
+    ops = chunk_operands(**inputs, cu_seqlens=cu, lower_bound=lower_bound)
+    o = torch.zeros_like(ref_o)
+    for n, chunks in enumerate(_chunk_rows(cu, 64)):
+        S = h0[n].clone()
+        for row, s, e in chunks:
+            o[0, s:e], S = folded_chunk_step(S, ops, inputs["v"], row, s, e, scale)
+        assert (S - ref_final[n]).abs().max() < TOL
+    assert (o - ref_o).abs().max() < TOL
+    # w and u are the fold applied to kd and v (one chunk, one head).
+    s, e = 1 + 63, 1 + 63 + 64  # the third sequence: one full chunk
+    beta = torch.sigmoid(inputs["raw_beta"][0, s:e, 0])
+    akk = ops["akk"][0, s:e, 0]
+    fold = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + akk) * beta[None, :]
+    assert (fold @ ops["kd"][0, s:e, 0] - ops["w"][0, s:e, 0]).abs().max() < TOL
+    assert (fold @ inputs["v"][0, s:e, 0] - ops["u"][0, s:e, 0]).abs().max() < TOL

@@ -196,7 +196,14 @@ def chunk_operands(
     w      ``[1, T, H, K]``                ``(I + akk)^-1 (beta k̂ 2^g)``
     u      ``[1, T, H, V]``                ``(I + akk)^-1 (beta v)``
     decay  ``[chunks, H, K]``              ``2^g_last``
+    kd     ``[1, T, H, K]``                ``k̂_i * 2^g_i``
+    t_fold ``[1, T, H, K]``                rows of ``M^T kg``, ``M = (I + akk)^-1 diag(beta)``
+    a_fold ``[1, T, H, C]``                row ``i`` of ``aqk M`` (lower triangular)
     ====== =============================== =========================================
+
+    The last three are the folded contract (the inverse folded into the operands,
+    :func:`folded_chunk_step`): ``w = M kd`` and ``u = M v``, so a walk that reads
+    ``v`` itself needs neither ``w`` nor ``u``.
 
     ``chunks`` rows are ordered by :func:`prepare_chunk_offsets`: sequence ``n``'s
     chunk ``c`` is row ``offsets[n] + c``.
@@ -219,6 +226,9 @@ def chunk_operands(
         "w": torch.zeros(1, T, H, K, dtype=dtype, device=dev),
         "u": torch.zeros(1, T, H, V, dtype=dtype, device=dev),
         "decay": torch.zeros(n_chunks, H, K, dtype=dtype, device=dev),
+        "kd": torch.zeros(1, T, H, K, dtype=dtype, device=dev),
+        "t_fold": torch.zeros(1, T, H, K, dtype=dtype, device=dev),
+        "a_fold": torch.zeros(1, T, H, chunk_size, dtype=dtype, device=dev),
     }
     for n, (_, start, end) in enumerate(seqs):
         for c, s in enumerate(range(start, end, chunk_size)):
@@ -249,6 +259,10 @@ def chunk_operands(
             out["akk"][0, s:e, :, :L] = akk.transpose(0, 1)
             out["aqk"][0, s:e, :, :L] = aqk.tril().transpose(0, 1)
             out["decay"][row] = torch.exp2(g[-1])
+            fold = inv * bc.transpose(0, 1)[:, None, :]  # M = (I + akk)^-1 diag(beta)   [H, L, L]
+            out["kd"][0, s:e] = kc * torch.exp2(g)
+            out["t_fold"][0, s:e] = (fold.transpose(1, 2) @ kg.transpose(0, 1)).transpose(0, 1)
+            out["a_fold"][0, s:e, :, :L] = (aqk.tril() @ fold).transpose(0, 1)
     return out
 
 
@@ -279,6 +293,29 @@ def chunk_step(S, ops, row, s, e, scale):
     v_new = u - w @ St
     o = scale * (qg @ St + aqk @ v_new)
     S_next = S * ops["decay"][row].to(S.dtype)[:, None, :] + v_new.transpose(1, 2) @ kg
+    return o.transpose(0, 1), S_next
+
+
+def folded_chunk_step(S, ops, v, row, s, e, scale):
+    """:func:`chunk_step` over the folded contract: ``(o [L, H, V], S_next)``.
+
+    ``R = v - kd S^T``; ``o = scale (qg S^T + a_fold R)``;
+    ``S_next = S diag(decay) + R^T t_fold``. The same four products as
+    :func:`chunk_step`, reading the raw ``v [1, T, H, V]`` instead of ``u`` and
+    ``w``: the prologue writes kd and t_fold instead of w, u and kg_t (about
+    0.5 KB less per token-head in all at K = V = 128, bf16 operands), and the
+    walk needs no operand it did not get.
+    """
+    L = e - s
+    kd = ops["kd"][0, s:e].transpose(0, 1).to(S.dtype)  # [H, L, K]
+    qg = ops["qg"][0, s:e].transpose(0, 1).to(S.dtype)
+    tf = ops["t_fold"][0, s:e].transpose(0, 1).to(S.dtype)
+    af = ops["a_fold"][0, s:e, :, :L].transpose(0, 1).to(S.dtype)  # [H, L, L]
+    vv = v[0, s:e].transpose(0, 1).to(S.dtype)  # [H, L, V]
+    St = S.transpose(1, 2)  # [H, K, V]
+    R = vv - kd @ St
+    o = scale * (qg @ St + af @ R)
+    S_next = S * ops["decay"][row].to(S.dtype)[:, None, :] + R.transpose(1, 2) @ tf
     return o.transpose(0, 1), S_next
 
 
