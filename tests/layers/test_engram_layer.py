@@ -205,6 +205,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="give both or neither"):
         EngramBatch(torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([True]),
                     checkpoint_offsets=torch.tensor([2])).validate(4)
+    # The value rules, read back together: the first broken one is named with its values.
+    two = dict(cu_seqlens=torch.tensor([0, 4, 7]), slot_indices=torch.tensor([0, 1]),
+               has_initial_state=torch.tensor([True, False]))
+    EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([2, 0])).validate(7, 3)
+    with pytest.raises(ValueError, match=r"checkpoint_offsets\[1\]: expected 0 <= p <= 3, got 5"):
+        EngramBatch(**two, checkpoint_offsets=torch.tensor([0, 5]), checkpoint_indices=torch.tensor([2, 2])).validate(7)
+    with pytest.raises(ValueError, match="checkpoint_indices: non-negative entries must be distinct"):
+        EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([1, 2])).validate(7, 3)
+    with pytest.raises(ValueError, match="slot_indices: non-negative entries must be distinct"):
+        EngramBatch(torch.tensor([0, 4, 7]), torch.tensor([1, 1]), torch.tensor([True, True])).validate(7, 3)
+    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets from 0 to T=7, got first 0 last 6"):
+        EngramBatch(torch.tensor([0, 4, 6]), torch.tensor([0, 1]), torch.tensor([True, True])).validate(7)
 
 
 @pytest.mark.gpu

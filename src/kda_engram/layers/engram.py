@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout
 from ..engram.module import Engram, GateKernels
@@ -158,7 +158,8 @@ class EngramBatch:
         return cls(cu, slot_indices, has, dead_mask, token_mask, ck_off, ck_idx)
 
     def validate(self, num_tokens: int, history_slots: int | None = None) -> None:
-        """Host-side checks of every field (reads the tensors back: a sync; eager only)."""
+        """Checks of every field: the host rules at once, the rules on device values
+        (offsets, slots, checkpoints) read back in one transfer (a sync; eager only)."""
         check_tensor("cu_seqlens", self.cu_seqlens, shape=[None], dtypes=INDEX_DTYPES)
         dev = self.cu_seqlens.device
         N = self.cu_seqlens.numel() - 1
@@ -166,28 +167,38 @@ class EngramBatch:
             raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
         check_tensor("slot_indices", self.slot_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
         check_tensor("has_initial_state", self.has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
-        cu = self.cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != num_tokens or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T={num_tokens}, got {cu}")
         for name in ("dead_mask", "token_mask"):
             x = getattr(self, name)
             if x is not None:
                 dts = (torch.bool,) if name == "token_mask" else (torch.bool, torch.uint8, torch.int8)
                 check_tensor(name, x, shape=[num_tokens], dtypes=dts, device=dev)
-        if history_slots is not None:
-            check_index_range("slot_indices", self.slot_indices, history_slots)
         if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
             raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
         if self.checkpoint_offsets is not None:
             check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            for n, p in enumerate(self.checkpoint_offsets.tolist()):
-                if p < 0 or p > cu[n + 1] - cu[n]:
-                    raise ValueError(f"checkpoint_offsets[{n}]: expected 0 <= p <= {cu[n + 1] - cu[n]}, got {p}")
+        checks = DeviceChecks()
+        cu = self.cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        bad = (cu[0] != 0) | (cu[-1] != num_tokens)
+        if N:
+            bad = bad | (lengths < 0).any()
+        checks.add(bad, f"cu_seqlens: expected non-decreasing offsets from 0 to T={num_tokens}, got first {{}} "
+                   "last {}", cu[0], cu[-1])
+        if history_slots is not None:
+            check_index_values(checks, "slot_indices", self.slot_indices, history_slots)
+        if self.checkpoint_offsets is not None and N:
+            offs = self.checkpoint_offsets.to(torch.int64)
+            bad = (offs < 0) | (offs > lengths)
+            first = torch.argmax(bad.to(torch.int8))
+            checks.add(bad.any(), "checkpoint_offsets[{}]: expected 0 <= p <= {}, got {}", first,
+                       value_at(lengths, first), value_at(offs, first))
             if history_slots is not None:
-                active = self.checkpoint_indices[self.checkpoint_offsets > 0]
-                check_index_range("checkpoint_indices", torch.cat([self.slot_indices.to(torch.int64),
-                                                                   active.to(torch.int64)]), history_slots)
+                # Only sequences that take a checkpoint claim a row; with the slots, rows distinct.
+                rows = torch.where(offs > 0, self.checkpoint_indices.to(torch.int64), -1)
+                check_index_values(checks, "checkpoint_indices",
+                                   torch.cat([self.slot_indices.to(torch.int64), rows]), history_slots)
+        checks.run()
 
 
 def engram_hash_step(
