@@ -2,7 +2,7 @@
 
 Not part of the package. Run (2 CPU cores, a few minutes):
 
-    cd /work/main && PYTHONPATH=src python3 experiments/gluon_kda_walk/precision_emulation.py
+    PYTHONPATH=src python3 experiments/gluon_kda_walk/precision_emulation.py   (from the repository root)
 
 Every walk reads the operands of ``reference.chunk_operands`` computed in float64 and rounded
 to bf16 (fp32 -> bf16, RTNE) as the prologue would store them; ``decay`` is stored fp32 (as
