@@ -90,6 +90,19 @@ FOLDED = {"fold-bf16": ("bf16", "bf16"), "fold-tf32": ("tf32", "tf32"),
 UNFOLDED = {"today-S32": ("fp32", "fp32"), "today-bf16": ("bf16", "bf16")}
 
 
+def _walk(cu_seqlens, initial_state, T, H, V, K, dtype, step):
+    """Every sequence's chunks in order from its initial state: ``step(S, row, s,
+    e) -> (o [L, H, V], S_next)`` is one chunk. Returns ``(o, final)``."""
+    o = torch.zeros(1, T, H, V, dtype=dtype)
+    final = torch.zeros(len(cu_seqlens) - 1, H, V, K, dtype=dtype)
+    for n, chunks in enumerate(_chunk_rows(cu_seqlens, CHUNK)):
+        S = initial_state[n].to(dtype).clone()
+        for row, s, e in chunks:
+            o[0, s:e], S = step(S, row, s, e)
+        final[n] = S
+    return o, final
+
+
 def folded_walk(st, cu_seqlens, scale, initial_state, mode):
     """The folded contract chunk by chunk in the kernel's precision recipe.
 
@@ -99,66 +112,49 @@ def folded_walk(st, cu_seqlens, scale, initial_state, mode):
         S = S * decay + R_op^T t_fold                  (fp32 decay multiply, fp32 acc)
     """
     rS, rR = (ROUND[m] for m in FOLDED[mode])
+
+    def step(S, row, s, e):
+        L = e - s
+        kd = st["kd"][0, s:e].transpose(0, 1)  # [H, L, K]
+        qg = st["qg"][0, s:e].transpose(0, 1)
+        tf = st["t_fold"][0, s:e].transpose(0, 1)
+        af = st["a_fold"][0, s:e, :, :L].transpose(0, 1)  # [H, L, L]
+        vv = st["v"][0, s:e].transpose(0, 1)  # [H, L, V]
+        S_op = rS(S).transpose(1, 2)  # [H, K, V]
+        R_op = rR(vv - kd @ S_op)
+        o = (scale * (qg @ S_op + af @ R_op)).transpose(0, 1)
+        return o, S * st["decay"][row][:, None, :] + R_op.transpose(1, 2) @ tf
+
     T, H, V = st["v"].shape[1:]
-    K = st["kd"].shape[3]
-    o = torch.zeros(1, T, H, V, dtype=torch.float32)
-    final = torch.zeros(len(cu_seqlens) - 1, H, V, K, dtype=torch.float32)
-    for n, chunks in enumerate(_chunk_rows(cu_seqlens, CHUNK)):
-        S = initial_state[n].to(torch.float32).clone()
-        for row, s, e in chunks:
-            L = e - s
-            kd = st["kd"][0, s:e].transpose(0, 1)  # [H, L, K]
-            qg = st["qg"][0, s:e].transpose(0, 1)
-            tf = st["t_fold"][0, s:e].transpose(0, 1)
-            af = st["a_fold"][0, s:e, :, :L].transpose(0, 1)  # [H, L, L]
-            vv = st["v"][0, s:e].transpose(0, 1)  # [H, L, V]
-            S_op = rS(S).transpose(1, 2)  # [H, K, V]
-            R = vv - kd @ S_op
-            R_op = rR(R)
-            o[0, s:e] = (scale * (qg @ S_op + af @ R_op)).transpose(0, 1)
-            S = S * st["decay"][row][:, None, :] + R_op.transpose(1, 2) @ tf
-        final[n] = S
-    return o, final
+    return _walk(cu_seqlens, initial_state, T, H, V, st["kd"].shape[3], torch.float32, step)
 
 
 def unfolded_walk(st, cu_seqlens, scale, initial_state, mode):
     """``chunk_step`` over (w, u, qg, kg_t, aqk, decay): v_new = u - w S^T;
     o = scale (qg S^T + aqk v_new); S = S diag(decay) + v_new^T kg."""
     rS, rV = (ROUND[m] for m in UNFOLDED[mode])
+
+    def step(S, row, s, e):
+        L = e - s
+        w = st["w"][0, s:e].transpose(0, 1)
+        u = st["u"][0, s:e].transpose(0, 1)
+        qg = st["qg"][0, s:e].transpose(0, 1)
+        aqk = st["aqk"][0, s:e, :, :L].transpose(0, 1)
+        kg = st["kg_t"][row, :, :, :L].transpose(1, 2)  # [H, L, K]
+        S_op = rS(S).transpose(1, 2)
+        vn_op = rV(u - w @ S_op)
+        o = (scale * (qg @ S_op + aqk @ vn_op)).transpose(0, 1)
+        return o, S * st["decay"][row][:, None, :] + vn_op.transpose(1, 2) @ kg
+
     T, H, V = st["u"].shape[1:]
-    K = st["w"].shape[3]
-    o = torch.zeros(1, T, H, V, dtype=torch.float32)
-    final = torch.zeros(len(cu_seqlens) - 1, H, V, K, dtype=torch.float32)
-    for n, chunks in enumerate(_chunk_rows(cu_seqlens, CHUNK)):
-        S = initial_state[n].to(torch.float32).clone()
-        for row, s, e in chunks:
-            L = e - s
-            w = st["w"][0, s:e].transpose(0, 1)
-            u = st["u"][0, s:e].transpose(0, 1)
-            qg = st["qg"][0, s:e].transpose(0, 1)
-            aqk = st["aqk"][0, s:e, :, :L].transpose(0, 1)
-            kg = st["kg_t"][row, :, :, :L].transpose(1, 2)  # [H, L, K]
-            S_op = rS(S).transpose(1, 2)
-            vn = u - w @ S_op
-            vn_op = rV(vn)
-            o[0, s:e] = (scale * (qg @ S_op + aqk @ vn_op)).transpose(0, 1)
-            S = S * st["decay"][row][:, None, :] + vn_op.transpose(1, 2) @ kg
-        final[n] = S
-    return o, final
+    return _walk(cu_seqlens, initial_state, T, H, V, st["w"].shape[3], torch.float32, step)
 
 
 def folded_walk_f64(ops, v, cu_seqlens, scale, initial_state):
     """reference.folded_chunk_step in float64 (harness check)."""
     T, H, V = v.shape[1:]
-    K = ops["kd"].shape[3]
-    o = torch.zeros(1, T, H, V, dtype=torch.float64)
-    final = torch.zeros(len(cu_seqlens) - 1, H, V, K, dtype=torch.float64)
-    for n, chunks in enumerate(_chunk_rows(cu_seqlens, CHUNK)):
-        S = initial_state[n].clone()
-        for row, s, e in chunks:
-            o[0, s:e], S = folded_chunk_step(S, ops, v, row, s, e, scale)
-        final[n] = S
-    return o, final
+    return _walk(cu_seqlens, initial_state, T, H, V, ops["kd"].shape[3], torch.float64,
+                 lambda S, row, s, e: folded_chunk_step(S, ops, v, row, s, e, scale))
 
 
 # ----------------------------------------------------------------------------- the study
