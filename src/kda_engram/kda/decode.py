@@ -63,6 +63,22 @@ def _softplus(x):
 
 
 @triton.jit
+def _l2_normalize(x, EPS: tl.constexpr):
+    """``x / sqrt(sum x^2 + EPS)`` of one head's 1-D vector (the eps inside the sqrt)."""
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + EPS)
+
+
+@triton.jit
+def _log_decay(x, a_scale, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
+    """Per-channel log decay ``a`` of one token from ``x = raw_g + dt_bias`` and
+    ``a_scale = exp(A_log)``: ``L·sigmoid(a_scale·x)`` or ``-a_scale·softplus(x)``."""
+    if HAS_LOWER_BOUND:
+        return lower_bound * tl.sigmoid(a_scale * x)
+    else:
+        return -a_scale * _softplus(x)
+
+
+@triton.jit
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr,
     state_ptr, init_idx_ptr, idx_ptr, o_ptr,
@@ -131,12 +147,9 @@ def _kda_decode_kernel(
         vv = tl.load(v_ptr + b * sv_b + s * sv_s + h * sv_h + offs_v * sv_v).to(tl.float32)
         beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
 
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
-        if HAS_LOWER_BOUND:
-            a = lower_bound * tl.sigmoid(a_scale * x)
-        else:
-            a = -a_scale * _softplus(x)
+        q = _l2_normalize(q, EPS)
+        k = _l2_normalize(k, EPS)
+        a = _log_decay(x, a_scale, lower_bound, HAS_LOWER_BOUND)
 
         state = state * tl.exp(a)[None, :]
         pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]

@@ -45,7 +45,7 @@ from ..launch_config import device_arch, fused_decode_tiling_for
 from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_fused_decode_arguments
-from .decode import _softplus
+from .decode import _l2_normalize, _log_decay
 from .state_dtype import round_state
 
 __all__ = ["fused_kda_decode_step", "CONV_WIDTH"]
@@ -110,14 +110,11 @@ def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k
                    sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
     k = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, k_ch, s,
                    sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + EPS)
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + EPS)
+    q = _l2_normalize(q, EPS)
+    k = _l2_normalize(k, EPS)
     xg = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32) + bias
     beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
-    if HAS_LOWER_BOUND:
-        a = lower_bound * tl.sigmoid(a_scale * xg)
-    else:
-        a = -a_scale * _softplus(xg)
+    a = _log_decay(xg, a_scale, lower_bound, HAS_LOWER_BOUND)
     return q, k, tl.exp(a), beta, tl.sum(k * q, axis=0)
 
 
