@@ -219,10 +219,11 @@ def drive_state_variants() -> None:
         # The decode's index rules (one program): a serving batch and the largest.
         from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, index_rules
 
+        from kda_engram.validation.common import DeviceChecks
         from kda_engram.validation.index_rules import cu_seqlens_rules
 
         for n in (256, MAX_ONE_PROGRAM_INDICES):
-            index_rules("state_indices", torch.arange(n, dtype=torch.int32), n)
+            index_rules(DeviceChecks(), "state_indices", torch.arange(n, dtype=torch.int32), n)
             cu_seqlens_rules(torch.arange(n + 1, dtype=torch.int32), n, covers_all=True)
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}

@@ -245,7 +245,8 @@ def test_index_rules_kernel_matches_the_rules(n):
     high[n // 3] = 2 * n
     cases.append((high, f"got max {2 * n}"))
     for idx, error in cases:
-        guarded, verdict = index_rules("state_indices", idx, 2 * n)
+        verdict = DeviceChecks()
+        guarded = index_rules(verdict, "state_indices", idx, 2 * n)
         if error is None:
             verdict.run()
             assert torch.equal(guarded, idx)
@@ -253,12 +254,14 @@ def test_index_rules_kernel_matches_the_rules(n):
             with pytest.raises(ValueError, match=f"state_indices: .*{error}"):
                 verdict.run()
             assert torch.equal(guarded, torch.full_like(idx, -1))
-    guarded, verdict = index_rules("rows", valid, 2 * n, allow_negative=False)
+    verdict = DeviceChecks()
+    guarded = index_rules(verdict, "rows", valid, 2 * n, allow_negative=False)
     with pytest.raises(ValueError, match="rows: expected non-negative entries, got min -1"):
         verdict.run()
     # Strided input, int64: read through its stride, guarded copy contiguous.
     wide = torch.stack([valid.long(), valid.long()], 1)[:, 0]
-    guarded, verdict = index_rules("state_indices", wide, 2 * n)
+    verdict = DeviceChecks()
+    guarded = index_rules(verdict, "state_indices", wide, 2 * n)
     verdict.run()
     assert guarded.dtype == torch.int64 and torch.equal(guarded, valid.long())
 

@@ -300,13 +300,14 @@ def kda_decode(
     Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
     """
-    pending = None
+    checks = None
     if check_inputs:
+        checks = DeviceChecks()
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
         # Launch, then read back: a broken rule turns every row into "none" (the
         # launch then touches no state row) and raises after the launch.
-        state_indices, pending = guard_decode_indices(state_indices, batch, state_cache)
+        state_indices = guard_decode_indices(state_indices, batch, state_cache, checks)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _launch(
@@ -314,8 +315,8 @@ def kda_decode(
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0),
     )
-    if pending is not None:
-        pending.run()  # the one read-back (index range and distinctness)
+    if checks is not None:
+        checks.run()  # the one read-back (index range and distinctness)
     return out
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_bool",
     "check_index_range",
     "check_index_values",
+    "index_rule_messages",
     "read_back",
 ]
 
@@ -330,15 +331,25 @@ def check_index_values(
     flat = idx.reshape(-1)
     if flat.numel() == 0:
         return
+    negative, out_of_range, duplicate = index_rule_messages(name, upper)
     if not allow_negative:
         low = flat.min()
-        checks.add(low < 0, f"{name}: expected non-negative entries, got min {{}}", low)
+        checks.add(low < 0, negative, low)
     high = flat.max()
-    checks.add(high >= upper, f"{name}: entries must be < {upper} (rows available), got max {{}}", high)
+    checks.add(high >= upper, out_of_range, high)
     if distinct and flat.numel() > 1:
         s = torch.sort(flat).values
         dup = ((s[1:] == s[:-1]) & (s[1:] >= 0)).any()
-        checks.add(dup, f"{name}: non-negative entries must be distinct (duplicates would race on one row)")
+        checks.add(dup, duplicate)
+
+
+def index_rule_messages(name: str, upper: int) -> tuple[str, str, str]:
+    """The messages of the index rules (negative entries, range, distinct), ``{}``
+    standing for the offending min / max: one wording for the PyTorch rules above
+    and the one-launch rules of :mod:`kda_engram.validation.index_rules`."""
+    return (f"{name}: expected non-negative entries, got min {{}}",
+            f"{name}: entries must be < {upper} (rows available), got max {{}}",
+            f"{name}: non-negative entries must be distinct (duplicates would race on one row)")
 
 
 def check_index_range(name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True) -> None:

@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import read_back
+from .common import DeviceChecks, index_rule_messages
 
-__all__ = ["IndexVerdict", "MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rules"]
+__all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rules"]
 
 # One program compares all pairs: fine up to a few thousand indices (4096: 256
 # tile pairs of 128 x 128); larger index sets use the sort-based rules.
@@ -73,45 +73,30 @@ def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
     tl.store(verdict_ptr + 4, low)
 
 
-class IndexVerdict:
-    """The pending verdict of :func:`index_rules`; :meth:`run` reads it back (one
-    transfer, on a side stream that waits only for the rules' launch) and raises
-    the first broken rule as a one-line ``ValueError`` naming the argument."""
-
-    def __init__(self, name: str, upper: int, verdict: torch.Tensor, ready) -> None:
-        self.name, self.upper, self.verdict, self.ready = name, upper, verdict, ready
-
-    def run(self) -> None:
-        bad_range, bad_negative, bad_dup, top, low = read_back(self.verdict, self.ready)
-        if bad_negative:
-            raise ValueError(f"{self.name}: expected non-negative entries, got min {low}")
-        if bad_range:
-            raise ValueError(f"{self.name}: entries must be < {self.upper} (rows available), got max {top}")
-        if bad_dup:
-            raise ValueError(f"{self.name}: non-negative entries must be distinct (duplicates would race on one row)")
-
-
-def index_rules(name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True,
-                distinct: bool = True) -> tuple[torch.Tensor, IndexVerdict]:
+def index_rules(checks: DeviceChecks, name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True,
+                distinct: bool = True) -> torch.Tensor:
     """Queue the rules on a 1-d index tensor (``idx.numel() <=
-    MAX_ONE_PROGRAM_INDICES``, checked by the caller): entries in ``[0, upper)``,
-    negative ones allowed as "no row" when ``allow_negative``, non-negative ones
-    distinct when ``distinct``. Returns ``(guarded, verdict)``: the indices to
-    launch with (a new contiguous tensor, ``idx``'s dtype) and the verdict to
-    :meth:`IndexVerdict.run` after the launch. One launch, no host sync."""
+    MAX_ONE_PROGRAM_INDICES``, checked by the caller) on ``checks``: entries in
+    ``[0, upper)``, negative ones allowed as "no row" when ``allow_negative``,
+    non-negative ones distinct when ``distinct``. Returns the indices to launch
+    with: a new contiguous tensor of ``idx``'s dtype, all -1 when one of these
+    rules is broken (the kernel guards them itself: no ``checks.guard`` op). One
+    launch, no host sync; :meth:`DeviceChecks.run` reads the verdict back."""
     n = idx.numel()
     guarded = torch.empty(n, dtype=idx.dtype, device=idx.device)
     verdict = torch.empty(5, dtype=torch.int64, device=idx.device)
     block = 128 if n > 64 else 64
     _index_rules_kernel[(1,)](
         idx, n, idx.stride(0) if n else 1, upper, guarded, verdict,
-        BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(n, block))), ALLOW_NEGATIVE=allow_negative, DISTINCT=distinct, num_warps=8 if block == 128 else 4,
+        BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(n, block))),
+        ALLOW_NEGATIVE=allow_negative, DISTINCT=distinct, num_warps=8 if block == 128 else 4,
     )
-    ready = None
-    if idx.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(idx.device))
-    return guarded, IndexVerdict(name, upper, verdict, ready)
+    negative, out_of_range, duplicate = index_rule_messages(name, upper)
+    # verdict = [range, negative, duplicate, max, min]: rules in check_index_values' order.
+    rules = [] if allow_negative else [(1, negative, (4,))]
+    rules += [(0, out_of_range, (3,)), (2, duplicate, ())]
+    checks.add_packed(verdict, rules)
+    return guarded
 
 
 @triton.jit

@@ -383,19 +383,18 @@ def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceC
         check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
 
 
-def guard_decode_indices(state_indices, batch: int, state_cache):
-    """:func:`check_decode_indices` for a launch-then-read-back call: returns
-    ``(rows, pending)``, the indices to launch with (all -1 when a rule is
-    broken) and the pending verdict whose ``run()`` reads it back and raises.
-    One Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
-    (:mod:`kda_engram.validation.index_rules`), the PyTorch rules beyond."""
+def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks) -> torch.Tensor:
+    """:func:`check_decode_indices` for a launch-then-read-back call: queues the
+    value rules on ``checks`` and returns the indices to launch with (all -1 when
+    a rule is broken). One Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
+    (:mod:`kda_engram.validation.index_rules`), the PyTorch rules and
+    :meth:`DeviceChecks.guard` beyond."""
     check_decode_indices(state_indices, batch, state_cache, None)
     slots = state_cache.shape[0]
     if state_indices.numel() <= MAX_ONE_PROGRAM_INDICES:
-        return index_rules("state_indices", state_indices, slots)
-    checks = DeviceChecks()
+        return index_rules(checks, "state_indices", state_indices, slots)
     check_index_values(checks, "state_indices", state_indices, slots)
-    return checks.guard(state_indices, -1), checks
+    return checks.guard(state_indices, -1)
 
 
 def check_decode_multi_indices(state_indices, initial_state_indices, batch: int, steps: int, state_cache,
