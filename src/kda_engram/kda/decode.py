@@ -377,12 +377,12 @@ def kda_decode_multi(
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:
         return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
-    if initial_state_indices is None:
-        initial_state_indices = state_indices[:, 0]
     if checks is not None:
         # Launch, then read back (see kda_decode): broken rules make every row "none".
         state_indices = checks.guard(state_indices, -1)
         initial_state_indices = checks.guard(initial_state_indices, -1)
+    if initial_state_indices is None:
+        initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
     _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),

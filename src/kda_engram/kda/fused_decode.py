@@ -319,20 +319,20 @@ def fused_kda_decode_step(
         if checks is not None:
             checks.run()
         return out
+    if checks is not None:
+        # Launch, then read back: a broken rule makes every row "none", so the
+        # launch touches neither cache, and the error is raised after it. The
+        # default initial rows are views of the guarded ones (derived below).
+        state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
+        initial_state_indices = checks.guard(initial_state_indices, -1)
+        initial_conv_indices = checks.guard(initial_conv_indices, -1)
     if multi:
         init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
-    else:
-        init, cinit = state_indices, conv_state_indices
-    if checks is not None:
-        # Launch, then read back: a broken rule makes every row "none", so the
-        # launch touches neither cache, and the error is raised after it.
-        state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
-        init, cinit = checks.guard(init, -1), checks.guard(cinit, -1)
-    if multi:
         w_strides = tuple(state_indices.stride())
         cw_strides = tuple(conv_state_indices.stride())
     else:
+        init, cinit = state_indices, conv_state_indices
         w_strides = (state_indices.stride(0), 0)
         cw_strides = (conv_state_indices.stride(0), 0)
     if block_v is None or num_warps is None:
