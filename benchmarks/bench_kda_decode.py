@@ -300,6 +300,8 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
                                dtype=torch.bfloat16, device=device)
     layer.reset_parameters(torch.Generator().manual_seed(0))
     H, C, b = layer.local_heads, layer.conv_channels, layer.bands
+    tiling = fused_decode_tiling_for(device_arch(device), V)
+    fused_tiling = (tiling.block_v, tiling.num_warps)
     for state_dtype in (torch.float32, torch.bfloat16):
         for B in batches:
             gen = torch.Generator(device=device).manual_seed(B)
@@ -332,7 +334,7 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
 
             tag = "" if state_dtype == torch.float32 else "_bf16state"
             row = dict(case=f"layer_B{B}_H{H}{tag}", peer="multi-launch step", peer_note="ours = fused one-launch step",
-                       copy_gbps=bw / 1e9, tiling=tuple(vars(fused_decode_tiling_for(device_arch(device), V)).values()))
+                       copy_gbps=bw / 1e9, tiling=fused_tiling)
             with torch.inference_mode():
                 sc0, cs0 = sc.clone(), cs.clone()
                 y_fused = fused().float()
