@@ -1,4 +1,5 @@
-"""GPU check of folded_walk_gluon.folded_walk (needs an sm_90 GPU; written without one).
+"""GPU check of the package's Gluon walk, kda_engram.kda.hopper.walk.folded_walk, against the fp64
+recurrence and the fp32 emulation of its precision recipe (needs an sm_90 GPU).
 
 Run (from the repository root or anywhere):
 
@@ -17,11 +18,11 @@ Checks (exit status 1 if any fails):
      same recipe (precision_emulation.folded_walk 'fold-bf16', o rounded to bf16 like the kernel's store;
      limit 1.5e-3: accumulation order and bf16 rounding flips only). Every o row must be written (o is pre-filled with NaN); zero-length
      sequences must pass the initial state through bit for bit.
-  2. variants against the emulation: VB=64 (V-half CTAs), ASYNC wgmma, GUARD_PAD off,
+  2. variants against the emulation: VB=64 (V-half CTAs), synchronous wgmma,
      initial_state=None, output_final_state=False.
   3. masking: one 65-token sequence in a 192-row batch; rows 65.. of qg/kd/t_fold/v and a_fold's pad
      columns of row 64 hold NaN. o rows 65.. must stay untouched (sentinel), and o / state must
-     equal the clean run bit for bit (GUARD_PAD on).
+     equal the clean run bit for bit.
   4. timing (do_bench): 16 x 2048 tokens, H = 32, K = V = 128, bf16: just printed.
 """
 
@@ -103,15 +104,18 @@ def _run(d, emulate, initial_state="init", prefill_nan=True, **opts):
         z = torch.zeros_like(d["init"]) if init is None else init
         o, s = _emulate(d, z)
         return o, (s if opts.get("output_final_state", True) else None)
-    from folded_walk_gluon import folded_walk
+    from kda_engram.kda.hopper.walk import folded_walk
 
-    o = None
-    if prefill_nan:
-        o = torch.full(k["v"].shape, float("nan"), dtype=k["v"].dtype, device=k["v"].device)
-    out = folded_walk(k["qg"], k["kd"], k["t_fold"], k["a_fold"], k["v"], k["decay"], k["cu_seqlens"],
-                      k["chunk_offsets"], d["scale"], init, o=o, **opts)
+    v = k["v"]
+    o = torch.full(v.shape, float("nan"), dtype=v.dtype, device=v.device) if prefill_nan else torch.empty_like(v)
+    N, H = k["cu_seqlens"].numel() - 1, v.shape[2]
+    final = None
+    if opts.pop("output_final_state", True):
+        final = torch.empty(N, H, v.shape[3], k["kd"].shape[3], dtype=torch.float32, device=v.device)
+    folded_walk(k["qg"], k["kd"], k["t_fold"], k["a_fold"], v, k["decay"], o, d["scale"], k["cu_seqlens"],
+                k["chunk_offsets"], initial_state=init, final_state=final, **opts)
     torch.cuda.synchronize()
-    return out
+    return o, final
 
 
 def check_accuracy(chk, dev, emulate):
@@ -147,8 +151,7 @@ def check_variants(chk, d, emulate, o_def, s_def, o_emu, s_emu):
     import torch
 
     print("variants (same inputs, gate 0)", flush=True)
-    for name, opts in (("VB=64 (V-half CTAs, 4 warps)", dict(VB=64)), ("ASYNC wgmma", dict(use_async=True)),
-                       ("GUARD_PAD off", dict(guard_pad=False))):
+    for name, opts in (("VB=64 (V-half CTAs, 4 warps)", dict(vb=64)), ("synchronous wgmma", dict(use_async=False))):
         o, s = _run(d, emulate, **opts)
         e_o, e_s = _rel(o, o_emu), _rel(s, s_emu)
         chk(name, e_o < TOL_EMU and e_s < TOL_EMU,
@@ -185,9 +188,6 @@ def check_masking(chk, dev, emulate):
     o_p, s_p = _run(poisoned, emulate)
     chk("NaN past the sequence end: o bitwise equal", torch.equal(o_p[0, :65].cpu(), o_clean[0, :65].cpu()))
     chk("NaN past the sequence end: state bitwise equal", torch.equal(s_p.cpu(), s_clean.cpu()))
-    o_g, s_g = _run(poisoned, emulate, guard_pad=False)
-    print(f"  (info) GUARD_PAD off with NaN pads: o finite {bool(torch.isfinite(o_g[0, :65].float()).all())}, "
-          f"state finite {bool(torch.isfinite(s_g).all())} (expected False: 0 * NaN)")
 
 
 def bench():
@@ -195,7 +195,7 @@ def bench():
     import triton.testing
     from kda_engram.kda.metadata import prepare_chunk_offsets
 
-    from folded_walk_gluon import folded_walk
+    from kda_engram.kda.hopper.walk import folded_walk
 
     N, L, H, K, V = 16, 2048, 32, 128, 128
     T = N * L
@@ -214,9 +214,11 @@ def bench():
     h0 = 0.1 * torch.randn(N, H, V, K, generator=g, device=dev)
     nbytes = T * H * (3 * K + 64 + 2 * V) * 2 + 2 * N * H * V * K * 4 + decay.numel() * 4
     print(f"timing: {N} x {L} tokens, H={H}, K=V={K}, bf16 (do_bench, ms)", flush=True)
-    for name, opts in (("VB=128 8 warps", {}), ("VB=128 8 warps ASYNC", dict(use_async=True)),
-                       ("VB=64 4 warps", dict(VB=64))):
-        fn = lambda: folded_walk(qg, kd, tf, af, v, decay, cu, coff, K ** -0.5, h0, **opts)  # noqa: E731
+    o, ht = torch.empty_like(v), torch.empty_like(h0)
+    for name, opts in (("VB=128 8 warps", dict(use_async=False)), ("VB=128 8 warps ASYNC", {}),
+                       ("VB=64 4 warps ASYNC", dict(vb=64))):
+        fn = lambda: folded_walk(qg, kd, tf, af, v, decay, o, K ** -0.5, cu, coff, initial_state=h0,  # noqa: E731
+                                 final_state=ht, **opts)
         ms = triton.testing.do_bench(fn)
         print(f"  {name:22s} {ms:8.3f} ms  ({nbytes / ms / 1e6:7.1f} GB/s of compulsory traffic)", flush=True)
 
