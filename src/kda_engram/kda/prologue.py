@@ -68,16 +68,17 @@ def _load_block(
     q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
     g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h,
     h, t, valid,
-    K: tl.constexpr, V: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, LOAD_V: tl.constexpr = True,
 ):
     """The memory reads of one 16-row sub-chunk (issued one sub-chunk ahead of its
     use, so they overlap the previous sub-chunk's arithmetic): ``q, k, v``, the raw
-    gate and the raw beta, in their load dtypes; zero on invalid rows."""
+    gate and the raw beta, in their load dtypes; zero on invalid rows (and ``v``
+    all zero, read from nowhere, without ``LOAD_V``)."""
     ck = tl.arange(0, K)
     cv = tl.arange(0, V)
     qr = tl.load(q_ptr + h * sq_h + t[:, None] * sq_t + ck[None, :] * sq_c, mask=valid[:, None], other=0.0)
     kr = tl.load(k_ptr + h * sk_h + t[:, None] * sk_t + ck[None, :] * sk_c, mask=valid[:, None], other=0.0)
-    vr = tl.load(v_ptr + h * sv_h + t[:, None] * sv_t + cv[None, :] * sv_c, mask=valid[:, None], other=0.0)
+    vr = tl.load(v_ptr + h * sv_h + t[:, None] * sv_t + cv[None, :] * sv_c, mask=valid[:, None] & LOAD_V, other=0.0)
     xr = tl.load(g_ptr + h * sg_h + t[:, None] * sg_t + ck[None, :] * sg_c, mask=valid[:, None], other=0.0)
     rb = tl.load(b_ptr + t * sb_t + h * sb_h, mask=valid, other=0.0)
     return qr, kr, vr, xr, rb
@@ -219,12 +220,17 @@ def _kda_prologue_intra_kernel(
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, FOLDED: tl.constexpr = False, LOAD_V: tl.constexpr = True,
 ):
     """Launch 1 of 2: everything but the triangular solve. Writes ``qg, kg_t,
     aqk, decay`` (final), the solve's right-hand sides ``beta k̂ 2^g`` into ``w``
     and ``beta v`` into ``u``, and ``A_kk`` (fp32, row blocks ``J <= I`` only)
-    into the ``akk`` workspace."""
+    into the ``akk`` workspace.
+
+    ``FOLDED`` (with ``LOAD_V=False``) is the first launch of the folded prologue
+    (:mod:`kda_engram.kda.folded_prologue`): ``kd = k̂ 2^g`` instead of ``beta kd``
+    into ``w``, the ``kg`` rows ``[1, T, H, K]`` (not transposed) into ``kg_t``,
+    and ``v`` / ``u`` untouched."""
     h, r, seq, cidx, bos, eos, start = _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT)
     if seq < 0:
         return
@@ -251,20 +257,23 @@ def _kda_prologue_intra_kernel(
     m0 = t0_ < eos
     qr0, kr0, vr0, xr0, rb0 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t0_, m0, K, V)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t0_, m0, K, V, LOAD_V)
     t1_ = t0_ + BS
     m1 = t1_ < eos
     qr1, kr1, vr1, xr1, rb1 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V, LOAD_V)
     q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED)
     d0 = tl.exp2(lc0)
     kf0 = k0 * tl.exp2(s0[None, :] - lc0)
     qd0 = q0 * d0
     kd0 = k0 * d0
     _store_rows(qg_h, t0_, m0, o_qk, qd0, K, 0)
-    _store_rows(w_h, t0_, m0, o_qk, be0[:, None] * kd0, K, 0)
-    _store_rows(u_h, t0_, m0, o_v, bv0, V, 0)
+    if FOLDED:
+        _store_rows(w_h, t0_, m0, o_qk, kd0, K, 0)
+    else:
+        _store_rows(w_h, t0_, m0, o_qk, be0[:, None] * kd0, K, 0)
+        _store_rows(u_h, t0_, m0, o_v, bv0, V, 0)
     aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, EXACT_DIAG, DOT)
     _store_rows(aqk_h, t0_, m0, o_a, aq00, BS, 0)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, BS)
@@ -278,7 +287,7 @@ def _kda_prologue_intra_kernel(
     m2 = t2_ < eos
     qr2, kr2, vr2, xr2, rb2 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V, LOAD_V)
     q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED)
     b1 = s0  # cumulative gate just before sub-chunk 1
     d1 = tl.exp2(lc1)
@@ -287,8 +296,11 @@ def _kda_prologue_intra_kernel(
     kd1 = k1 * d1
     e1 = tl.exp2(b1)[None, :]
     _store_rows(qg_h, t1_, m1, o_qk, qd1 * e1, K, 0)
-    _store_rows(w_h, t1_, m1, o_qk, be1[:, None] * kd1 * e1, K, 0)
-    _store_rows(u_h, t1_, m1, o_v, bv1, V, 0)
+    if FOLDED:
+        _store_rows(w_h, t1_, m1, o_qk, kd1 * e1, K, 0)
+    else:
+        _store_rows(w_h, t1_, m1, o_qk, be1[:, None] * kd1 * e1, K, 0)
+        _store_rows(u_h, t1_, m1, o_v, bv1, V, 0)
     qd1D = qd1.to(DOT)
     kd1D = kd1.to(DOT)
     aq10, ak10 = _off_block(qd1D, kd1D, kf0, zk, be1)
@@ -306,7 +318,7 @@ def _kda_prologue_intra_kernel(
     m3 = t3_ < eos
     qr3, kr3, vr3, xr3, rb3 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
-        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V)
+        g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V, LOAD_V)
     q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED)
     b2 = s0 + s1
     d2 = tl.exp2(lc2)
@@ -315,8 +327,11 @@ def _kda_prologue_intra_kernel(
     kd2 = k2 * d2
     e2 = tl.exp2(b2)[None, :]
     _store_rows(qg_h, t2_, m2, o_qk, qd2 * e2, K, 0)
-    _store_rows(w_h, t2_, m2, o_qk, be2[:, None] * kd2 * e2, K, 0)
-    _store_rows(u_h, t2_, m2, o_v, bv2, V, 0)
+    if FOLDED:
+        _store_rows(w_h, t2_, m2, o_qk, kd2 * e2, K, 0)
+    else:
+        _store_rows(w_h, t2_, m2, o_qk, be2[:, None] * kd2 * e2, K, 0)
+        _store_rows(u_h, t2_, m2, o_v, bv2, V, 0)
     qd2D = qd2.to(DOT)
     kd2D = kd2.to(DOT)
     aq20, ak20 = _off_block(qd2D, kd2D, kf0, s1, be2)
@@ -340,8 +355,11 @@ def _kda_prologue_intra_kernel(
     kd3 = k3 * d3
     e3 = tl.exp2(b3)[None, :]
     _store_rows(qg_h, t3_, m3, o_qk, qd3 * e3, K, 0)
-    _store_rows(w_h, t3_, m3, o_qk, be3[:, None] * kd3 * e3, K, 0)
-    _store_rows(u_h, t3_, m3, o_v, bv3, V, 0)
+    if FOLDED:
+        _store_rows(w_h, t3_, m3, o_qk, kd3 * e3, K, 0)
+    else:
+        _store_rows(w_h, t3_, m3, o_qk, be3[:, None] * kd3 * e3, K, 0)
+        _store_rows(u_h, t3_, m3, o_v, bv3, V, 0)
     qd3D = qd3.to(DOT)
     kd3D = kd3.to(DOT)
     aq30, ak30 = _off_block(qd3D, kd3D, kf0, s1 + s2, be3)
@@ -358,11 +376,22 @@ def _kda_prologue_intra_kernel(
     _store_rows(akk_h, t3_, m3, o_a, ak33, BS, 3 * BS)
 
     # ---------------------------------------------- kg_t, decay (need g_last)
-    kg_slab = kgt_ptr + (r * H + h) * (K * BT)
-    _store_kg(kg_slab, kf3, 3 * BS, BS, K, BT)
-    _store_kg(kg_slab, kf2.to(tl.float32) * tl.exp2(s3)[None, :], 2 * BS, BS, K, BT)
-    _store_kg(kg_slab, kf1.to(tl.float32) * tl.exp2(s2 + s3)[None, :], BS, BS, K, BT)
-    _store_kg(kg_slab, kf0.to(tl.float32) * tl.exp2(s1 + s2 + s3)[None, :], 0, BS, K, BT)
+    kg3 = kf3
+    kg2 = kf2.to(tl.float32) * tl.exp2(s3)[None, :]
+    kg1 = kf1.to(tl.float32) * tl.exp2(s2 + s3)[None, :]
+    kg0 = kf0.to(tl.float32) * tl.exp2(s1 + s2 + s3)[None, :]
+    if FOLDED:
+        kg_h = kgt_ptr + h * K
+        _store_rows(kg_h, t3_, m3, o_qk, kg3, K, 0)
+        _store_rows(kg_h, t2_, m2, o_qk, kg2, K, 0)
+        _store_rows(kg_h, t1_, m1, o_qk, kg1, K, 0)
+        _store_rows(kg_h, t0_, m0, o_qk, kg0, K, 0)
+    else:
+        kg_slab = kgt_ptr + (r * H + h) * (K * BT)
+        _store_kg(kg_slab, kg3, 3 * BS, BS, K, BT)
+        _store_kg(kg_slab, kg2, 2 * BS, BS, K, BT)
+        _store_kg(kg_slab, kg1, BS, BS, K, BT)
+        _store_kg(kg_slab, kg0, 0, BS, K, BT)
     tl.store(decay_ptr + (r * H + h) * K + colk, tl.exp2(b3 + s3))
 
 
