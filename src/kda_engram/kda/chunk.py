@@ -97,6 +97,21 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
 
 
+def allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets, shape,
+                         device) -> torch.Tensor:
+    """The returned final state ``torch.empty(shape)``: ``final_state_dtype``, else
+    ``initial_state``'s dtype, else fp32; it must match a checkpoint buffer in use
+    (one state dtype per call). Shared by both prefill paths."""
+    if final_state_dtype is None:
+        final_state_dtype = initial_state.dtype if initial_state is not None else torch.float32
+    if final_state_dtype not in STATE_DTYPES:
+        raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {final_state_dtype}")
+    final_state = torch.empty(*shape, dtype=final_state_dtype, device=device)
+    check_state_dtype_match(["final_state_dtype", "checkpoint_state"],
+                            [final_state, checkpoint_state if checkpoint_offsets is not None else None])
+    return final_state
+
+
 def fused_kda_chunk(
     qg: torch.Tensor,
     w: torch.Tensor,
@@ -235,13 +250,8 @@ def fused_kda_chunk(
         chunk_offsets = expected if check_inputs else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
     final_state = None
     if output_final_state:
-        if final_state_dtype is None:
-            final_state_dtype = initial_state.dtype if initial_state is not None else torch.float32
-        if final_state_dtype not in STATE_DTYPES:
-            raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {final_state_dtype}")
-        final_state = torch.empty(num_seqs, H, V, K, dtype=final_state_dtype, device=device)
-        check_state_dtype_match(["final_state_dtype", "checkpoint_state"],
-                                [final_state, checkpoint_state if checkpoint_offsets is not None else None])
+        final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
+                                           (num_seqs, H, V, K), device)
     if num_seqs == 0 or H == 0:
         if checks is not None:
             checks.run()

@@ -25,11 +25,39 @@ from ..validation.kda import (
     check_state_arguments,
     check_state_structure,
 )
-from .chunk import fused_kda_chunk
+from .chunk import _resolve_groups, fused_kda_chunk
+from .hopper import hopper_kda_prefill, hopper_unsupported
 from .metadata import prepare_chunk_metadata
 from .prologue import prepare_kda_prologue
 
-__all__ = ["chunk_kda_prefill"]
+__all__ = ["PREFILL_PATHS", "chunk_kda_prefill", "prefill_path"]
+
+PREFILL_PATHS = ("auto", "hopper", "portable")
+
+
+def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
+    """The path :func:`chunk_kda_prefill` takes for this call: ``"hopper"`` or ``"portable"``.
+
+    ``path="portable"`` always gives the portable path; ``"hopper"`` the Hopper
+    path or a ``ValueError`` saying why it cannot serve the call; ``"auto"`` the
+    Hopper path where it serves the call and the portable walk would not cut the
+    sequences into chunk groups (long sequences on few heads, where the groups'
+    parallel walk is faster than one CTA per sequence and head). Host facts only:
+    no device value is read."""
+    if path not in PREFILL_PATHS:
+        raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
+    if path == "portable":
+        return "portable"
+    reason = hopper_unsupported(q, v, out, groups=groups, conv_weight=conv_weight)
+    if path == "hopper":
+        if reason is not None:
+            raise ValueError(f"path: the Hopper path cannot serve this call: it {reason}")
+        return "hopper"
+    if reason is not None:
+        return "portable"
+    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
+    n_groups, _ = _resolve_groups(groups, None, T, cu_seqlens.numel() - 1, H, K, V, q.device)
+    return "hopper" if n_groups == 1 else "portable"
 
 
 def chunk_kda_prefill(
@@ -60,6 +88,7 @@ def chunk_kda_prefill(
     groups: int | None = None,
     final_state_dtype: torch.dtype | None = None,
     check_inputs: bool = True,
+    path: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
 
@@ -105,6 +134,11 @@ def chunk_kda_prefill(
     exact scan, see :func:`kda_engram.kda.chunk.fused_kda_chunk`; the results
     contract does not change.
 
+    ``path`` picks the implementation (:func:`prefill_path`): ``"auto"`` (the
+    Hopper path of :mod:`kda_engram.kda.hopper` on sm_90 where it serves the call,
+    else the portable one), ``"hopper"`` or ``"portable"``. Both have this one
+    results contract.
+
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
     one transfer after the launches, which a broken rule turns into no-ops on
@@ -148,6 +182,7 @@ def chunk_kda_prefill(
     T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     if scale is None:
         scale = K**-0.5
+    chosen = prefill_path(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight, path=path)
     if checks is not None:
         # Launch, then read back: a broken rule turns the batch into empty
         # sequences whose rows are all "none", so the launches below touch no
@@ -164,6 +199,19 @@ def chunk_kda_prefill(
     chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
+    if chosen == "hopper":
+        result = hopper_kda_prefill(
+            q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+            chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out, initial_state=initial_state,
+            output_final_state=output_final_state, state_cache=state_cache, state_indices=state_indices,
+            has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
+            conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
+            conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
+        )
+        if checks is not None:
+            checks.run()
+        return result
     launch_prologue = prepare_kda_prologue(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
         conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,

@@ -1,0 +1,78 @@
+"""The Hopper prefill path: the folded prologue (two Triton launches,
+:mod:`kda_engram.kda.folded_prologue`) then the Gluon walk (one launch,
+:mod:`kda_engram.kda.hopper.walk`).
+
+:func:`hopper_unsupported` says, in one line, why a call cannot take this path
+(``None`` when it can); :func:`hopper_kda_prefill` runs it with the contract of
+:func:`kda_engram.kda.chunk_kda_prefill` (arguments assumed valid, guarded by the
+caller). Why a separate path: the portable walk's operands (``w, u, kg_t, aqk``)
+cost the prologue a second ``[64, V]`` solve and the walk 0.5 KB more per
+token-head, and Triton cannot keep the state in wgmma registers across chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...platform import arch, interpreting
+from ..chunk import allocate_final_state
+from ..folded_prologue import prepare_folded_prologue
+from .walk import folded_walk, tma_compatible
+
+__all__ = ["HOPPER_HEAD_DIMS", "hopper_kda_prefill", "hopper_unsupported"]
+
+HOPPER_HEAD_DIMS = (128,)  # K = V: the head size compiled and checked on the GPU
+
+
+def hopper_unsupported(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, *, groups: int | None,
+                       conv_weight: torch.Tensor | None) -> str | None:
+    """Why the Hopper path cannot serve this call (one line), or ``None``."""
+    dev = q.device
+    if dev.type != "cuda" or interpreting():
+        return f"needs a CUDA device running compiled kernels (got {dev.type}{', interpreter' if interpreting() else ''})"
+    if arch(dev) != "sm_90":
+        return f"needs an sm_90 GPU (Hopper), got {arch(dev)}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs bf16 or fp16 inputs, got {q.dtype}"
+    K, V = q.shape[3], v.shape[3]
+    if K not in HOPPER_HEAD_DIMS or V not in HOPPER_HEAD_DIMS or K != V:
+        return f"needs K = V in {HOPPER_HEAD_DIMS}, got K = {K}, V = {V}"
+    if q.shape[1] == 0:
+        return "an empty batch (T = 0) needs no walk"
+    if groups is not None and groups != 1:
+        return f"has no chunk groups (groups={groups})"
+    if conv_weight is None and not tma_compatible(v):
+        return "v must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
+    if out is not None and not tma_compatible(out):
+        return "out must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
+    return None
+
+
+def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower_bound, cu_seqlens,
+                       chunk_offsets, chunk_indices, out, initial_state=None, output_final_state=False,
+                       state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
+                       checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
+                       conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None):
+    """The prefill on the Hopper path: returns ``(out, final_state | None)`` exactly as
+    :func:`kda_engram.kda.chunk_kda_prefill` does (no checks here: the caller has
+    validated and guarded every argument, and :func:`hopper_unsupported` said yes).
+
+    ``out`` ``[1, T, H, V]`` is written only inside the sequences; it may be ``v``
+    (each chunk's ``v`` tile is read before its ``o`` tile is stored, by the same CTA)."""
+    N = cu_seqlens.numel() - 1
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    final_state = None
+    if output_final_state:
+        final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
+                                           (N, H, V, K), q.device)
+    ops = prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state)()
+    has = has_initial_state.view(torch.uint8) if has_initial_state is not None else None
+    folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, scale, cu_seqlens,
+                chunk_offsets, initial_state=initial_state, final_state=final_state, state_cache=state_cache,
+                state_indices=state_indices, has_initial_state=has,
+                checkpoint_state=checkpoint_state if checkpoint_offsets is not None else None,
+                checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices)
+    return out, final_state
+
