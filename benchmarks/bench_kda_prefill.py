@@ -41,16 +41,24 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 
 import torch
+
+# fla 0.6 routes chunk_kda to FlashKDA by itself under torch.inference_mode() when
+# flash_kda imports: time fla's own kernels (FlashKDA has its own column).
+os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
 from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
 from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
-from kda_engram.kda.prefill import chunk_kda_prefill
+from kda_engram.kda.folded_prologue import prepare_folded_prologue
+from kda_engram.kda.hopper import hopper_unsupported
+from kda_engram.kda.hopper.walk import folded_walk
+from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
 from kda_engram.kda.prologue import fused_kda_prologue
 
 HEAD_DIM = 128
@@ -237,12 +245,26 @@ def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
     }
 
 
-def _ours_call(x, out=None, check_inputs=False, groups=None):
+def _ours_call(x, out=None, check_inputs=False, groups=None, path="auto"):
     return lambda: chunk_kda_prefill(
         x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
         lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["h0"], output_final_state=True,
-        out=out, groups=groups, check_inputs=check_inputs,
+        out=out, groups=groups, check_inputs=check_inputs, path=path,
     )
+
+
+def _hopper_stages(x, out, offs, idx, quick):
+    """``(folded prologue ms, Gluon walk ms)`` of the Hopper path on its own, or Nones
+    where it cannot serve the inputs."""
+    if hopper_unsupported(x["q"], x["v"], out, groups=None, conv_weight=None) is not None:
+        return None, None
+    pro = prepare_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+                                  LOWER_BOUND, x["cu"], idx)
+    ops = pro()
+    ht = torch.empty_like(x["h0"])
+    walk = lambda: folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"],  # noqa: E731
+                               out, HEAD_DIM**-0.5, x["cu"], offs, initial_state=x["h0"], final_state=ht)
+    return _bench(pro, quick), _bench(walk, quick)
 
 
 def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False,
@@ -270,9 +292,18 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
         picked = chunk_groups(max(1, math.ceil(max(lengths) / CHUNK_SIZE)), N, H, device,
                               head_k=HEAD_DIM, head_v=HEAD_DIM)
         with torch.inference_mode():
-            o_ours, _ = _ours_call(x, check_inputs=True)()  # validates the inputs, compiles the kernels
-            fns = {"default": _ours_call(x, out, check_inputs=True), "nocheck": _ours_call(x, out)}
             notes, diffs = {}, {}
+            o_ours, _ = _ours_call(x, check_inputs=True)()  # validates the inputs, compiles the kernels
+            fns = {"default": _ours_call(x, out, check_inputs=True), "nocheck": _ours_call(x, out),
+                   "portable": _ours_call(x, out, path="portable")}
+            picked_path = prefill_path(x["q"], x["v"], out, cu_seqlens=x["cu"])
+            hopper_reason = hopper_unsupported(x["q"], x["v"], out, groups=None, conv_weight=None)
+            if hopper_reason is None:
+                fns["hopper"] = _ours_call(x, out, path="hopper")
+                o_h, _ = _ours_call(x, path="hopper")()
+                o_p, _ = _ours_call(x, path="portable")()
+                torch.cuda.synchronize()
+                diffs["hopper_vs_portable"] = (o_h.float() - o_p.float()).abs().max().item()
             for p, (make, desc) in found.items():
                 if make is None:
                     notes[p] = desc
@@ -307,6 +338,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                                        config=config, groups=groups)
 
             chunk_ms = _bench(walk, quick)
+            folded_prologue_ms, folded_walk_ms = _hopper_stages(x, out, offs, idx, quick)
             peer_times = {p: times.get(p) for p in PEERS}
             ran = {p: t for p, t in peer_times.items() if t is not None}
             best = min(ran, key=ran.get) if ran else None
@@ -319,6 +351,9 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                 **{f"{p}_ms": peer_times[p] for p in PEERS},
                 **{f"max_abs_diff_{p}": diffs.get(p) for p in PEERS},
                 peer_notes=notes, prologue_ms=prologue_ms, chunk_ms=chunk_ms,
+                path=picked_path, hopper_ms=times.get("hopper"), portable_ms=times.get("portable"),
+                hopper_note=hopper_reason, max_abs_diff_hopper_vs_portable=diffs.get("hopper_vs_portable"),
+                folded_prologue_ms=folded_prologue_ms, folded_walk_ms=folded_walk_ms,
                 config=chunk_config(N, H, HEAD_DIM, device), copy_gbs=bw, groups=picked, tokens=T, heads=H,
                 fastgate=fastgate, target_ms=TARGET_MS.get(name), anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
             )
@@ -391,6 +426,11 @@ def print_rows(rows: list[dict]) -> None:
         skipped = "; ".join(f"{p}: {why}" for p, why in (r.get("peer_notes") or {}).items())
         print(f"{'':<22}   max|o - peer|: {diffs or '-'}; check overhead {f(r.get('check_overhead_ms'))} ms"
               + (f"; skipped {skipped}" if skipped else ""))
+        print(f"{'':<22}   path {r.get('path')}: hopper {f(r.get('hopper_ms'))} ms (folded prologue "
+              f"{f(r.get('folded_prologue_ms'))} + walk {f(r.get('folded_walk_ms'))}), portable "
+              f"{f(r.get('portable_ms'))} ms, max|o_hopper - o_portable| "
+              f"{f(r.get('max_abs_diff_hopper_vs_portable'), '.2e')}"
+              + (f"; hopper cannot: {r['hopper_note']}" if r.get("hopper_note") else ""))
     summary = group_summary(rows)
     if summary:
         print("chunk groups: heuristic pick vs fastest forced G (whole prefill)")

@@ -62,8 +62,8 @@ def _import_kernel_modules():
     for name in ("kda_engram.engram.hashing", "kda_engram.engram.table", "kda_engram.engram.gate",
                  "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
                  "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
-                 "kda_engram.kda.prologue", "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops",
-                 "kda_engram.demo"):
+                 "kda_engram.kda.prologue", "kda_engram.kda.folded_prologue", "kda_engram.kda.hopper.walk",
+                 "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.demo"):
         importlib.import_module(name)
 
 
@@ -180,7 +180,48 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
         finally:
             metadata.interpreting = real
         drive_state_variants()
-    return defined
+        if arch == "sm_90":
+            drive_hopper_variants()
+    return defined if arch == "sm_90" else defined - HOPPER_KERNELS
+
+
+#: The kernels of the Hopper prefill path, launched on sm_90 only.
+HOPPER_KERNELS = {"_folded_walk_kernel", "_kda_prologue_fold_kernel"}
+
+
+def drive_hopper_variants() -> None:
+    """The Hopper prefill path (folded prologue + Gluon walk) at the production
+    shapes (bf16, K = V = 128), called directly (the dispatcher sends CPU tensors to
+    the portable path): every state mode of the walk (none, dense fp32 state in and
+    out, a bf16 cache with indexed bf16 checkpoints, an fp32 cache with staging-row
+    checkpoints), both gate forms and the conv path."""
+    import torch
+
+    from kda_engram.kda.hopper import hopper_kda_prefill
+    from kda_engram.kda.metadata import prepare_chunk_metadata
+
+    dt, H, D, T = torch.bfloat16, 4, 128, 4096
+    cu = torch.tensor([0, 1000, T], dtype=torch.int32)
+    offsets, indices = prepare_chunk_metadata(cu, T)
+    x = {n: torch.zeros(1, T, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+    base = dict(raw_beta=torch.zeros(1, T, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+                scale=D ** -0.5, cu_seqlens=cu, chunk_offsets=offsets, chunk_indices=indices)
+    with torch.no_grad():
+        out = torch.empty(1, T, H, D, dtype=dt)
+        hopper_kda_prefill(**x, **base, lower_bound=-5.0, out=out)
+        hopper_kda_prefill(**x, **base, lower_bound=None, out=out, initial_state=torch.zeros(2, H, D, D),
+                           output_final_state=True)
+        for sd, indexed in ((dt, True), (torch.float32, False)):
+            cache = torch.zeros(6, H, D, D, dtype=sd)
+            hopper_kda_prefill(**x, **base, lower_bound=-5.0, out=out, state_cache=cache,
+                               state_indices=torch.tensor([0, 1]), has_initial_state=torch.ones(2, dtype=torch.bool),
+                               checkpoint_state=cache, checkpoint_offsets=torch.tensor([512, 1024]),
+                               checkpoint_state_indices=torch.tensor([2, 3]) if indexed else None)
+        C = 3 * H * D
+        proj = torch.zeros(1, T, C, dtype=dt)
+        bands = [proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(3)]
+        hopper_kda_prefill(*bands, x["raw_g"], **base, lower_bound=-5.0, out=out,
+                           conv_weight=torch.zeros(C, 4, dtype=dt))
 
 
 def drive_state_variants() -> None:
@@ -246,6 +287,7 @@ def compile_calls(calls, target, resources, on_row=None):
     options)`` gives the row's resource fields. Returns ``(rows, failures)``."""
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     backend = make_backend(target)
     seen, rows, failures = set(), [], []
@@ -258,7 +300,8 @@ def compile_calls(calls, target, resources, on_row=None):
             continue
         seen.add(key)
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+            source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+            kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=target, options=options.__dict__)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run fails
             failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}")

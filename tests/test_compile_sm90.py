@@ -36,6 +36,9 @@ import compile_support  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
+#: Shared memory one CTA may use on an H100/H200 (227 KB). Triton compiles a
+#: kernel past it without a word (a 3-stage walk needed 237,592 B); the launch fails.
+MAX_SHARED_BYTES = 232_448
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -72,6 +75,17 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     heavy = [(r["kernel"], r["options"], r["registers"], r["spill_stack_bytes"]) for r in rows
              if r["spill_stack_bytes"] > MAX_SPILL_STACK_BYTES]
     assert not heavy, f"kernels spilling more than {MAX_SPILL_STACK_BYTES} B per thread: {heavy}"
+    big = [(r["kernel"], compile_support.shape_label(r), r["shared_bytes"]) for r in rows
+           if r["shared_bytes"] > MAX_SHARED_BYTES]
+    assert not big, f"kernels needing more than {MAX_SHARED_BYTES} B of shared memory per CTA: {big}"
+    # The Hopper path: every variant reached, none spilling at all.
+    hopper = [r for r in rows if r["kernel"] in compile_support.HOPPER_KERNELS]
+    walk = {(r["constexprs"]["LOAD_STATE"], r["constexprs"]["STORE_STATE"], r["constexprs"]["HAS_CKPT"])
+            for r in hopper if r["kernel"] == "_folded_walk_kernel"}
+    assert {(0, 0, False), (1, 1, False), (2, 2, True)} <= walk, walk
+    spilling = [(r["kernel"], compile_support.shape_label(r), r["spill_stack_bytes"]) for r in hopper
+                if r["spill_stack_bytes"] > 0]
+    assert not spilling, f"the Hopper path spills: {spilling}"
 
 
 # --------------------------------------------------------------------------- child
@@ -86,7 +100,8 @@ def _resources(kernel, options) -> dict:
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", text)
     stack = re.search(r"STACK:(\d+)", text)
-    return dict(registers=int(regs.group(1)) if regs else 0, spill_stack_bytes=int(stack.group(1)) if stack else 0)
+    return dict(registers=int(regs.group(1)) if regs else 0, spill_stack_bytes=int(stack.group(1)) if stack else 0,
+                shared_bytes=int(kernel.metadata.shared))
 
 
 def main(report_path: str) -> int:
@@ -97,7 +112,8 @@ def main(report_path: str) -> int:
 
     def show(row):
         print(f"{row['kernel']:<34} warps {row['options']['num_warps']:>2}  regs {row['registers']:>3}  "
-              f"stack {row['spill_stack_bytes']:>5} B  {compile_support.shape_label(row)}", flush=True)
+              f"stack {row['spill_stack_bytes']:>5} B  smem {row['shared_bytes']:>6} B  "
+              f"{compile_support.shape_label(row)}", flush=True)
 
     rows, failures = compile_support.compile_calls(calls, GPUTarget("cuda", 90, 32), _resources, show)
     with open(report_path, "w") as fh:
