@@ -11,9 +11,9 @@
   get :data:`DEFAULT_GPU_MEM_GIB`. A card whose memory is smaller skips the test
   with the reason printed.
 * **Plan.** :func:`plan` picks the worker counts of two passes from the card's
-  free memory and the budgets: a parallel pass over the tests up to a budget cap
-  (as many workers as the cores allow while the largest budgets side by side
-  still fit), then the tests above the cap with as many workers as fit them.
+  free memory and the budgets: a pass over the tests up to a budget cap, then the
+  tests above it, each with as many workers (up to the cores) as its largest
+  budgets side by side allow.
 
 ``python3 tests/gpu_tiers.py plan BUDGETS.json`` prints the plan as shell
 variables (``scripts/gpu-check`` evaluates it); ``... summary WALL_SECONDS
@@ -34,6 +34,8 @@ DEFAULT_GPU_MEM_GIB = 2.0
 WORKER_OVERHEAD_GIB = 1.0
 #: Share of the free memory a plan may fill (the rest absorbs fragmentation).
 USABLE_SHARE = 0.92
+#: A second pass's start-up (workers importing torch, collecting), in tests.
+PASS_COST = 2.0
 
 SMOKE_TESTS = (
     # KDA prefill: metadata, index rules, prologue (intra + solve), chunk walk with
@@ -84,6 +86,11 @@ def _fits(budgets_desc: list[float], workers: int, usable: float) -> bool:
     return sum(budgets_desc[:workers]) + workers * WORKER_OVERHEAD_GIB <= usable
 
 
+def _most_workers(budgets_desc: list[float], usable: float, max_workers: int) -> int:
+    """The most workers (1 at least) whose largest budgets fit side by side."""
+    return max(n for n in range(1, max(1, max_workers) + 1) if n == 1 or _fits(budgets_desc, n, usable))
+
+
 def plan(budgets: list[float], free_gib: float, max_workers: int) -> dict:
     """Two passes over tests of ``budgets`` (GiB) on a card with ``free_gib`` free.
 
@@ -91,29 +98,27 @@ def plan(budgets: list[float], free_gib: float, max_workers: int) -> dict:
     tests with budget <= ``cap`` on ``workers`` workers, the second the rest on
     ``big_workers`` (0: no second pass). Any ``workers`` tests of a pass may run at
     once, so the ``workers`` largest budgets of the pass plus each worker's overhead
-    must fit the usable memory. The first pass takes the most workers (up to
-    ``max_workers``) any cap allows, then the largest cap at that count.
+    must fit the usable memory (tests larger than the card skip; they need no room).
+    The cap minimises ``tests / workers`` summed over the passes, a second pass
+    counting as :data:`PASS_COST` tests more (its start-up); ties go to more workers.
     """
     usable = free_gib * USABLE_SHARE
     desc = sorted(budgets, reverse=True)
     if not desc:
         return dict(cap=0.0, workers=1, big_workers=0, usable=usable)
-    caps = sorted(set(desc), reverse=True)
-    workers, cap = 1, caps[-1]
-    for n in range(max(1, max_workers), 0, -1):
-        fitting = [c for c in caps if _fits([b for b in desc if b <= c], n, usable)]
-        if fitting:
-            workers, cap = n, fitting[0]
-            break
-    big = [b for b in desc if b > cap]
-    big_workers = 0
-    if big:
-        # Tests larger than the card skip on their own; they need no room here.
-        runnable = [b for b in big if b + WORKER_OVERHEAD_GIB <= usable] or big[-1:]
-        big_workers = max(n for n in range(1, max(1, max_workers) + 1)
-                          if n == 1 or _fits(runnable, n, usable))
-        big_workers = min(big_workers, len(big))
-    return dict(cap=cap, workers=workers, big_workers=big_workers, usable=usable)
+    best = None
+    for cap in sorted(set(desc)):
+        small = [b for b in desc if b <= cap]
+        big = [b for b in desc if b > cap]
+        workers = _most_workers(small, usable, max_workers)
+        big_workers = 0
+        if big:
+            runnable = [b for b in big if b + WORKER_OVERHEAD_GIB <= usable] or big[-1:]
+            big_workers = min(_most_workers(runnable, usable, max_workers), len(big))
+        score = len(small) / workers + (len(big) / big_workers + PASS_COST if big else 0.0)
+        if best is None or (score, -workers) < (best[0], -best[1]["workers"]):
+            best = (score, dict(cap=cap, workers=workers, big_workers=big_workers, usable=usable))
+    return best[1]
 
 
 # ----------------------------------------------------------------- kernel coverage

@@ -46,20 +46,20 @@ def test_plan_fits_the_card(free):
         assert not runnable or p["big_workers"] == 1 or side_by_side(runnable, p, p["big_workers"]) <= p["usable"]
     else:
         assert p["big_workers"] == 0
-    if free > 70:  # an 80 GB card runs the small tests 16 wide and everything fits
-        assert p["workers"] == 16 and p["cap"] >= 4.0
+    if free > 70:  # an 80 GB card runs all but the few largest side by side, 8 or more at once
+        assert p["workers"] >= 8 and p["cap"] >= 4.0 and len(big) <= 16
     if free > 130:  # an H200 runs the big ones all at once
         assert p["big_workers"] == len(big)
 
 
-def test_plan_prefers_workers_then_the_largest_cap():
+def test_plan_splits_off_what_would_narrow_the_pass():
     p = plan([2.0] * 10 + [30.0], 40.0, max_workers=8)
-    # 8 workers fit with the 2 GiB tests (8 * 3 = 24 <= 36.8), not with the 30 GiB one.
+    # 8 workers fit with the 2 GiB tests (8 * 3 = 24 <= 36.8); with the 30 GiB one only 2 would.
     assert (p["workers"], p["cap"], p["big_workers"]) == (8, 2.0, 1)
     assert plan([], 80.0, 16) == dict(cap=0.0, workers=1, big_workers=0, usable=80.0 * 0.92)
     # A card too small for everything still runs one worker (the conftest skips what cannot fit).
     tiny = plan([DEFAULT_GPU_MEM_GIB] * 4 + [24.0], 3.0, max_workers=16)
-    assert tiny["workers"] == 1 and tiny["big_workers"] == 1
+    assert tiny["workers"] == 1 and tiny["big_workers"] <= 1
 
 
 def test_smoke_selection_names_collected_tests():
