@@ -4,6 +4,7 @@ process group and free ports. Test modules import from here, never from each oth
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 
@@ -144,3 +145,60 @@ def raw_kda_inputs(lead, H, K, V, seed=0):
     return dict(q=rnd(*lead, H, K), k=rnd(*lead, H, K), v=rnd(*lead, H, V), raw_g=rnd(*lead, H, K),
                 raw_beta=rnd(*lead, H), A_log=rnd(H) * 0.5, dt_bias=rnd(H * K))
 
+
+
+# ----------------------------------------------------------------------- peers
+
+
+@contextlib.contextmanager
+def first_fit_autotune():
+    """Inside: every Triton autotuner that has not tuned a key yet takes the first
+    of its configs (in its own order, after its own pruning) that compiles and
+    runs, instead of compiling and timing every config.
+
+    For a peer (fla-core) checked side by side for correctness: its speed does not
+    matter there, and compiling each of its kernels' configs (dozens per kernel) is
+    most of such a test's time. The picks are not written to Triton's autotune disk
+    cache and are dropped on the way out, so a later benchmark in the same process
+    or on the same machine still tunes. (Uses ``Autotuner.prune_configs``,
+    ``_bench`` and ``do_bench``, Triton's internals; triton is pinned to 3.5-3.6.)
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    prune, bench = Autotuner.prune_configs, Autotuner._bench
+    touched = {}  # autotuner -> (its cache_results, the keys it had tuned)
+
+    def first_prune(self, kwargs):
+        if self not in touched:
+            touched[self] = (self.cache_results, set(self.cache))
+        self.cache_results = False
+        self.first_fit_found = False
+        return prune(self, kwargs)
+
+    def first_bench(self, *args, config, **meta):
+        if getattr(self, "first_fit_found", False):
+            return [math.inf, math.inf, math.inf]
+        had = "do_bench" in self.__dict__
+        saved = self.__dict__.get("do_bench")
+        # One launch (compile and run) in place of the timing loop.
+        self.__dict__["do_bench"] = lambda kernel_call, quantiles: (kernel_call(), [0.0, 0.0, 0.0])[1]
+        try:
+            timing = bench(self, *args, config=config, **meta)
+        finally:
+            if had:
+                self.__dict__["do_bench"] = saved
+            else:
+                del self.__dict__["do_bench"]
+        self.first_fit_found = timing[0] != math.inf
+        return timing
+
+    Autotuner.prune_configs, Autotuner._bench = first_prune, first_bench
+    try:
+        yield
+    finally:
+        Autotuner.prune_configs, Autotuner._bench = prune, bench
+        for tuner, (cache_results, keys) in touched.items():
+            tuner.cache_results = cache_results
+            for key in set(tuner.cache) - keys:
+                del tuner.cache[key]
+            tuner.__dict__.pop("first_fit_found", None)

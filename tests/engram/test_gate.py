@@ -404,8 +404,10 @@ def test_gpu_bf16_matches_reference(gpu, dim, hc):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(4)  # fp32 inputs of 3001 tokens and their fp64 reference
 @pytest.mark.parametrize(
-    "dim, chunk, tokens", [(5120, None, None), (5120, 1024, 3), (12288, None, None), (2560, None, 8), (5120, None, 1)]
+    "dim, chunk, tokens", [(5120, None, None), (5120, 1024, 3), pytest.param(12288, None, None, marks=pytest.mark.gpu_mem(6)),
+                           (2560, None, 8), (5120, None, 1)]
 )
 def test_gpu_fp32_tight(gpu, dim, chunk, tokens):
     T, hc = 3001, 4
@@ -435,6 +437,7 @@ def test_gpu_small_grid_and_hinted_rows(gpu, dim, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(4)  # the fp64 reference of up to 3001 x 4 x 5120
 @pytest.mark.parametrize("dim", [2560, 2600, 5120])
 @pytest.mark.parametrize("T", [2048, 3001])
 def test_gpu_persistent_rows(gpu, dim, T):

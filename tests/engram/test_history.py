@@ -75,3 +75,40 @@ def test_the_layer_module_re_exports_the_kernels():
     assert layer.gather_history is gather_history
     assert layer.scatter_history is scatter_history
     assert layer.checkpoint_history is checkpoint_history
+
+
+@pytest.mark.gpu
+def test_gpu_history_kernels_match_python(gpu):
+    """The three history kernels at a serving batch (64 sequences up to 2000 tokens,
+    a dead-token mask, prefix-cache offsets anywhere in the sequence) on the GPU."""
+    layout = EngramLayout.build(layer_ids=[0], max_ngram=4, n_heads=1, head_dim=8, vocab_size=[101, 103, 107],
+                                compressed_vocab_size=40, pad_id=0, seed=1)
+    gen = torch.Generator().manual_seed(4)
+    N, slots = 64, 80
+    lengths = torch.randint(1, 2000, (N,), generator=gen).tolist()
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    ids = torch.randint(0, 40, (cu[-1],), generator=gen)
+    hist = torch.randint(-1, 40, (N, 3), generator=gen)
+    dead = torch.rand(cu[-1], generator=gen) < 0.05
+    offs = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lengths])
+    rows = torch.randperm(slots, generator=gen)[:N]
+    rows[::9] = -1
+    cache = torch.randint(-1, 40, (slots, 3), generator=gen)
+    cache_g = cache.to(gpu)
+    has = torch.rand(N, generator=gen) < 0.7
+    got = gather_history(cache_g, rows.to(gpu), has.to(gpu))
+    want = torch.where((has & (rows >= 0))[:, None], cache[rows.clamp(min=0)], torch.full((N, 3), -1))
+    assert torch.equal(got.cpu(), want)
+    new = torch.randint(0, 40, (N, 3), generator=gen, dtype=torch.int32)
+    scatter_history(cache_g, rows.to(gpu), new.to(gpu))
+    live = rows >= 0
+    cache[rows[live]] = new[live].long()
+    assert torch.equal(cache_g.cpu(), cache)
+    checkpoint_history(ids.to(gpu), torch.tensor(cu, device=gpu), hist.to(gpu), dead.to(gpu), offs.to(gpu),
+                       rows.to(gpu), cache_g)
+    for n, (p, row) in enumerate(zip(offs.tolist(), rows.tolist())):
+        if row < 0 or p == 0:
+            continue
+        cache[row] = torch.as_tensor(next_history_ref(ids[cu[n] : cu[n] + p], [0, p], layout,
+                                                      history=hist[n : n + 1], dead_mask=dead[cu[n] : cu[n] + p]))[0]
+    assert torch.equal(cache_g.cpu(), cache)

@@ -265,6 +265,7 @@ def gpu_table_case(gpu, T=16384, rows_per_col=100_003, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(4)  # a 1.2 GiB table
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_gpu_lookup_prefill(gpu, storage):
     sizes, w, rows = gpu_table_case(gpu)

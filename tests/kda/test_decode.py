@@ -338,7 +338,9 @@ def _gpu_case(B, H, gate, lower_bound, seed, S=None):
     return inputs, perm, slots
 
 
-GPU_SHAPES = [pytest.param(8, 4, id="small"), pytest.param(1024, 32, id="large"), pytest.param(256, 8, id="mid")]
+# large: a 4 GiB cache, its copy and the reference's rows (peak about 20 GiB).
+GPU_SHAPES = [pytest.param(8, 4, id="small"), pytest.param(1024, 32, id="large", marks=pytest.mark.gpu_mem(24)),
+              pytest.param(256, 8, id="mid")]
 
 
 @pytest.mark.gpu
@@ -364,7 +366,8 @@ def test_gpu_decode_bf16(B, H, lower_bound, gate):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, S, H", [pytest.param(4, 3, 4, id="small"), pytest.param(256, 4, 32, id="large")])
+@pytest.mark.parametrize("B, S, H", [pytest.param(4, 3, 4, id="small"),
+                                     pytest.param(256, 4, 32, id="large", marks=pytest.mark.gpu_mem(18))])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 def test_gpu_multi_bf16(B, S, H, lower_bound):
     inputs, perm, slots = _gpu_case(B, H, "random", lower_bound, seed=S + H, S=S)
@@ -391,7 +394,7 @@ def test_gpu_multi_bf16(B, S, H, lower_bound):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B, H", [pytest.param(8, 4, id="small"), pytest.param(256, 32, id="large")])
+@pytest.mark.parametrize("B, H", [pytest.param(8, 4, id="small"), pytest.param(256, 32, id="large", marks=pytest.mark.gpu_mem(8))])
 def test_gpu_strided_projection_and_cuda_graph(B, H):
     """Inputs sliced from one bf16 projection; the unchecked call captured in a CUDA
     graph and replayed gives the same result as two eager steps."""

@@ -555,6 +555,7 @@ def test_gpu_small_groups_cuda_graph(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(10)  # the fp32 reference operands of 131072 tokens: about 4 GiB
 def test_gpu_groups_131072_tokens(gpu):
     # The long few-head case the groups are for: 1 x 131072 tokens, H = 4, end to
     # end through chunk_kda_prefill (bf16), every forced G against G = 1, and the

@@ -428,6 +428,7 @@ def test_gpu_small_bf16_strided_and_conv(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_mem(4)
 def test_gpu_bf16_real_shape(gpu):
     # 8192 tokens in four ragged sequences, H = 32: the benchmark's regime.
     lengths = [1, 3000, 4127, 1064]
