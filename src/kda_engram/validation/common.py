@@ -36,6 +36,7 @@ __all__ = [
     "check_index_values",
     "index_rule_messages",
     "read_back",
+    "can_read_back",
 ]
 
 
@@ -252,6 +253,16 @@ class DeviceChecks:
             if got[flag]:
                 message = rule[2] if rule[0] == "flag" else rule[3]
                 raise ValueError(message.format(*(got[d] for d in details)))
+
+
+def can_read_back() -> bool:
+    """Whether a host read-back is allowed now: not while a CUDA graph is being
+    captured on the current stream (a sync is illegal there) nor while
+    ``torch.compile`` traces (``.tolist()`` would break the graph). Entry points
+    that run their device rules by default skip them there (host rules only)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class _SideSlot:
