@@ -154,6 +154,18 @@ def test_fp16_inputs():
     close(final, f_nv, atol=5e-2)
 
 
+def test_bf16_inputs_on_every_path():
+    """Issue 36: all-bf16 inputs (K = 16, two sequences) give the reference's result
+    on the CPU too (the interpreter's tl.dot is wrong on bf16 operands: the
+    interpreter path multiplies in fp32; before, max|o| was 6.8e9 against 0.23)."""
+    raw, cu = make_raw([64, 16], H=1, K=16, V=16, seed=7, dtype=torch.bfloat16)
+    o, final = chunk_kda_prefill(**raw, cu_seqlens=cu, output_final_state=True)
+    assert o.dtype == torch.bfloat16
+    o_nv, f_nv, _ = naive_recurrent_kda(**raw, cu_seqlens=cu, output_final_state=True)
+    close(o, o_nv, atol=3e-2)
+    close(final, f_nv, atol=5e-2)
+
+
 def test_head_dim_128():
     raw, cu = make_raw([65, 64], H=1, K=128, V=128, seed=6)
     h0 = torch.randn(2, 1, 128, 128)
