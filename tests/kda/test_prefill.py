@@ -201,6 +201,8 @@ def _bad_cases():
         ("raw_beta_wrong_shape", dict(raw_beta=torch.zeros(1, 200, H, 1)), ValueError, "raw_beta"),
         ("cu_float", dict(cu_seqlens=torch.tensor([0.0, 64.0, 160.0, 200.0])), TypeError, "cu_seqlens"),
         ("cu_short_of_T", dict(cu_seqlens=torch.tensor([0, 64, 160, 190])), ValueError, "cu_seqlens"),
+        ("final_state_flag_a_string", dict(output_final_state="yes"), TypeError,
+         "output_final_state: expected a bool, got str"),  # issue 36: was read as true
     ]
 
 

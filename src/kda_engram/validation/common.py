@@ -40,6 +40,15 @@ __all__ = [
 ]
 
 
+#: Whether the interpreter was on when this module was imported. Triton picks
+#: interpreted or compiled kernels when a module's ``@triton.jit`` runs, and every
+#: kernel module imports this one first, so this says how the package's kernels
+#: were built: with ``TRITON_INTERPRET=1`` set only afterwards, a CPU tensor would
+#: reach a compiled kernel (Triton's "0 active drivers"), which
+#: :func:`check_kernel_device` refuses in one line instead.
+KERNELS_INTERPRETED = platform.interpreting()
+
+
 def _names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
@@ -87,6 +96,11 @@ def check_kernel_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: the kernels need tensors on a CUDA/ROCm device, got one on {x.device}; "
             "to run them on the CPU, set TRITON_INTERPRET=1 before importing kda_engram"
+        )
+    if x.device.type != "cuda" and not KERNELS_INTERPRETED:
+        raise ValueError(
+            f"{name}: got a tensor on {x.device}, but TRITON_INTERPRET=1 was set after kda_engram's kernels were "
+            "imported (they were built for a GPU); set it before the first import, e.g. TRITON_INTERPRET=1 python ..."
         )
 
 

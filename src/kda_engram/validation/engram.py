@@ -18,12 +18,14 @@ from .common import (
     check_kernel_device,
     check_real,
     check_index_values,
+    check_int,
     check_tensor,
     value_at,
 )
 
 __all__ = [
     "check_gate_scalars",
+    "check_tp_rank",
     "check_gate_common",
     "check_column_sizes",
     "check_finite_weight",
@@ -32,6 +34,15 @@ __all__ = [
     "check_engram_batch",
     "check_token_offsets",
 ]
+
+
+def check_tp_rank(rank, tp_size) -> None:
+    """``tp_size``: an int >= 1; ``rank``: an int in ``[0, tp_size)`` (bools refused:
+    ``rank=True`` is a bug, not rank 1)."""
+    check_int("tp_size", tp_size, low=1)
+    check_int("rank", rank)
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank: expected an int in [0, {tp_size}), got {rank!r}")
 
 
 def check_gate_scalars(eps, clamp_value) -> None:

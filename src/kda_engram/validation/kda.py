@@ -24,6 +24,7 @@ from .common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     DeviceChecks,
+    check_bool,
     check_index_values,
     value_at,
     check_kernel_device,
@@ -75,6 +76,7 @@ def check_state_structure(initial_state, output_final_state, state_cache, state_
     """Argument combinations of the state and checkpoint arguments (host only: the
     entry points run it even with ``check_inputs=False``, since a wrong combination
     would drop state silently)."""
+    check_bool("output_final_state", output_final_state)  # "yes" would otherwise read as true
     if state_cache is not None:
         if initial_state is not None or output_final_state:
             raise ValueError(
