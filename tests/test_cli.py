@@ -50,6 +50,10 @@ def nothing_runs(monkeypatch):
     (["check", "--examples", "-2"], "--examples: expected at least 1 case per kernel, got -2"),
     (["demo", "--seed", "x"], "--seed: expected an integer, got 'x'"),
     (["bench", "nonsense"], "invalid choice: 'nonsense'"),
+    # issue 36: was torch's "Overflow when unpacking long long" after the run started
+    (["demo", "--seed", "99999999999999999999999"], "--seed: expected at most 9223372036854775807"),
+    (["check", "--seed", "99999999999999999999999"], "--seed: expected at most 9223372036854775807"),
+    (["demo", "--bogus"], "kda-engram demo: error: unrecognized arguments: --bogus"),  # names the subcommand
 ])
 def test_bad_options_are_one_line_and_exit_2(capsys, nothing_runs, argv, says):
     assert says in _refused(capsys, argv)
@@ -118,3 +122,38 @@ def test_the_installed_entry_point_refuses_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip() == "kda-engram demo: error: --device: expected one of cpu, cuda, got 'tpu'"
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_version(capsys):
+    from kda_engram import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kda-engram {__version__}"
+
+
+def test_cpu_with_the_interpreter_turned_off_is_one_line_and_exit_2(capsys, monkeypatch, nothing_runs):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    err = _fails(capsys, ["demo", "--device", "cpu"])
+    assert "TRITON_INTERPRET=0 is set" in err and "TRITON_INTERPRET=1" in err
+
+
+def test_interpreter_set_after_import_is_one_line():
+    # A fresh process: the kernels are imported with the interpreter off, then it is turned on.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SRC)
+    code = (
+        "import os, torch\n"
+        "from kda_engram.kda.decode import kda_decode\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "x = torch.zeros(1, 1, 16)\n"
+        "try:\n"
+        "    kda_decode(x, x, x, x, torch.zeros(1, 1), torch.zeros(1), torch.zeros(16), torch.zeros(2, 1, 16, 16),\n"
+        "               torch.tensor([0]))\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "TRITON_INTERPRET=1 was set after kda_engram's kernels were imported" in done.stdout

@@ -108,8 +108,7 @@ CASES = {"kda-prefill": _case_prefill, "kda-decode": _case_decode, "engram": _ca
 def run_check(device: str | None = None, examples: int = 20, seed: int = 0) -> int:
     if examples < 1:
         raise ValueError(f"examples: expected a positive number of cases per kernel, got {examples}")
-    if seed < 0:
-        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    check_seed(seed)
     dev = pick_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     checks = Checks()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kda_engram import __version__
 from kda_engram.bench import BENCH_DIR_ENV, BENCHMARKS
+from kda_engram.reporting import MAX_SEED
 
 
 class _Parser(argparse.ArgumentParser):
@@ -15,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int_at_least(low: int, what: str):
+def _int_in(low: int, what: str, high: int | None = None, too_big: str = ""):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -23,13 +25,15 @@ def _int_at_least(low: int, what: str):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected {too_big}, got {value}")
         return value
 
     return parse
 
 
-_seed = _int_at_least(0, "a non-negative integer")
-_examples = _int_at_least(1, "at least 1 case per kernel")
+_seed = _int_in(0, "a non-negative integer", MAX_SEED, f"at most {MAX_SEED} (a signed 64-bit seed)")
+_examples = _int_in(1, "at least 1 case per kernel")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -61,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Triton kernels for Kimi Delta Attention and DeepSeek Engram: "
         "run the demo, the benchmarks against the peers, or a correctness sweep.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
@@ -116,7 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     from kda_engram.bench import BenchmarksNotFound, NeedsGPU
     from kda_engram.reporting import DeviceError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # blamed on the subcommand that was given them (argparse blames the top level)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except (DeviceError, BenchmarksNotFound, NeedsGPU) as exc:

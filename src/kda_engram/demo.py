@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from kda_engram.reporting import Checks, pick_device
+from kda_engram.reporting import Checks, check_seed, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0
@@ -456,8 +456,7 @@ def run_demo(device: str | None = None, seed: int = 0, small: bool = False, conf
 
     ``small`` forces the CPU-sized configuration on a GPU (the CPU always uses it);
     ``config`` replaces the configuration altogether (the tests shrink it)."""
-    if seed < 0:
-        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    check_seed(seed)
     dev = pick_device(device)
     # Kernel modules are imported only from here on, after pick_device has set up
     # the interpreter for a CPU run.

@@ -63,7 +63,7 @@ from .kda.fused_decode import fused_kda_decode_step as _fused_kda_decode_step
 from .kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from .kda.prologue import fused_kda_prologue as _fused_kda_prologue
 from .validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from .validation.engram import check_gate_common, check_gate_scalars, check_hash_arguments
+from .validation.engram import check_gate_common, check_gate_scalars, check_hash_arguments, check_tp_rank
 from .validation.kda import (
     check_chunk_operands,
     check_conv_checkpoint,
@@ -488,8 +488,7 @@ def _(hidden_states, kv_local, q_weight, k_weight, rank, tp_size):
 def engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, *, rank: int, tp_size: int) -> Tensor:
     """:func:`kda_engram.engram.sharded_gate.engram_gate_partials` as an op."""
     check_gate_common(hidden_states, q_weight, k_weight, None, None)
-    if not isinstance(tp_size, int) or tp_size < 1 or not isinstance(rank, int) or not 0 <= rank < tp_size:
-        raise ValueError(f"rank, tp_size: expected ints with 0 <= rank < tp_size, got {rank!r}, {tp_size!r}")
+    check_tp_rank(rank, tp_size)
     return _engram_gate_partials_op(hidden_states, kv_local, q_weight, k_weight, rank, tp_size)
 
 

@@ -13,6 +13,23 @@ import time
 
 import torch
 
+from kda_engram.platform import interpreting
+
+#: The largest seed torch's generators take (a signed 64-bit integer).
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed) -> None:
+    """``seed``: an int in ``[0, MAX_SEED]`` (one line otherwise, not torch's
+    "Overflow when unpacking long long" from deep inside a run)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    if seed > MAX_SEED:
+        raise ValueError(f"seed: expected at most {MAX_SEED} (a signed 64-bit seed), got {seed}")
+
+
 #: Device types the tools run on (a ROCm build of torch names its GPUs ``cuda`` too).
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -45,6 +62,10 @@ def pick_device(device: str | torch.device | None) -> torch.device:
             raise DeviceError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
     if dev.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        if not interpreting():
+            raise DeviceError(f"--device {device}: the kernels run on the CPU only under the Triton interpreter, "
+                              f"but TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} is set; unset it or set "
+                              "TRITON_INTERPRET=1")
     return dev
 
 

@@ -8,6 +8,8 @@ runs are in tests/engram/test_module.py.
 import pytest
 import torch
 
+from kda_engram import ops
+
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.reference import engram_gate_sharded_ref, engram_post_wkv_ref, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, pair_elems, send_width
@@ -178,6 +180,10 @@ def test_bad_input_raises_clear_errors():
         engram_gate_partials(h16, shard_kv_by_dim(kv16, hc, 2)[0], q[:, :90], k[:, :90], rank=0, tp_size=2)
     with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\)"):
         engram_gate_partials(hidden, local, q, k, rank=2, tp_size=2)
+    with pytest.raises(TypeError, match="rank: expected an int, got bool"):  # issue 36: True is not rank 1
+        engram_gate_partials(hidden, local, q, k, rank=True, tp_size=2)
+    with pytest.raises(TypeError, match="rank: expected an int, got bool"):
+        ops.engram_gate_partials(hidden, local, q, k, rank=True, tp_size=2)
     with pytest.raises(ValueError, match=r"kv_local: expected shape \[4, 144\]"):
         engram_gate_partials(hidden, kv, q, k, rank=0, tp_size=2)
     with pytest.raises(TypeError, match="hidden_states, kv_local: expected one dtype"):

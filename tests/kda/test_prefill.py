@@ -154,6 +154,18 @@ def test_fp16_inputs():
     close(final, f_nv, atol=5e-2)
 
 
+def test_bf16_inputs_on_every_path():
+    """Issue 36: all-bf16 inputs (K = 16, two sequences) give the reference's result
+    on the CPU too (the interpreter's tl.dot is wrong on bf16 operands: the
+    interpreter path multiplies in fp32; before, max|o| was 6.8e9 against 0.23)."""
+    raw, cu = make_raw([64, 16], H=1, K=16, V=16, seed=7, dtype=torch.bfloat16)
+    o, final = chunk_kda_prefill(**raw, cu_seqlens=cu, output_final_state=True)
+    assert o.dtype == torch.bfloat16
+    o_nv, f_nv, _ = naive_recurrent_kda(**raw, cu_seqlens=cu, output_final_state=True)
+    close(o, o_nv, atol=3e-2)
+    close(final, f_nv, atol=5e-2)
+
+
 def test_head_dim_128():
     raw, cu = make_raw([65, 64], H=1, K=128, V=128, seed=6)
     h0 = torch.randn(2, 1, 128, 128)
@@ -189,6 +201,8 @@ def _bad_cases():
         ("raw_beta_wrong_shape", dict(raw_beta=torch.zeros(1, 200, H, 1)), ValueError, "raw_beta"),
         ("cu_float", dict(cu_seqlens=torch.tensor([0.0, 64.0, 160.0, 200.0])), TypeError, "cu_seqlens"),
         ("cu_short_of_T", dict(cu_seqlens=torch.tensor([0, 64, 160, 190])), ValueError, "cu_seqlens"),
+        ("final_state_flag_a_string", dict(output_final_state="yes"), TypeError,
+         "output_final_state: expected a bool, got str"),  # issue 36: was read as true
     ]
 
 

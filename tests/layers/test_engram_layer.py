@@ -209,14 +209,44 @@ def test_bad_input():
     two = dict(cu_seqlens=torch.tensor([0, 4, 7]), slot_indices=torch.tensor([0, 1]),
                has_initial_state=torch.tensor([True, False]))
     EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([2, 0])).validate(7, 3)
-    with pytest.raises(ValueError, match=r"checkpoint_offsets\[1\]: expected 0 <= p <= 3, got 5"):
+    with pytest.raises(ValueError, match=r"checkpoint_offsets\[1\]: expected 0 <= p <= the sequence length 3, got 5"):
         EngramBatch(**two, checkpoint_offsets=torch.tensor([0, 5]), checkpoint_indices=torch.tensor([2, 2])).validate(7)
-    with pytest.raises(ValueError, match="checkpoint_indices: non-negative entries must be distinct"):
+    with pytest.raises(ValueError, match="checkpoint_indices \\(history rows written this step\\): non-negative entries must be distinct"):
         EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([1, 2])).validate(7, 3)
-    with pytest.raises(ValueError, match="slot_indices: non-negative entries must be distinct"):
+    with pytest.raises(ValueError, match="slot_indices/checkpoint_indices .*: non-negative entries must be distinct"):
         EngramBatch(torch.tensor([0, 4, 7]), torch.tensor([1, 1]), torch.tensor([True, True])).validate(7, 3)
-    with pytest.raises(ValueError, match="cu_seqlens: expected non-decreasing offsets from 0 to T=7, got first 0 last 6"):
+    with pytest.raises(ValueError, match="batch.cu_seqlens: expected offsets from 0 to T=7, got first 0 last 6"):
         EngramBatch(torch.tensor([0, 4, 6]), torch.tensor([0, 1]), torch.tensor([True, True])).validate(7)
+
+
+HASH_BAD = [
+    # (name, message, token ids, batch): no EngramBatch.validate before the step.
+    ("token_id_past_the_vocabulary", r"token_ids: expected ids in \[0, 30\).* got \[0, 1000000\]",
+     lambda: torch.tensor([0, 1, 10**6, 3, 4]), lambda: EngramBatch.from_query_lens(torch.tensor([1, 4]), torch.tensor([0, 1]))),
+    ("slot_past_the_cache", "entries must be < 4 .* got max 9",
+     lambda: torch.tensor([0, 1, 2, 3, 4]), lambda: EngramBatch.from_query_lens(torch.tensor([1, 4]), torch.tensor([0, 9]))),
+    ("token_count_mismatch", "batch.cu_seqlens: expected offsets from 0 to T=5, got first 0 last 3",
+     lambda: torch.tensor([0, 1, 2, 3, 4]), lambda: EngramBatch.from_query_lens(torch.tensor([1, 2]), torch.tensor([0, 1]))),
+    ("decreasing_cu_seqlens", r"batch.cu_seqlens: expected non-decreasing offsets, got batch.cu_seqlens\[2\] = 1 after 4",
+     lambda: torch.tensor([0, 1, 2, 3, 4]),
+     lambda: EngramBatch(torch.tensor([0, 4, 1, 5]), torch.tensor([0, 1, 2]), torch.tensor([True, True, True]))),
+    ("checkpoint_on_a_slot", "distinct", lambda: torch.tensor([0, 1, 2, 3, 4]),
+     lambda: EngramBatch.from_query_lens(torch.tensor([1, 4]), torch.tensor([0, 1]), checkpoint_offsets=torch.tensor([0, 2]),
+                                         checkpoint_indices=torch.tensor([-1, 0]))),
+]
+
+
+@pytest.mark.parametrize("name, message, make_ids, make_batch", HASH_BAD, ids=[c[0] for c in HASH_BAD])
+def test_refused_hash_step_leaves_the_history_cache_bit_identical(name, message, make_ids, make_batch):
+    """Issue 36: engram_hash_step checks the token ids (as ngram_hash does) and the
+    batch before writing the history cache; a refusal is one line, the cache intact."""
+    layout = make_layout()
+    cache = torch.randint(0, VOCAB, (4, 2), generator=torch.Generator().manual_seed(2))
+    before = cache.clone()
+    with pytest.raises(ValueError, match=message) as info:
+        engram_hash_step(make_ids(), make_batch(), layout, cache)
+    assert "\n" not in str(info.value)
+    assert torch.equal(cache, before)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ CUDA-graph capture and ``torch.compile(fullgraph=True)`` of a mixed step of both
 serving layers.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -261,6 +262,60 @@ def test_forward_and_batch_errors():
         clash.validate(71, 4, 4)
     with pytest.raises(ValueError, match="entries must be < 4"):
         KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([4]), num_decode=1).validate(1, 4, 4)
+
+
+# --------------------------------------------------- refusals leave every cache intact
+
+
+def _replace(batch, **fields):
+    return dataclasses.replace(batch, **fields)
+
+
+def _mixed(state_rows=(0, 1), lens=(1, 10), **kw):
+    return KDABatch.from_query_lens(torch.tensor(list(lens)), torch.tensor(list(state_rows)), num_decode=1, **kw)
+
+
+# (name, expected error, message regex, batch, tokens): every batch has a valid decode
+# row, so a check run after the decode launch would leave its write behind.
+LAYER_BAD = [
+    ("float_cu_seqlens", TypeError, "batch.prefill_cu_seqlens: expected dtype",
+     lambda: _replace(_mixed(), prefill_cu_seqlens=_mixed().prefill_cu_seqlens.float()), 11),
+    ("float_checkpoint_offsets", TypeError, "batch.checkpoint_offsets: expected dtype",
+     lambda: _replace(_mixed(checkpoint_offsets=torch.tensor([0, 0]), checkpoint_indices=torch.tensor([-1, 2])),
+                      checkpoint_offsets=torch.tensor([0.0])), 11),
+    ("decode_row_past_the_cache", ValueError, "entries must be < 4 .* got max 1000", lambda: _mixed((1000, 1)), 11),
+    ("prefill_row_past_the_cache", ValueError, "entries must be < 4 .* got max 1000", lambda: _mixed((0, 1000)), 11),
+    ("conv_row_past_the_cache", ValueError, "conv_indices.* got max 9",
+     lambda: _mixed(conv_state_indices=torch.tensor([0, 9])), 11),
+    ("token_count_mismatch", ValueError, "prefill_cu_seqlens: must end at T=19", lambda: _mixed(), 20),
+    ("duplicate_rows", ValueError, "distinct", lambda: _mixed((1, 1)), 11),
+    ("checkpoint_offset_not_aligned", ValueError, "checkpoint_offsets\\[0\\]: expected 0 \\(none\\) or a multiple of 64",
+     lambda: _mixed(checkpoint_offsets=torch.tensor([0, 32]), checkpoint_indices=torch.tensor([-1, 2])), 11),
+    ("checkpoint_on_a_written_row", ValueError, "distinct",
+     lambda: _mixed(lens=(1, 64), checkpoint_offsets=torch.tensor([0, 64]), checkpoint_indices=torch.tensor([-1, 0])),
+     65),
+    ("decode_query_len_3", ValueError, "query_lens\\[0\\]: the first num_decode=1 .* got 3", lambda: _mixed(lens=(3, 10)), 11),
+]
+
+
+@pytest.mark.parametrize("name, error, message, make_batch, tokens", LAYER_BAD, ids=[c[0] for c in LAYER_BAD])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_decode", "unfused_decode"])
+def test_refused_mixed_step_leaves_every_cache_bit_identical(name, error, message, make_batch, tokens, fused):
+    """Issue 36: a refused mixed step (no KDABatch.validate) raises one line naming
+    the argument and writes neither cache, whatever the rule (host or device)."""
+    layer, _ = make_layer(2)
+    layer.fused_decode = fused
+    sc, cs = layer.allocate_cache(4)
+    gen = torch.Generator().manual_seed(5)
+    sc.copy_(torch.randn(sc.shape, generator=gen))
+    cs.copy_(torch.randn(cs.shape, generator=gen))
+    sc[::2] = math.nan  # NaN sentinels: compared bit for bit
+    sc0, cs0 = sc.clone(), cs.clone()
+    with pytest.raises(error, match=message) as info:
+        layer(torch.randn(tokens, HID, generator=gen), make_batch(), sc, cs)
+    assert "\n" not in str(info.value)
+    assert torch.equal(sc.view(torch.int32), sc0.view(torch.int32))
+    assert torch.equal(cs.view(torch.int32), cs0.view(torch.int32))
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kda_engram.validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
-from kda_engram.validation.engram import check_gate_common, check_gate_scalars
+from kda_engram.validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
 from kda_engram.engram.gate import (
     _check_num_warps,
     _load_qk,
@@ -268,9 +268,8 @@ def engram_gate_partials(
     """
     if check_inputs:
         T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, None, None)
+        check_tp_rank(rank, tp_size)
         width = _check_slice(dim, tp_size, kv_local.dtype if isinstance(kv_local, torch.Tensor) else hidden_states.dtype)
-        if not isinstance(rank, int) or not 0 <= rank < tp_size:
-            raise ValueError(f"rank: expected an int in [0, {tp_size}), got {rank!r}")
         check_tensor("kv_local", kv_local, shape=(T, (hc + 1) * width), dtypes=FLOAT_DTYPES, device=hidden_states.device)
         check_same_dtype(("hidden_states", "kv_local"), (hidden_states, kv_local))
         if out is not None:

@@ -290,6 +290,10 @@ def fused_kda_chunk(
                  for name, (off, shape) in layout.items() if name != "numel"}
 
     interp = interpreting()
+    if interp and qg.dtype == torch.bfloat16:
+        # The interpreter's tl.dot is wrong on bf16 operands: walk fp32 copies of
+        # them on the CPU path (the compiled kernels read the caller's tensors).
+        qg, w, u, kg_t, aqk = (x.float() for x in (qg, w, u, kg_t, aqk))
     launch = chunk_launch(config, num_seqs=num_seqs, n_groups=n_groups, num_heads=H, head_k=K, head_v=V,
                           ieee_operands=qg.dtype == torch.float32, arch=arch(device),
                           compute_units=num_compute_units(device), interpret=interp)

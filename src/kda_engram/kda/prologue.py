@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
 from ..launch_config import prologue_warps_for
-from ..platform import arch, is_gpu
+from ..platform import arch, interpreting, is_gpu
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
@@ -539,7 +539,10 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
     exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
     if exact_diag:
         shift = 0.0
-    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
+    # bf16 tensor-core operands when compiled; fp32 under the interpreter, whose
+    # tl.dot is wrong on bf16 operands (the CPU path then computes what the GPU
+    # does up to the operand rounding).
+    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
 
     if dt_bias.dim() == 1:
         sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)

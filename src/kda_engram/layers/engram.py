@@ -51,7 +51,8 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.engram import check_engram_batch, check_hash_arguments
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout
 from ..engram.module import Engram, GateKernels
@@ -159,45 +160,11 @@ class EngramBatch:
 
     def validate(self, num_tokens: int, history_slots: int | None = None) -> None:
         """Checks of every field: the host rules at once, the rules on device values
-        (offsets, slots, checkpoints) read back in one transfer (a sync; eager only)."""
-        check_tensor("cu_seqlens", self.cu_seqlens, shape=[None], dtypes=INDEX_DTYPES)
-        dev = self.cu_seqlens.device
-        N = self.cu_seqlens.numel() - 1
-        if N < 0:
-            raise ValueError("cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
-        check_tensor("slot_indices", self.slot_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("has_initial_state", self.has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
-        for name in ("dead_mask", "token_mask"):
-            x = getattr(self, name)
-            if x is not None:
-                dts = (torch.bool,) if name == "token_mask" else (torch.bool, torch.uint8, torch.int8)
-                check_tensor(name, x, shape=[num_tokens], dtypes=dts, device=dev)
-        if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
-            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
-        if self.checkpoint_offsets is not None:
-            check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        (offsets, slots, checkpoints) read back in one transfer (a sync; eager only).
+        The rules are :func:`kda_engram.validation.engram.check_engram_batch`, the
+        ones :func:`engram_hash_step` runs by default."""
         checks = DeviceChecks()
-        cu = self.cu_seqlens.to(torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        bad = (cu[0] != 0) | (cu[-1] != num_tokens)
-        if N:
-            bad = bad | (lengths < 0).any()
-        checks.add(bad, f"cu_seqlens: expected non-decreasing offsets from 0 to T={num_tokens}, got first {{}} "
-                   "last {}", cu[0], cu[-1])
-        if history_slots is not None:
-            check_index_values(checks, "slot_indices", self.slot_indices, history_slots)
-        if self.checkpoint_offsets is not None and N:
-            offs = self.checkpoint_offsets.to(torch.int64)
-            bad = (offs < 0) | (offs > lengths)
-            first = torch.argmax(bad.to(torch.int8))
-            checks.add(bad.any(), "checkpoint_offsets[{}]: expected 0 <= p <= {}, got {}", first,
-                       value_at(lengths, first), value_at(offs, first))
-            if history_slots is not None:
-                # Only sequences that take a checkpoint claim a row; with the slots, rows distinct.
-                rows = torch.where(offs > 0, self.checkpoint_indices.to(torch.int64), -1)
-                check_index_values(checks, "checkpoint_indices",
-                                   torch.cat([self.slot_indices.to(torch.int64), rows]), history_slots)
+        check_engram_batch(self, num_tokens, None, checks, history_slots=history_slots)
         checks.run()
 
 
@@ -226,18 +193,39 @@ def engram_hash_step(
             ``token_ids``), read at and written back to the batch's slots in place;
             checkpoint rows are written too.
         token_map, global_rows: as in :func:`~kda_engram.engram.hashing.ngram_hash`.
-        check_inputs: host-only checks (shapes, dtypes; no device reads). Call
-            :meth:`EngramBatch.validate` for the syncing ones.
+        check_inputs: every rule before any write: host rules at once; the rules on
+            device values (:func:`~kda_engram.validation.engram.check_engram_batch`
+            and the token ids against the vocabulary) queued, the launches run on
+            guarded copies of the batch (every row "none", every sequence empty,
+            token ids 0 when a rule is broken: the history cache is not touched),
+            one read-back after them. While a CUDA graph is captured or
+            ``torch.compile`` traces, host rules only (the device values are then
+            the caller's contract; :meth:`EngramBatch.validate` checks them eagerly).
 
     Returns int32 ``[T, n_layers, n_hash_cols]`` table rows.
     """
+    checks = None
     if check_inputs:
         check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-        hist_len = None if isinstance(layout, int) else layout.max_ngram - 1
-        check_tensor("history_cache", history_cache, shape=[None, hist_len], dtypes=INDEX_DTYPES,
-                     device=token_ids.device)
-        check_tensor("batch.slot_indices", batch.slot_indices, shape=[batch.cu_seqlens.shape[0] - 1],
+        if not isinstance(batch, EngramBatch):
+            raise TypeError(f"batch: expected an EngramBatch, got {type(batch).__name__}")
+        eager = can_read_back()
+        # A handle is resolved only eagerly (a registry lookup breaks a Dynamo graph).
+        lay = ops.resolve(layout, EngramLayout) if isinstance(layout, int) and eager else layout
+        known = isinstance(lay, EngramLayout)
+        checks = DeviceChecks() if eager else None
+        check_tensor("history_cache", history_cache, shape=[None, lay.max_ngram - 1 if known else None],
                      dtypes=INDEX_DTYPES, device=token_ids.device)
+        check_engram_batch(batch, token_ids.shape[0], token_ids.device, checks, history_slots=history_cache.shape[0])
+        check_hash_arguments(token_ids, batch.cu_seqlens, lay.max_ngram if known else None,
+                             lay.compressed_vocab_size if known else 0, token_map, None, batch.dead_mask, checks,
+                             check_ids=known, cu_rules=False)
+        if checks is not None:
+            g = checks.guard
+            token_ids = g(token_ids, 0)
+            batch = dataclasses.replace(
+                batch, cu_seqlens=g(batch.cu_seqlens, 0), slot_indices=g(batch.slot_indices, -1),
+                checkpoint_offsets=g(batch.checkpoint_offsets, 0), checkpoint_indices=g(batch.checkpoint_indices, -1))
     hist = ops.engram_history_gather(history_cache, batch.slot_indices, batch.has_initial_state)
     rows = ops.ngram_hash(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
                           token_map=token_map, global_rows=global_rows)
@@ -246,6 +234,8 @@ def engram_hash_step(
         ops.engram_history_checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
                                       batch.checkpoint_indices, history_cache)
     ops.engram_history_scatter(history_cache, batch.slot_indices, new)
+    if checks is not None:
+        checks.run()  # the one read-back, after the guarded launches
     return rows
 
 

@@ -49,11 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..constants import CONV_WIDTH, KDA_CHECKPOINT_ALIGNMENT, KDA_HEAD_DIMS, STATE_DTYPES
+from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..kda.reference import naive_recurrent_kda
 from ..parallel import TensorParallelGroup
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, check_index_values, check_tensor, value_at
-from ..validation.kda import check_state_dtype_match
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.kda import check_kda_batch, check_kda_layer_inputs
 
 __all__ = ["KDABatch", "KimiDeltaAttention", "kda_layer_reference"]
 
@@ -83,6 +83,9 @@ class KDABatch:
       neither): snapshot the state and conv window after ``checkpoint_offsets[n]``
       tokens (0 = none, else a multiple of 64, at most the length) into row
       ``checkpoint_indices[n]`` of the checkpoint buffers (by default the caches).
+    * ``decode_query_lens [B_d]`` (optional; :meth:`from_query_lens` keeps the
+      engine's query lengths of the decode rows here): checked to be 1, so a
+      multi-token request counted as a decode row is refused by its own name.
 
     Build it with :meth:`from_query_lens` (device ops, no sync) or directly;
     :meth:`validate` checks it against the host (syncs: eager only).
@@ -97,6 +100,7 @@ class KDABatch:
     prefill_has_initial_state: torch.Tensor
     checkpoint_offsets: torch.Tensor | None = None
     checkpoint_indices: torch.Tensor | None = None
+    decode_query_lens: torch.Tensor | None = None
 
     @property
     def num_prefill(self) -> int:
@@ -145,7 +149,8 @@ class KDABatch:
             check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             ck_off, ck_idx = checkpoint_offsets[B:], checkpoint_indices[B:]
-        return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx)
+        return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx,
+                   query_lens[:B])
 
     def validate(self, num_tokens: int, state_slots: int | None = None, conv_slots: int | None = None,
                  checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
@@ -155,66 +160,31 @@ class KDABatch:
         ``num_tokens`` is the step's token count (``num_decode`` + prefill tokens).
         With the cache sizes, index ranges and distinctness are checked too: all
         state rows written in the step (decode, prefill, checkpoints) must differ,
-        and so must the conv rows."""
-        B = self.num_decode
-        if not isinstance(B, int) or B < 0:
-            raise TypeError(f"num_decode: expected a non-negative Python int, got {B!r}")
-        check_tensor("decode_state_indices", self.decode_state_indices, shape=[B], dtypes=INDEX_DTYPES)
-        dev = self.decode_state_indices.device
-        check_tensor("decode_conv_indices", self.decode_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("prefill_cu_seqlens", self.prefill_cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=dev)
-        N = self.prefill_cu_seqlens.shape[0] - 1
-        if N < 0:
-            raise ValueError("prefill_cu_seqlens: expected shape [N_p+1] with N_p >= 0, got [0]")
-        for name in ("prefill_state_indices", "prefill_conv_indices"):
-            check_tensor(name, getattr(self, name), shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("prefill_has_initial_state", self.prefill_has_initial_state, shape=[N], dtypes=(torch.bool,),
-                     device=dev)
-        if num_tokens < B:
-            raise ValueError(f"hidden_states: {num_tokens} tokens cannot hold num_decode={B} decode rows")
-        if (self.checkpoint_offsets is None) != (self.checkpoint_indices is None):
-            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
-        # The value rules are vectorised and read back together (one sync).
+        and so must the conv rows. The rules are
+        :func:`kda_engram.validation.kda.check_kda_batch`, the ones the layer's
+        forward runs by default."""
         checks = DeviceChecks()
-        cu = self.prefill_cu_seqlens.to(torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        checks.add((cu[0] != 0) | (cu[-1] != num_tokens - B) | (lengths < 0).any(),
-                   f"prefill_cu_seqlens: expected non-decreasing offsets from 0 to the {num_tokens - B} prefill "
-                   "tokens, got {} to {}", cu[0], cu[-1])
-        ck_rows = torch.zeros(0, dtype=torch.int64, device=dev)
-        if self.checkpoint_offsets is not None:
-            check_tensor("checkpoint_offsets", self.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            check_tensor("checkpoint_indices", self.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            offs = self.checkpoint_offsets.to(torch.int64)
-            if N:
-                bad = (offs < 0) | (offs % KDA_CHECKPOINT_ALIGNMENT != 0) | (offs > lengths)
-                first = torch.argmax(bad.to(torch.int8))
-                checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or a multiple of "
-                           f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}",
-                           first, value_at(lengths, first), value_at(offs, first))
-            # Only sequences that take a checkpoint claim a row (-1: none).
-            ck_rows = torch.where(offs > 0, self.checkpoint_indices.to(torch.int64), -1)
-            if checkpoint_rows is not None:
-                check_index_values(checks, "checkpoint_indices", ck_rows, checkpoint_rows)
-            if conv_checkpoint_rows is not None:
-                check_index_values(checks, "checkpoint_indices", ck_rows, conv_checkpoint_rows)
-        cat = lambda *xs: torch.cat([x.to(torch.int64) for x in xs])  # noqa: E731
-        if state_slots is not None:
-            rows = cat(self.decode_state_indices, self.prefill_state_indices)
-            check_index_values(checks, "decode_state_indices/prefill_state_indices", rows, state_slots)
-            if checkpoint_rows is None:  # checkpoints into the state cache itself
-                check_index_values(checks, "state rows written this step (decode, prefill, checkpoints)",
-                                   torch.cat([rows, ck_rows]), state_slots)
-        if conv_slots is not None:
-            rows = cat(self.decode_conv_indices, self.prefill_conv_indices)
-            check_index_values(checks, "decode_conv_indices/prefill_conv_indices", rows, conv_slots)
-            if conv_checkpoint_rows is None:
-                check_index_values(checks, "conv rows written this step (decode, prefill, checkpoints)",
-                                   torch.cat([rows, ck_rows]), conv_slots)
+        check_kda_batch(self, num_tokens, None, checks, state_slots=state_slots, conv_slots=conv_slots,
+                        checkpoint_rows=checkpoint_rows, conv_checkpoint_rows=conv_checkpoint_rows)
         checks.run()
 
 
 # --------------------------------------------------------------------------- layer
+
+
+def _guarded(batch: KDABatch, checks: DeviceChecks) -> KDABatch:
+    """``batch`` with the index tensors the kernels use guarded by ``checks``
+    (:meth:`DeviceChecks.guard`): when a queued rule is broken every row is -1
+    (none), every prefill sequence empty and every checkpoint offset 0, so the
+    launches write no cache row. Device ops only."""
+    g = checks.guard
+    return dataclasses.replace(
+        batch,
+        decode_state_indices=g(batch.decode_state_indices, -1), decode_conv_indices=g(batch.decode_conv_indices, -1),
+        prefill_cu_seqlens=g(batch.prefill_cu_seqlens, 0), prefill_state_indices=g(batch.prefill_state_indices, -1),
+        prefill_conv_indices=g(batch.prefill_conv_indices, -1), checkpoint_offsets=g(batch.checkpoint_offsets, 0),
+        checkpoint_indices=g(batch.checkpoint_indices, -1),
+    )
 
 
 def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
@@ -449,36 +419,6 @@ class KimiDeltaAttention(nn.Module):
 
     # -- forward ----------------------------------------------------------------------
 
-    def _check_forward(self, hidden_states, batch, state_cache, conv_state, checkpoint_state, checkpoint_conv_state):
-        wt = self.in_proj.weight
-        check_tensor("hidden_states", hidden_states, shape=[None, self.hidden_size], dtypes=(wt.dtype,),
-                     device=wt.device)
-        if not isinstance(batch, KDABatch):
-            raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
-        H, K = self.local_heads, self.head_dim
-        check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=STATE_DTYPES, device=wt.device)
-        check_tensor("conv_state", conv_state, shape=[None, self.conv_channels, self.conv_size - 1],
-                     dtypes=FLOAT_DTYPES, device=wt.device)
-        if checkpoint_state is not None:
-            check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=STATE_DTYPES,
-                         device=wt.device)
-            check_state_dtype_match(["state_cache", "checkpoint_state"], [state_cache, checkpoint_state])
-        if checkpoint_conv_state is not None:
-            check_tensor("checkpoint_conv_state", checkpoint_conv_state,
-                         shape=[None, self.conv_channels, self.conv_size - 1], dtypes=FLOAT_DTYPES, device=wt.device)
-        T, B = hidden_states.shape[0], batch.num_decode
-        if T < B or (batch.num_prefill == 0 and T != B):
-            raise ValueError(f"hidden_states: {T} tokens do not match num_decode={B} decode rows and "
-                             f"{batch.num_prefill} prefill sequences")
-        for name in ("decode_state_indices", "decode_conv_indices"):
-            check_tensor(f"batch.{name}", getattr(batch, name), shape=[batch.num_decode], dtypes=INDEX_DTYPES,
-                         device=wt.device)
-        N = batch.prefill_cu_seqlens.shape[0] - 1
-        for name in ("prefill_state_indices", "prefill_conv_indices"):
-            check_tensor(f"batch.{name}", getattr(batch, name), shape=[N], dtypes=INDEX_DTYPES, device=wt.device)
-        check_tensor("batch.prefill_has_initial_state", batch.prefill_has_initial_state, shape=[N],
-                     dtypes=(torch.bool,), device=wt.device)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -498,15 +438,36 @@ class KimiDeltaAttention(nn.Module):
             conv_state: ``[slots, 2HK + HV, 3]`` conv windows, updated in place.
             checkpoint_state / checkpoint_conv_state: where the batch's checkpoints go
                 (rows ``batch.checkpoint_indices``); default the caches themselves.
-            check_inputs: host-only checks of shapes, dtypes and devices (no device
-                reads, so they are safe under capture). Index ranges and offsets are
-                the caller's contract; check them eagerly with :meth:`KDABatch.validate`.
+            check_inputs: every rule of the step before any launch that writes a
+                cache: the host rules raise at once; the rules on the batch's device
+                values (:func:`~kda_engram.validation.kda.check_kda_batch`: offsets,
+                rows in range and distinct, the token count) are queued, the launches
+                run on guarded copies of the batch's index tensors (all rows "none"
+                and every sequence empty when a rule is broken, so no cache row is
+                touched) and the verdict is read back once after them. While a CUDA
+                graph is being captured or ``torch.compile`` traces, only the host
+                rules run (a read-back is not allowed there): the device values are
+                then the caller's contract, as with ``False`` (check them eagerly
+                with :meth:`KDABatch.validate`).
 
         Under tensor parallelism the result is all-reduced over the group.
         """
+        checks = None
         if check_inputs:
-            self._check_forward(hidden_states, batch, state_cache, conv_state, checkpoint_state,
-                                checkpoint_conv_state)
+            wt = self.in_proj.weight
+            check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
+                                   hidden_size=self.hidden_size, heads=self.local_heads, head_dim=self.head_dim,
+                                   conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
+            if not isinstance(batch, KDABatch):
+                raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
+            checks = DeviceChecks() if can_read_back() else None
+            check_kda_batch(
+                batch, hidden_states.shape[0], wt.device, checks, state_slots=state_cache.shape[0],
+                conv_slots=conv_state.shape[0],
+                checkpoint_rows=None if checkpoint_state is None else checkpoint_state.shape[0],
+                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0])
+            if checks is not None:
+                batch = _guarded(batch, checks)
         T = hidden_states.shape[0]
         B = batch.num_decode
         H, K = self.local_heads, self.head_dim
@@ -565,6 +526,8 @@ class KimiDeltaAttention(nn.Module):
                                         batch.checkpoint_indices,
                                         checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
             parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
+        if checks is not None:
+            checks.run()  # the one read-back, after every launch that writes a cache
         # Decode rows then prefill tokens: together exactly the T rows (checked above).
         z = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H * V))
         y = self.o_proj(z)

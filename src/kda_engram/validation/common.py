@@ -36,7 +36,17 @@ __all__ = [
     "check_index_values",
     "index_rule_messages",
     "read_back",
+    "can_read_back",
 ]
+
+
+#: Whether the interpreter was on when this module was imported. Triton picks
+#: interpreted or compiled kernels when a module's ``@triton.jit`` runs, and every
+#: kernel module imports this one first, so this says how the package's kernels
+#: were built: with ``TRITON_INTERPRET=1`` set only afterwards, a CPU tensor would
+#: reach a compiled kernel (Triton's "0 active drivers"), which
+#: :func:`check_kernel_device` refuses in one line instead.
+KERNELS_INTERPRETED = platform.interpreting()
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:
@@ -86,6 +96,11 @@ def check_kernel_device(name: str, x: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: the kernels need tensors on a CUDA/ROCm device, got one on {x.device}; "
             "to run them on the CPU, set TRITON_INTERPRET=1 before importing kda_engram"
+        )
+    if x.device.type != "cuda" and not KERNELS_INTERPRETED:
+        raise ValueError(
+            f"{name}: got a tensor on {x.device}, but TRITON_INTERPRET=1 was set after kda_engram's kernels were "
+            "imported (they were built for a GPU); set it before the first import, e.g. TRITON_INTERPRET=1 python ..."
         )
 
 
@@ -252,6 +267,16 @@ class DeviceChecks:
             if got[flag]:
                 message = rule[2] if rule[0] == "flag" else rule[3]
                 raise ValueError(message.format(*(got[d] for d in details)))
+
+
+def can_read_back() -> bool:
+    """Whether a host read-back is allowed now: not while a CUDA graph is being
+    captured on the current stream (a sync is illegal there) nor while
+    ``torch.compile`` traces (``.tolist()`` would break the graph). Entry points
+    that run their device rules by default skip them there (host rules only)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class _SideSlot:

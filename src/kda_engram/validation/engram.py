@@ -17,18 +17,32 @@ from .common import (
     DeviceChecks,
     check_kernel_device,
     check_real,
+    check_index_values,
+    check_int,
     check_tensor,
     value_at,
 )
 
 __all__ = [
     "check_gate_scalars",
+    "check_tp_rank",
     "check_gate_common",
     "check_column_sizes",
     "check_finite_weight",
     "check_hash_arguments",
     "check_table_rows",
+    "check_engram_batch",
+    "check_token_offsets",
 ]
+
+
+def check_tp_rank(rank, tp_size) -> None:
+    """``tp_size``: an int >= 1; ``rank``: an int in ``[0, tp_size)`` (bools refused:
+    ``rank=True`` is a bug, not rank 1)."""
+    check_int("tp_size", tp_size, low=1)
+    check_int("rank", rank)
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank: expected an int in [0, {tp_size}), got {rank!r}")
 
 
 def check_gate_scalars(eps, clamp_value) -> None:
@@ -85,13 +99,14 @@ def check_finite_weight(name: str, weight: torch.Tensor, rows: slice, chunk_rows
 
 
 def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vocab: int, token_map, history, dead_mask,
-                         checks: DeviceChecks | None, *, check_ids: bool = True) -> None:
+                         checks: DeviceChecks | None, *, check_ids: bool = True, cu_rules: bool = True) -> None:
     """``ngram_hash`` / ``next_history``: ``token_ids [T]``; ``cu_seqlens [N+1]``
     non-decreasing within ``[0, T]``; ``token_map [vocab]`` with compressed ids in
     ``[0, vocab)``; ``history [N, max_ngram - 1]`` (any width when
     ``layout_max_ngram`` is None); ``dead_mask [T]``. With
     ``checks``, the values are queued (ids of the live tokens and history entries
-    must index the map or the compressed vocabulary)."""
+    must index the map or the compressed vocabulary). ``cu_rules=False``: the
+    caller has queued the ``cu_seqlens`` rules already (:func:`check_engram_batch`)."""
     check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids: expected shape [T] (a flattened varlen batch), got {list(token_ids.shape)}")
@@ -113,12 +128,8 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
                      device=device)
     if checks is None:
         return
-    cu = cu_seqlens.to(torch.int64)
-    bad_cu = (cu[0] < 0) | (cu[-1] > num_tokens)
-    if num_seqs:
-        bad_cu = bad_cu | (cu[1:] < cu[:-1]).any()
-    checks.add(bad_cu, f"cu_seqlens: expected non-decreasing offsets in [0, {num_tokens}] (T = token_ids.shape[0]), "
-               "got first {} last {}", cu[0], cu[-1])
+    if cu_rules:
+        check_token_offsets(checks, "cu_seqlens", cu_seqlens, num_tokens, covers_all=False)
     if token_map is not None and token_map.numel():
         low, high = token_map.min(), token_map.max()
         checks.add((low < 0) | (high >= vocab), f"token_map: expected compressed ids in [0, {vocab}), got [{{}}, {{}}]",
@@ -129,6 +140,7 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
     # Ids of live tokens must index the map (or the compressed vocabulary, whose
     # bound is what keeps tok * mult inside int64): masked min/max, no boolean indexing.
     big = torch.iinfo(torch.int64).max
+    cu = cu_seqlens.to(torch.int64)
     ids = token_ids.to(torch.int64)
     pos = torch.arange(num_tokens, device=device)
     live = (pos >= cu[0]) & (pos < cu[-1]) if num_seqs else torch.zeros_like(pos, dtype=torch.bool)
@@ -165,3 +177,68 @@ def check_table_rows(rows, n_cols: int, allowed_devices, bounds, checks: DeviceC
     checks.add(bad.any(), "rows: entry [{}, {}] = {} lies outside hash column {}'s table [{}, {})",
                t, c, value_at(rows.reshape(-1), first), c, value_at(starts.reshape(-1), c),
                value_at(ends.reshape(-1), c))
+
+
+def check_token_offsets(checks: DeviceChecks, name: str, cu_seqlens: torch.Tensor, num_tokens: int, *,
+                        covers_all: bool) -> None:
+    """Queue: ``cu_seqlens [N+1]`` starts at 0 and ends at ``num_tokens``
+    (``covers_all``) or lies in ``[0, num_tokens]``, and never decreases (the
+    message points at the first decrease)."""
+    cu = cu_seqlens.to(torch.int64)
+    if covers_all:
+        checks.add((cu[0] != 0) | (cu[-1] != num_tokens), f"{name}: expected offsets from 0 to T={num_tokens}, "
+                   "got first {} last {}", cu[0], cu[-1])
+    else:
+        checks.add((cu[0] < 0) | (cu[-1] > num_tokens), f"{name}: expected offsets in [0, {num_tokens}] "
+                   "(T = token_ids.shape[0]), got first {} last {}", cu[0], cu[-1])
+    if cu.numel() > 1:
+        drop = cu[1:] < cu[:-1]
+        i = torch.argmax(drop.to(torch.int8))
+        checks.add(drop.any(), f"{name}: expected non-decreasing offsets, got {name}[{{}}] = {{}} after {{}}",
+                   i + 1, value_at(cu[1:], i), value_at(cu[:-1], i))
+
+
+def check_engram_batch(batch, num_tokens: int, device: torch.device | None, checks: DeviceChecks | None, *,
+                       history_slots: int | None = None) -> None:
+    """An ``EngramBatch`` (:mod:`kda_engram.layers.engram`) of a step of
+    ``num_tokens`` tokens: host rules at once; with ``checks``, the value rules
+    queued: ``cu_seqlens`` from 0 to T, non-decreasing; checkpoint offsets within
+    their sequence; with ``history_slots``, the history rows the step writes
+    (slots and checkpoint rows) in range and distinct.
+
+    Why one function: :meth:`EngramBatch.validate` and :func:`engram_hash_step` run
+    the same rules (the step launches on guarded copies, then reads back)."""
+    check_tensor("batch.cu_seqlens", batch.cu_seqlens, shape=[None], dtypes=INDEX_DTYPES, device=device)
+    dev = batch.cu_seqlens.device
+    N = batch.cu_seqlens.numel() - 1
+    if N < 0:
+        raise ValueError("batch.cu_seqlens: expected shape [N+1] with N >= 0, got [0]")
+    check_tensor("batch.slot_indices", batch.slot_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("batch.has_initial_state", batch.has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
+    if batch.dead_mask is not None:
+        check_tensor("batch.dead_mask", batch.dead_mask, shape=[num_tokens], dtypes=(torch.bool, torch.uint8, torch.int8),
+                     device=dev)
+    if batch.token_mask is not None:
+        check_tensor("batch.token_mask", batch.token_mask, shape=[num_tokens], dtypes=(torch.bool,), device=dev)
+    if (batch.checkpoint_offsets is None) != (batch.checkpoint_indices is None):
+        raise ValueError("batch.checkpoint_offsets and batch.checkpoint_indices: give both or neither")
+    if batch.checkpoint_offsets is not None:
+        check_tensor("batch.checkpoint_offsets", batch.checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("batch.checkpoint_indices", batch.checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    if checks is None:
+        return
+    check_token_offsets(checks, "batch.cu_seqlens", batch.cu_seqlens, num_tokens, covers_all=True)
+    rows = batch.slot_indices.to(torch.int64)
+    if batch.checkpoint_offsets is not None and N:
+        cu = batch.cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        offs = batch.checkpoint_offsets.to(torch.int64)
+        bad = (offs < 0) | (offs > lengths)
+        first = torch.argmax(bad.to(torch.int8))
+        checks.add(bad.any(), "batch.checkpoint_offsets[{}]: expected 0 <= p <= the sequence length {}, got {}",
+                   first, value_at(lengths, first), value_at(offs, first))
+        # Only sequences that take a checkpoint claim a row.
+        rows = torch.cat([rows, torch.where(offs > 0, batch.checkpoint_indices.to(torch.int64), -1)])
+    if history_slots is not None:
+        check_index_values(checks, "batch.slot_indices/checkpoint_indices (history rows written this step)", rows,
+                           history_slots)

@@ -126,11 +126,12 @@ def _cu_seqlens_rules_kernel(cu_ptr, num_seqs, stride, total, verdict_ptr,
     tl.store(verdict_ptr + 5, last)
 
 
-def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all: bool):
+def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all: bool, name: str = "cu_seqlens",
+                     tokens: str = "the tokens of the inputs"):
     """``(verdict, rules)`` for :meth:`~kda_engram.validation.common.DeviceChecks.add_packed`:
     ``cu_seqlens [N+1]`` (N >= 0, checked by the caller) starts at 0, never
-    decreases, and ends at ``total_tokens`` (``covers_all``) or at most there.
-    One launch, no host sync."""
+    decreases, and ends at ``total_tokens`` (``covers_all``) or at most there;
+    ``name`` is the argument the messages blame, ``tokens`` what ``total_tokens`` counts. One launch, no host sync."""
     num_seqs = cu_seqlens.numel() - 1
     verdict = torch.empty(6, dtype=torch.int64, device=cu_seqlens.device)
     block = 1024 if num_seqs > 256 else 256
@@ -139,9 +140,9 @@ def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all:
         BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(num_seqs, block))),
         COVERS_ALL=covers_all, num_warps=4,
     )
-    end = (f"cu_seqlens: must end at T={total_tokens} (the tokens of the inputs), got {{}}" if covers_all else
-           f"cu_seqlens: last entry {{}} exceeds the {total_tokens} tokens of the inputs")
-    rules = [(0, "cu_seqlens: must start at 0, got {}", (3,)),
-             (1, "cu_seqlens: must be non-decreasing, got a sequence of length {}", (4,)),
+    end = (f"{name}: must end at T={total_tokens} ({tokens}), got {{}}" if covers_all else
+           f"{name}: last entry {{}} exceeds the {total_tokens} tokens of the inputs")
+    rules = [(0, f"{name}: must start at 0, got {{}}", (3,)),
+             (1, f"{name}: must be non-decreasing, got a sequence of length {{}}", (4,)),
              (2, end, (5,))]
     return verdict, rules

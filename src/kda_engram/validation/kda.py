@@ -24,6 +24,7 @@ from .common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     DeviceChecks,
+    check_bool,
     check_index_values,
     value_at,
     check_kernel_device,
@@ -54,6 +55,9 @@ __all__ = [
     "check_conv_checkpoint",
     "check_fused_decode_arguments",
     "check_state_dtype_match",
+    "check_checkpoint_offsets",
+    "check_kda_batch",
+    "check_kda_layer_inputs",
 ]
 
 
@@ -72,6 +76,7 @@ def check_state_structure(initial_state, output_final_state, state_cache, state_
     """Argument combinations of the state and checkpoint arguments (host only: the
     entry points run it even with ``check_inputs=False``, since a wrong combination
     would drop state silently)."""
+    check_bool("output_final_state", output_final_state)  # "yes" would otherwise read as true
     if state_cache is not None:
         if initial_state is not None or output_final_state:
             raise ValueError(
@@ -250,6 +255,24 @@ def check_chunk_offsets(chunk_offsets, expected: torch.Tensor, rows: int, checks
     checks.add(expected[-1] > rows, f"kg_t/decay: the batch has {{}} chunks, got {rows} rows", expected[-1])
 
 
+def check_checkpoint_offsets(checks: DeviceChecks, name: str, offsets: torch.Tensor,
+                             lengths: torch.Tensor | None) -> torch.Tensor:
+    """The state-checkpoint offset rule (queued): every entry of ``offsets [N]``
+    (N >= 1) is 0 (none) or a multiple of :data:`KDA_CHECKPOINT_ALIGNMENT` at most
+    its sequence's length (``lengths [N]``; None: not checked). Returns the
+    offsets as int64 (the callers' next rules need them)."""
+    offs = offsets.to(torch.int64)
+    bad = (offs < 0) | (offs % KDA_CHECKPOINT_ALIGNMENT != 0)
+    if lengths is not None:
+        bad = bad | (offs > lengths)
+    first = torch.argmax(bad.to(torch.int8))
+    length = value_at(lengths if lengths is not None else offs, first)
+    checks.add(bad.any(), f"{name}[{{}}]: expected 0 (none) or a multiple of {KDA_CHECKPOINT_ALIGNMENT} "
+               "(KDA_CHECKPOINT_ALIGNMENT) at most the sequence length {}, got {}", first, length,
+               value_at(offs, first))
+    return offs
+
+
 def _owner_of_rows(indices: torch.Tensor, slots: int) -> torch.Tensor:
     """``owner[r]`` = the position ``n`` with ``indices[n] == r`` (-1: none), int64
     ``[slots + 1]``; negative indices land on the spare entry ``slots``. With
@@ -307,15 +330,7 @@ def check_state_arguments(
         raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
     if checks is None or N == 0:
         return
-    offs = checkpoint_offsets.to(torch.int64)
-    bad = (offs < 0) | (offs % KDA_CHECKPOINT_ALIGNMENT != 0)
-    if lengths is not None:
-        bad = bad | (offs > lengths)
-    first = torch.argmax(bad.to(torch.int8))
-    length = value_at(lengths if lengths is not None else offs, first)
-    checks.add(bad.any(), f"checkpoint_offsets[{{}}]: expected 0 (none) or a multiple of KDA_CHECKPOINT_ALIGNMENT="
-               f"{KDA_CHECKPOINT_ALIGNMENT} at most the sequence length {{}}, got {{}}", first, length,
-               value_at(offs, first))
+    offs = check_checkpoint_offsets(checks, "checkpoint_offsets", checkpoint_offsets, lengths)
     active = offs > 0
     if checkpoint_state_indices is not None:
         # Only sequences that actually export claim their row.
@@ -532,3 +547,93 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
         check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
         check_index_values(checks, "initial_conv_indices", cinit, conv_state.shape[0])
+
+
+def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks: DeviceChecks | None, *,
+                    state_slots: int | None = None, conv_slots: int | None = None,
+                    checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
+    """A ``KDABatch`` (:mod:`kda_engram.layers.kda`) of a step of ``num_tokens``
+    tokens: host rules (field types, dtypes, shapes, devices, the token count) at
+    once; with ``checks``, the value rules queued: ``prefill_cu_seqlens`` from 0,
+    non-decreasing, to the prefill tokens; decode query lengths 1; checkpoint
+    offsets; and with the cache sizes, every row in range and, per cache, all rows
+    the step writes distinct (decode, prefill and the checkpoints that land in the
+    cache itself: ``checkpoint_rows`` / ``conv_checkpoint_rows`` None).
+
+    Why one function: :meth:`KDABatch.validate` and the layer's forward run the
+    same rules (the forward launches on guarded copies, then reads back)."""
+    B = batch.num_decode
+    if isinstance(B, bool) or not isinstance(B, int) or B < 0:
+        raise TypeError(f"batch.num_decode: expected a non-negative Python int, got {B!r}")
+    check_tensor("batch.decode_state_indices", batch.decode_state_indices, shape=[B], dtypes=INDEX_DTYPES,
+                 device=device)
+    dev = batch.decode_state_indices.device
+    check_tensor("batch.decode_conv_indices", batch.decode_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+    cu = batch.prefill_cu_seqlens
+    check_tensor("batch.prefill_cu_seqlens", cu, dtypes=INDEX_DTYPES, device=dev)
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"batch.prefill_cu_seqlens: expected shape [N_p+1] with N_p >= 0, got {list(cu.shape)}")
+    N = cu.numel() - 1
+    for name in ("prefill_state_indices", "prefill_conv_indices"):
+        check_tensor(f"batch.{name}", getattr(batch, name), shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("batch.prefill_has_initial_state", batch.prefill_has_initial_state, shape=[N],
+                 dtypes=(torch.bool,), device=dev)
+    ck_off, ck_idx = batch.checkpoint_offsets, batch.checkpoint_indices
+    if (ck_off is None) != (ck_idx is None):
+        raise ValueError("batch.checkpoint_offsets and batch.checkpoint_indices: give both or neither")
+    if ck_off is not None:
+        check_tensor("batch.checkpoint_offsets", ck_off, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+        check_tensor("batch.checkpoint_indices", ck_idx, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    lens = getattr(batch, "decode_query_lens", None)
+    if lens is not None:
+        check_tensor("batch.decode_query_lens", lens, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+    if num_tokens < B or (N == 0 and num_tokens != B):
+        raise ValueError(f"hidden_states: {num_tokens} tokens do not match num_decode={B} decode rows and "
+                         f"{N} prefill sequences")
+    if checks is None:
+        return
+    if lens is not None and B:
+        bad = lens != 1
+        first = torch.argmax(bad.to(torch.int8))
+        checks.add(bad.any(), f"query_lens[{{}}]: the first num_decode={B} requests are decode rows of one token, "
+                   "got {}", first, value_at(lens, first))
+    need_lengths = ck_off is not None and N > 0
+    checks.add_packed(*cu_seqlens_rules(cu, num_tokens - B, covers_all=True, name="batch.prefill_cu_seqlens",
+                                        tokens=f"the prefill tokens: {num_tokens} tokens - num_decode={B}"))
+    as64 = lambda *xs: torch.cat([x.reshape(-1).to(torch.int64) for x in xs])  # noqa: E731
+    ck_rows = torch.zeros(0, dtype=torch.int64, device=dev)
+    if need_lengths:
+        cu64 = cu.to(torch.int64)
+        offs = check_checkpoint_offsets(checks, "batch.checkpoint_offsets", ck_off, cu64[1:] - cu64[:-1])
+        ck_rows = torch.where(offs > 0, ck_idx.to(torch.int64), -1)  # only sequences taking a checkpoint
+    for kind, slots, ck_slots in (("state", state_slots, checkpoint_rows), ("conv", conv_slots, conv_checkpoint_rows)):
+        rows = as64(getattr(batch, f"decode_{kind}_indices"), getattr(batch, f"prefill_{kind}_indices"))
+        if ck_slots is not None:
+            check_index_values(checks, "batch.checkpoint_indices", ck_rows, ck_slots)
+        if slots is None:
+            continue
+        if ck_slots is None and ck_rows.numel():  # the checkpoints land in this cache itself
+            check_index_values(checks, f"batch.decode_{kind}_indices/prefill_{kind}_indices/checkpoint_indices "
+                               f"({kind} rows written this step)", torch.cat([rows, ck_rows]), slots)
+        else:
+            check_index_values(checks, f"batch.decode_{kind}_indices/prefill_{kind}_indices", rows, slots)
+
+
+def check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state, *,
+                           hidden_size: int, heads: int, head_dim: int, conv_channels: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    """The tensors of a ``KimiDeltaAttention`` forward (host only): ``hidden_states
+    [T, hidden]`` in the weights' dtype, the caches ``[slots, H, K, K]`` /
+    ``[slots, C, 3]`` and the optional checkpoint buffers of the same row shapes,
+    all on the weights' device, every state of one storage dtype."""
+    check_tensor("hidden_states", hidden_states, shape=[None, hidden_size], dtypes=(dtype,), device=device)
+    H, K = heads, head_dim
+    check_tensor("state_cache", state_cache, shape=[None, H, K, K], dtypes=STATE_DTYPES, device=device)
+    check_tensor("conv_state", conv_state, shape=[None, conv_channels, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES,
+                 device=device)
+    if checkpoint_state is not None:
+        check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, K, K], dtypes=STATE_DTYPES, device=device)
+        check_state_dtype_match(["state_cache", "checkpoint_state"], [state_cache, checkpoint_state])
+    if checkpoint_conv_state is not None:
+        check_tensor("checkpoint_conv_state", checkpoint_conv_state, shape=[None, conv_channels, CONV_WIDTH - 1],
+                     dtypes=FLOAT_DTYPES, device=device)
