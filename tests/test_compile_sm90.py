@@ -36,6 +36,7 @@ import compile_support  # noqa: E402
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MAX_SPILL_STACK_BYTES = 1024
+MAX_SPILL_EXACT_DIAG_BYTES = 2560
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -69,8 +70,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # prologue's intra launch, 255 registers). A kernel far past it has lost its
     # register budget (the conv-state prologue once compiled to 32 registers and
     # 11.9 KB of stack, and ran 2x slower).
+    # The prologue's exact diagonal blocks (unbounded gates: softplus, or a
+    # precomputed log decay) form a [16, 16, K] tile per sub-chunk and spill about
+    # 2 KB at 255 registers: their own bound, so that a lost register budget still fails.
     heavy = [(r["kernel"], r["options"], r["registers"], r["spill_stack_bytes"]) for r in rows
-             if r["spill_stack_bytes"] > MAX_SPILL_STACK_BYTES]
+             if r["spill_stack_bytes"] > (MAX_SPILL_EXACT_DIAG_BYTES if r["constexprs"].get("EXACT_DIAG")
+                                          else MAX_SPILL_STACK_BYTES)]
     assert not heavy, f"kernels spilling more than {MAX_SPILL_STACK_BYTES} B per thread: {heavy}"
 
 
