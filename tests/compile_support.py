@@ -290,6 +290,21 @@ def drive_state_variants() -> None:
                           groups=1)
         # Grouped walk (pass one, scan, pass two) on a bf16 cache.
         chunk_kda_prefill(**x, **common, **state, groups=4)
+        # The unbounded gates, which take the exact diagonal blocks: the softplus
+        # gate, and the input form fla / Hugging Face callers pass
+        # (kda_engram.integrations.fla): a precomputed log decay, beta after its
+        # sigmoid; prefill and both decodes.
+        forms = dict(A_log=None, dt_bias=None, lower_bound=None, gate="log_decay", beta_sigmoid=False)
+        chunk_kda_prefill(**x, **{**common, "lower_bound": None}, initial_state=torch.zeros(2, Hp, D, D),
+                          output_final_state=True)
+        chunk_kda_prefill(**x, **{**common, **forms}, initial_state=torch.zeros(2, Hp, D, D), output_final_state=True)
+        for S in (None, 4):
+            lead = (B,) if S is None else (B, S)
+            xd = {n: torch.zeros(*lead, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+            fn = kda_decode if S is None else kda_decode_multi
+            fn(**xd, raw_beta=torch.zeros(*lead, H, dtype=dt), **forms,
+               state_cache=torch.zeros(B * (S or 1), H, D, D), check_inputs=False,
+               state_indices=torch.arange(B * (S or 1), dtype=torch.int32).view(*lead))
 
 
 def compile_calls(calls, target, resources, on_row=None):

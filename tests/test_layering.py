@@ -5,7 +5,7 @@ Layers, top to bottom (a module may import from its own layer and any below):
 
 1. the tools: ``cli``, ``demo``, ``check``, ``bench``, ``reporting`` (and the
    package root);
-2. ``layers`` (the serving ``nn.Module``s);
+2. ``layers`` (the serving ``nn.Module``s) and ``integrations`` (the fla / vLLM adapters);
 3. ``ops`` (the ``torch.ops`` wrappers);
 4. the kernel families: ``kda``, ``engram``;
 5. the base: ``parallel``, ``platform``, ``validation``, ``constants``,
@@ -37,7 +37,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", (PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.check", f"{PACKAGE}.bench",
                f"{PACKAGE}.reporting")),
-    ("layers", (f"{PACKAGE}.layers",)),
+    ("layers", (f"{PACKAGE}.layers", f"{PACKAGE}.integrations")),
     ("ops", (f"{PACKAGE}.ops",)),
     ("kernels", (f"{PACKAGE}.kda", f"{PACKAGE}.engram")),
     ("base", (f"{PACKAGE}.parallel", f"{PACKAGE}.platform", f"{PACKAGE}.validation", f"{PACKAGE}.constants",

@@ -46,7 +46,12 @@ from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch
 from ..platform import interpreting
 from ..validation.common import DeviceChecks
-from ..validation.kda import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
+from ..validation.kda import (
+    check_decode_inputs,
+    check_decode_multi_indices,
+    check_input_forms,
+    guard_decode_indices,
+)
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
@@ -103,6 +108,9 @@ def _kda_decode_kernel(
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
+    LOG_DECAY_GATE: tl.constexpr,
+    QK_L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
 ):
     """Grid: ``(B · H · V / BLOCK_V,)``, tile index fastest, then head, then sequence.
 
@@ -113,6 +121,9 @@ def _kda_decode_kernel(
     With ``STATE_BF16`` the cache is bf16: loads widen to fp32, every token's
     state is rounded to bf16 (RTNE) and the walk carries the rounded value, so S
     tokens in one launch equal S one-token launches bit for bit.
+    ``LOG_DECAY_GATE``: ``g_ptr`` holds the log decay itself (``alog_ptr`` and
+    ``dtb_ptr`` are never read); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and
+    beta are used as given.
     """
     NUM_TILES: tl.constexpr = V // BLOCK_V
     pid = tl.program_id(0)
@@ -137,19 +148,26 @@ def _kda_decode_kernel(
         eviction_policy="evict_first",
     ).to(tl.float32)
 
-    a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
-    bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
+    if not LOG_DECAY_GATE:
+        a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
+        bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
 
     for s in range(S):
         q = tl.load(q_ptr + b * sq_b + s * sq_s + h * sq_h + offs_k * sq_k).to(tl.float32)
         k = tl.load(k_ptr + b * sk_b + s * sk_s + h * sk_h + offs_k * sk_k).to(tl.float32)
-        x = tl.load(g_ptr + b * sg_b + s * sg_s + h * sg_h + offs_k * sg_k).to(tl.float32) + bias
+        g = tl.load(g_ptr + b * sg_b + s * sg_s + h * sg_h + offs_k * sg_k).to(tl.float32)
         vv = tl.load(v_ptr + b * sv_b + s * sv_s + h * sv_h + offs_v * sv_v).to(tl.float32)
-        beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
+        beta = tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32)
+        if BETA_SIGMOID:
+            beta = tl.sigmoid(beta)
 
-        q = _l2_normalize(q, EPS)
-        k = _l2_normalize(k, EPS)
-        a = _log_decay(x, a_scale, lower_bound, HAS_LOWER_BOUND)
+        if QK_L2NORM:
+            q = _l2_normalize(q, EPS)
+            k = _l2_normalize(k, EPS)
+        if LOG_DECAY_GATE:
+            a = g  # exp(-inf) = 0: any strength stays finite
+        else:
+            a = _log_decay(g + bias, a_scale, lower_bound, HAS_LOWER_BOUND)
 
         state = state * tl.exp(a)[None, :]
         pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]
@@ -210,7 +228,7 @@ def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int
 
 def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
             scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
-            native_round=None):
+            native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
     """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
     point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
     B = q.shape[0]
@@ -232,14 +250,18 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
     def s3(t):  # raw_beta: [B, S, H] strides
         return t.stride() if t.dim() == 3 else (t.stride(0), 0, t.stride(1))
 
-    sd_h, sd_k = _dt_bias_strides(dt_bias, H, K)
+    log_decay = gate == "log_decay"
+    if log_decay:  # no A_log / dt_bias: raw_g stands in for both pointers, never read
+        A_log, dt_bias, sd_h, sd_k = raw_g, raw_g, 0, 0
+    else:
+        sd_h, sd_k = _dt_bias_strides(dt_bias, H, K)
     grid = (B * H * (V // block_v),)
     _kda_decode_kernel[grid](
         q, k, v, raw_g, raw_beta, A_log, dt_bias,
         state_cache, init_idx, idx, out,
         float(scale), float(lower_bound) if lower_bound is not None else 0.0,
         *s4(q), *s4(k), *s4(v), *s4(raw_g), *s3(raw_beta),
-        A_log.stride(0), sd_h, sd_k,
+        0 if log_decay else A_log.stride(0), sd_h, sd_k,
         *state_cache.stride(),
         init_stride, *idx_strides,
         *s4(out),
@@ -248,6 +270,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
         EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting() if native_round is None else native_round,
+        LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
         num_warps=num_warps,
     )
     return out
@@ -259,8 +282,8 @@ def kda_decode(
     v: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     state_cache: torch.Tensor,
     state_indices: torch.Tensor,
     *,
@@ -268,6 +291,9 @@ def kda_decode(
     lower_bound: float | None = None,
     out: torch.Tensor | None = None,
     check_inputs: bool = True,
+    gate: str = "raw",
+    qk_l2norm: bool = True,
+    beta_sigmoid: bool = True,
 ) -> torch.Tensor:
     """One KDA decode step for a batch of sequences, state updated in place.
 
@@ -290,6 +316,11 @@ def kda_decode(
             ``a = L·sigmoid(exp(A_log)·(raw_g + dt_bias))``.
         out: optional ``[B, H, V]`` output buffer (any float dtype, any strides);
             default ``torch.empty`` in ``v``'s dtype.
+        gate: ``"raw"`` (above) or ``"log_decay"``: ``raw_g`` is then the
+            per-channel log decay ``a`` itself (natural log, ``<= 0``, any float
+            dtype, -inf allowed), and ``A_log``, ``dt_bias``, ``lower_bound`` are None.
+        qk_l2norm: ``False`` uses q and k as given (normalised by the caller).
+        beta_sigmoid: ``False`` takes ``raw_beta`` as beta itself.
         check_inputs: validate shapes, dtypes, devices, scalars, index range and
             duplicate indices. The last two are computed on the device and read
             back once, after the launch, which a broken rule turns into a no-op
@@ -300,6 +331,7 @@ def kda_decode(
     Returns ``out``: ``[B, H, V]``, ``scale · S_new q̂`` per head. One launch fuses
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
     """
+    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
     checks = None
     if check_inputs:
         checks = DeviceChecks()
@@ -313,7 +345,7 @@ def kda_decode(
     _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
-        idx_strides=(state_indices.stride(0), 0),
+        idx_strides=(state_indices.stride(0), 0), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
     if checks is not None:
         checks.run()  # the one read-back (index range and distinctness)
@@ -326,8 +358,8 @@ def kda_decode_multi(
     v: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     state_cache: torch.Tensor,
     state_indices: torch.Tensor,
     initial_state_indices: torch.Tensor | None = None,
@@ -336,6 +368,9 @@ def kda_decode_multi(
     lower_bound: float | None = None,
     out: torch.Tensor | None = None,
     check_inputs: bool = True,
+    gate: str = "raw",
+    qk_l2norm: bool = True,
+    beta_sigmoid: bool = True,
 ) -> torch.Tensor:
     """``S`` KDA decode steps per sequence in one launch (speculative decoding).
 
@@ -348,8 +383,8 @@ def kda_decode_multi(
     Args:
         q, k, raw_g: ``[B, S, H, K]``; v: ``[B, S, H, V]``; raw_beta: ``[B, S, H]``.
             Same meaning, dtypes and stride freedom as in :func:`kda_decode`.
-        A_log, dt_bias, state_cache, scale, lower_bound, check_inputs: as in
-            :func:`kda_decode`.
+        A_log, dt_bias, state_cache, scale, lower_bound, check_inputs, gate,
+        qk_l2norm, beta_sigmoid: as in :func:`kda_decode`.
         state_indices: int32/int64 ``[B, S]``: the state after token ``s`` of
             sequence ``b`` is written to row ``state_indices[b, s]``; negative =
             not written (the token's output is still computed).
@@ -367,6 +402,7 @@ def kda_decode_multi(
 
     Returns ``out``: ``[B, S, H, V]``.
     """
+    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
     checks = None
     if check_inputs:
         checks = DeviceChecks()
@@ -386,7 +422,7 @@ def kda_decode_multi(
     _launch(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
-        idx_strides=state_indices.stride(),
+        idx_strides=state_indices.stride(), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
     if checks is not None:
         checks.run()  # the one read-back

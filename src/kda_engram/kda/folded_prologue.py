@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ..platform import interpreting
 from .conv import conv_prefill_bands
 from .prologue import (
     MAX_DIAG_SHIFT,
@@ -47,9 +48,12 @@ FOLD_WARPS = 4
 
 
 @triton.jit
-def _beta_rows(b_ptr, sb_t, sb_h, h, t, valid):
-    return tl.where(valid, tl.sigmoid(tl.load(b_ptr + t * sb_t + h * sb_h, mask=valid, other=0.0).to(tl.float32)),
-                    0.0)
+def _beta_rows(b_ptr, sb_t, sb_h, h, t, valid, BETA_SIGMOID: tl.constexpr):
+    """beta of the rows ``t`` (0 on invalid rows): ``sigmoid(raw_beta)``, or ``raw_beta`` as given."""
+    b = tl.load(b_ptr + t * sb_t + h * sb_h, mask=valid, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b = tl.sigmoid(b)
+    return tl.where(valid, b, 0.0)
 
 
 @triton.jit
@@ -64,7 +68,7 @@ def _kda_prologue_fold_kernel(
     b_ptr, sb_t, sb_h,
     tf_ptr, af_ptr, akk_ptr,
     H,
-    K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     """Launch 2 of 2 of the folded prologue: ``t_fold = beta (T^T kg)`` and
     ``a_fold = (A_qk T) diag(beta)`` in place over the ``kg`` / ``A_qk`` rows the
@@ -107,10 +111,10 @@ def _kda_prologue_fold_kernel(
     T31 = -_mm(T33, _mm(a31, T11) + _mm(a32, T21))
     T30 = -_mm(T33, _mm(a30, T00) + _mm(a31, T10) + _mm(a32, T20))
 
-    b0 = _beta_rows(b_ptr, sb_t, sb_h, h, t0_, m0)
-    b1 = _beta_rows(b_ptr, sb_t, sb_h, h, t1_, m1)
-    b2 = _beta_rows(b_ptr, sb_t, sb_h, h, t2_, m2)
-    b3 = _beta_rows(b_ptr, sb_t, sb_h, h, t3_, m3)
+    b0 = _beta_rows(b_ptr, sb_t, sb_h, h, t0_, m0, BETA_SIGMOID)
+    b1 = _beta_rows(b_ptr, sb_t, sb_h, h, t1_, m1, BETA_SIGMOID)
+    b2 = _beta_rows(b_ptr, sb_t, sb_h, h, t2_, m2, BETA_SIGMOID)
+    b3 = _beta_rows(b_ptr, sb_t, sb_h, h, t3_, m3, BETA_SIGMOID)
 
     # t_fold = beta (T^T kg): row block I sums T_JI^T kg_J over J >= I.
     kg0 = _load_rows(tf_h, t0_, m0, o_qk, K, 0).to(DOT)
@@ -156,12 +160,15 @@ def _kda_prologue_fold_kernel(
 
 def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
                             conv_weight=None, conv_state=None, conv_state_indices=None,
-                            conv_has_initial_state=None, *, num_warps=None):
+                            conv_has_initial_state=None, *, num_warps=None, gate="raw", qk_l2norm=True,
+                            beta_sigmoid=True):
     """The host half of the folded prologue (arguments as
     :func:`kda_engram.kda.prologue.fused_kda_prologue`, assumed valid). Returns
     ``launch()``, which makes the launches (the conv's first, when on) and returns
     ``dict(qg, kd, t_fold, a_fold, decay, v)``: ``v`` is the value band the walk
-    must read (the conv's output when the conv is on, else ``v`` itself)."""
+    must read (the conv's output when the conv is on, else ``v`` itself). ``gate``,
+    ``qk_l2norm`` and ``beta_sigmoid`` are the input forms of
+    :func:`kda_engram.kda.chunk_kda_prefill`."""
     _, T, H, K = q.shape
     V = v.shape[3]
     dev = q.device
@@ -183,8 +190,13 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
     exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
     if exact_diag:
         shift = 0.0
-    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float32
-    if dt_bias.dim() == 1:
+    # fp32 operands under the interpreter, whose tl.dot is wrong on bf16 (as in the prologue).
+    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
+    log_decay = gate == "log_decay"
+    if log_decay:
+        A_log, dt_bias = raw_g, raw_g  # never read: raw_g stands in for both pointers
+        sdtb_h, sdtb_c = 0, 0
+    elif dt_bias.dim() == 1:
         sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
     else:
         sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
@@ -209,6 +221,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
             out["qg"], out["kd"], out["kd"], out["t_fold"], out["a_fold"], out["decay"], akk,
             H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
             K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, BOUNDED=bounded, EXACT_DIAG=exact_diag, DOT=dot_dtype,
+            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
             FOLDED=True, LOAD_V=False,
             num_warps=intra_warps, num_stages=1,
         )
@@ -217,7 +230,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
             raw_beta, raw_beta.stride(1), raw_beta.stride(2),
             out["t_fold"], out["a_fold"], akk,
             H,
-            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype,
+            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype, BETA_SIGMOID=bool(beta_sigmoid),
             num_warps=fold_warps, num_stages=1,
         )
         return out

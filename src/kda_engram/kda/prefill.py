@@ -20,6 +20,7 @@ import torch
 from ..constants import CHUNK_SIZE
 from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
 from ..validation.kda import (
+    check_input_forms,
     check_lower_bound,
     check_prologue_arguments,
     check_state_arguments,
@@ -66,8 +67,8 @@ def chunk_kda_prefill(
     v: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     *,
     scale: float | None = None,
     lower_bound: float | None = None,
@@ -88,6 +89,9 @@ def chunk_kda_prefill(
     groups: int | None = None,
     final_state_dtype: torch.dtype | None = None,
     check_inputs: bool = True,
+    gate: str = "raw",
+    qk_l2norm: bool = True,
+    beta_sigmoid: bool = True,
     path: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
@@ -106,6 +110,14 @@ def chunk_kda_prefill(
     ``lower_bound=L <= 0`` gives ``a = L sigmoid(exp(A_log) (raw_g + dt_bias))``.
     ``scale`` defaults to ``K ** -0.5``. q and k are L2-normalised and
     ``beta = sigmoid(raw_beta)`` inside the prologue.
+
+    Input forms (what fla's and Hugging Face's callers pass): ``gate="log_decay"``
+    makes ``raw_g`` the per-channel log decay ``a`` itself (natural log, ``<= 0``,
+    any float dtype, e.g. the output of a separate gate kernel); ``A_log``,
+    ``dt_bias`` and ``lower_bound`` are then ``None``. Any strength is finite: a
+    log decay below -128 (down to -inf) acts as -128, whose ``exp`` is 0 in fp32.
+    ``qk_l2norm=False`` uses q and k as given (already normalised by the
+    caller); ``beta_sigmoid=False`` takes ``raw_beta`` as beta itself.
 
     State (V-first ``[*, H, V, K]``, stored fp32 or bf16: fp32 on chip, rounded
     to bf16 with RTNE once per store; ``final_state_dtype`` defaults to
@@ -158,6 +170,7 @@ def chunk_kda_prefill(
     check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
                           checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
     check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
+    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # so do these
     checks = None
     if check_inputs:
         # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
@@ -208,6 +221,7 @@ def chunk_kda_prefill(
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
             conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
             conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
+            gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
         )
         if checks is not None:
             checks.run()
@@ -216,6 +230,7 @@ def chunk_kda_prefill(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
         conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
         conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
+        gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
     ops = launch_prologue()
     result = fused_kda_chunk(

@@ -48,7 +48,7 @@ from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK 
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.common import DeviceChecks
-from ..validation.kda import check_lower_bound, check_prologue_arguments
+from ..validation.kda import check_input_forms, check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
 from .metadata import chunk_row, prepare_chunk_metadata
 
@@ -85,18 +85,24 @@ def _load_block(
 
 
 @triton.jit
-def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.constexpr):
+def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.constexpr,
+                LOG_DECAY_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """One 16-row sub-chunk: ``(q̂, k̂, lc, tot, beta, beta*v)`` with ``lc`` the
     sub-chunk-local inclusive cumsum of the gate (log2 units, 0 on invalid rows)
-    and ``tot`` its total per channel."""
+    and ``tot`` its total per channel. ``LOG_DECAY_GATE``: ``xr`` is the log decay
+    itself; ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and beta are used as given."""
     qh = qr.to(tl.float32)
     kh = kr.to(tl.float32)
-    qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + 1e-6)[:, None]
-    kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + 1e-6)[:, None]
-    x = xr.to(tl.float32) + dtb[None, :]
-    if BOUNDED:
-        a = lower_bound * tl.sigmoid(alog * x)
+    if QK_L2NORM:
+        qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + 1e-6)[:, None]
+        kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + 1e-6)[:, None]
+    if LOG_DECAY_GATE:
+        a = xr.to(tl.float32)
+        a = tl.where(a < -128.0, -128.0, a)  # the floor of the softplus branch, same reason
+    elif BOUNDED:
+        a = lower_bound * tl.sigmoid(alog * (xr.to(tl.float32) + dtb[None, :]))
     else:
+        x = xr.to(tl.float32) + dtb[None, :]
         # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for any x.
         a = -alog * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
         # A floor that exp() already takes to exactly 0 in fp32: a +inf raw gate
@@ -106,7 +112,10 @@ def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.c
     a = tl.where(valid[:, None], a * 1.4426950408889634, 0.0)
     lc = tl.cumsum(a, 0)
     tot = tl.sum(a, 0)
-    beta = tl.where(valid, tl.sigmoid(rb.to(tl.float32)), 0.0)
+    if BETA_SIGMOID:
+        beta = tl.where(valid, tl.sigmoid(rb.to(tl.float32)), 0.0)
+    else:
+        beta = tl.where(valid, rb.to(tl.float32), 0.0)
     bv = beta[:, None] * vr.to(tl.float32)
     return qh, kh, lc, tot, beta, bv
 
@@ -220,7 +229,9 @@ def _kda_prologue_intra_kernel(
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
     BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    DOT: tl.constexpr, FOLDED: tl.constexpr = False, LOAD_V: tl.constexpr = True,
+    DOT: tl.constexpr,
+    LOG_DECAY_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    FOLDED: tl.constexpr = False, LOAD_V: tl.constexpr = True,
 ):
     """Launch 1 of 2: everything but the triangular solve. Writes ``qg, kg_t,
     aqk, decay`` (final), the solve's right-hand sides ``beta k̂ 2^g`` into ``w``
@@ -237,8 +248,12 @@ def _kda_prologue_intra_kernel(
     rows = tl.arange(0, BS)
 
     colk = tl.arange(0, K)
-    alog = tl.exp(tl.load(alog_ptr + h * salog).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h * sdtb_h + colk * sdtb_c).to(tl.float32)
+    if LOG_DECAY_GATE:  # no A_log / dt_bias: their pointers are placeholders, never read
+        alog = 0.0
+        dtb = tl.zeros([K], dtype=tl.float32)
+    else:
+        alog = tl.exp(tl.load(alog_ptr + h * salog).to(tl.float32))
+        dtb = tl.load(dtb_ptr + h * sdtb_h + colk * sdtb_c).to(tl.float32)
     o_qk = H * K  # token stride of qg / w
     o_v = H * V
     o_a = H * BT  # token stride of aqk / akk
@@ -263,7 +278,8 @@ def _kda_prologue_intra_kernel(
     qr1, kr1, vr1, xr1, rb1 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V, LOAD_V)
-    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED)
+    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED,
+        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
     d0 = tl.exp2(lc0)
     kf0 = k0 * tl.exp2(s0[None, :] - lc0)
     qd0 = q0 * d0
@@ -288,7 +304,8 @@ def _kda_prologue_intra_kernel(
     qr2, kr2, vr2, xr2, rb2 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V, LOAD_V)
-    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED)
+    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED,
+        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
     b1 = s0  # cumulative gate just before sub-chunk 1
     d1 = tl.exp2(lc1)
     kf1 = k1 * tl.exp2(s1[None, :] - lc1)
@@ -319,7 +336,8 @@ def _kda_prologue_intra_kernel(
     qr3, kr3, vr3, xr3, rb3 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V, LOAD_V)
-    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED)
+    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED,
+        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
     b2 = s0 + s1
     d2 = tl.exp2(lc2)
     kf2 = k2 * tl.exp2(s2[None, :] - lc2)
@@ -347,7 +365,8 @@ def _kda_prologue_intra_kernel(
     kf2 = kf2.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 3
-    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, BOUNDED)
+    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, BOUNDED,
+        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
     b3 = b2 + s2
     d3 = tl.exp2(lc3)
     kf3 = k3 * tl.exp2(s3[None, :] - lc3)
@@ -510,7 +529,7 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
 
 def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
                          conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
-                         *, num_warps=None):
+                         *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
     """The host half of :func:`fused_kda_prologue` (arguments as there, assumed
     valid): chunk metadata, operand and workspace allocation, launch settings.
     Returns ``launch()``, which makes the launches (the conv's first, when on) and
@@ -544,7 +563,13 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
     # does up to the operand rounding).
     dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
 
-    if dt_bias.dim() == 1:
+    log_decay = gate == "log_decay"
+    if log_decay:
+        # No A_log / dt_bias: the kernel never reads them, so raw_g stands in for
+        # both pointers (a pointer argument must be a tensor).
+        A_log, dt_bias = raw_g, raw_g
+        sdtb_h, sdtb_c = 0, 0
+    elif dt_bias.dim() == 1:
         sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
     else:
         sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
@@ -567,7 +592,7 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
             vb, vb.stride(1), vb.stride(2), vb.stride(3),
             raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
             raw_beta, raw_beta.stride(1), raw_beta.stride(2),
-            A_log, A_log.stride(0),
+            A_log, 0 if log_decay else A_log.stride(0),
             dt_bias, sdtb_h, sdtb_c,
             cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
             out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
@@ -575,6 +600,7 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
             K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
             BOUNDED=bounded, EXACT_DIAG=exact_diag,
             DOT=dot_dtype,
+            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
             num_warps=intra_warps, num_stages=1,
         )
         _kda_prologue_solve_kernel[grid](
@@ -608,6 +634,9 @@ def fused_kda_prologue(
     *,
     check_inputs: bool = True,
     num_warps: int | tuple[int, int] | None = None,
+    gate: str = "raw",
+    qk_l2norm: bool = True,
+    beta_sigmoid: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Run the whole chunk-path prologue (two launches); returns the chunk kernel's operands.
 
@@ -638,6 +667,8 @@ def fused_kda_prologue(
             device memory (a host sync); turn off for CUDA-graph capture.
         num_warps: launch override: one int for both launches or ``(intra, solve)``
             (default: 4 and 2 for K = V = 128 on a GPU, else 4 and 4).
+        gate, qk_l2norm, beta_sigmoid: the input forms, as in
+            :func:`kda_engram.kda.prefill.chunk_kda_prefill`.
 
     Returns:
         dict with ``qg, w, u`` ``[1, T, H, K|V]``, ``kg_t [chunks, H, K, 64]``,
@@ -645,6 +676,7 @@ def fused_kda_prologue(
         as documented in the module docstring.
     """
     check_lower_bound(lower_bound)
+    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
     checks = None
     if check_inputs:
         checks = DeviceChecks()
@@ -653,7 +685,7 @@ def fused_kda_prologue(
                                  checks)
     launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
                                   conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                  num_warps=num_warps)
+                                  num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
     if checks is not None:
         checks.run()  # the one read-back, before anything writes conv_state
     return launch()

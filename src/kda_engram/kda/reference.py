@@ -72,12 +72,22 @@ def _sequences(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> tuple[list[t
     return [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)], True
 
 
-def _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale):
+def _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale, gate="raw", qk_l2norm=True,
+             beta_sigmoid=True):
+    """Compute-dtype operands; the input forms as in :func:`naive_recurrent_kda`."""
     dtype = _compute_dtype(q, k, v, raw_g)
-    qh = l2norm(q.to(dtype))
-    kh = l2norm(k.to(dtype))
-    a = kda_gate(raw_g.to(dtype), A_log.to(dtype), dt_bias.to(dtype), lower_bound)
-    beta = torch.sigmoid(raw_beta.to(dtype))
+    qh, kh = q.to(dtype), k.to(dtype)
+    if qk_l2norm:
+        qh, kh = l2norm(qh), l2norm(kh)
+    if gate == "log_decay":
+        a = raw_g.to(dtype)
+    elif gate == "raw":
+        a = kda_gate(raw_g.to(dtype), A_log.to(dtype), dt_bias.to(dtype), lower_bound)
+    else:
+        raise ValueError(f"gate: expected 'raw' or 'log_decay', got {gate!r}")
+    beta = raw_beta.to(dtype)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return dtype, qh, kh, v.to(dtype), a, beta, scale
@@ -103,8 +113,8 @@ def naive_recurrent_kda(
     v: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     *,
     scale: float | None = None,
     lower_bound: float | None = None,
@@ -113,6 +123,9 @@ def naive_recurrent_kda(
     output_final_state: bool = False,
     checkpoint_offsets: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
+    gate: str = "raw",
+    qk_l2norm: bool = True,
+    beta_sigmoid: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The KDA recurrence, one token at a time.
 
@@ -132,8 +145,14 @@ def naive_recurrent_kda(
     checkpoint (the walk carries the rounded value on) and at the sequence end;
     arithmetic stays in the compute dtype. Called one token at a time, that is a
     rounding after every decode step.
+
+    Input forms (the kernels take the same): ``gate="log_decay"`` makes ``raw_g``
+    the log decay ``a`` itself (``A_log``/``dt_bias`` unused, None);
+    ``qk_l2norm=False`` skips the L2 norms; ``beta_sigmoid=False`` takes
+    ``raw_beta`` as beta.
     """
-    dtype, qh, kh, vv, a, beta, scale = _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale)
+    dtype, qh, kh, vv, a, beta, scale = _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale,
+                                                 gate, qk_l2norm, beta_sigmoid)
     seqs, _ = _sequences(cu_seqlens, q)
     shape = _state_shape(len(seqs), v, k)
     o = torch.zeros(*q.shape[:3], v.shape[3], dtype=dtype, device=q.device)

@@ -38,6 +38,7 @@ from .index_rules import MAX_ONE_PROGRAM_INDICES, cu_seqlens_rules, index_rules
 __all__ = [
     "check_scale",
     "check_lower_bound",
+    "check_input_forms",
     "check_state_structure",
     "check_cu_seqlens",
     "check_prefill_inputs",
@@ -69,6 +70,30 @@ def check_scale(scale, *, allow_none: bool = True) -> None:
 def check_lower_bound(lower_bound) -> None:
     """``None`` (softplus gate) or a finite log-decay bound ``<= 0`` (bounded gate)."""
     check_real("lower_bound", lower_bound, sign="non-positive", allow_none=True)
+
+
+GATE_FORMS = ("raw", "log_decay")
+
+
+def check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm=True, beta_sigmoid=True) -> None:
+    """The input forms (host only; they pick kernel branches, so the entry points
+    run it even with ``check_inputs=False``): ``gate`` is ``"raw"`` (``raw_g``
+    with ``A_log`` and ``dt_bias``) or ``"log_decay"`` (``raw_g`` is the
+    per-channel log decay; ``A_log``, ``dt_bias`` and ``lower_bound`` are then
+    None, since nothing would apply them); ``qk_l2norm``/``beta_sigmoid`` are bools."""
+    if not isinstance(gate, str) or gate not in GATE_FORMS:
+        raise ValueError(f"gate: expected one of {GATE_FORMS}, got {gate!r}")
+    if gate == "log_decay":
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            if x is not None:
+                raise ValueError(f"{name}: expected None with gate='log_decay' (raw_g is the log decay), got a value")
+    else:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is None:
+                raise ValueError(f"{name}: required with gate='raw' (pass gate='log_decay' for a precomputed gate)")
+    for name, x in (("qk_l2norm", qk_l2norm), ("beta_sigmoid", beta_sigmoid)):
+        if not isinstance(x, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
 
 
 def check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
@@ -151,6 +176,8 @@ def check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias) -> tuple[int,
     _check_head_dims(K, V)
     check_tensor("raw_g", raw_g, shape=[1, T, H, K], dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("raw_beta", raw_beta, shape=[1, T, H], dtypes=FLOAT_DTYPES, device=dev)
+    if A_log is None and dt_bias is None:  # gate='log_decay' (check_input_forms)
+        return T, H, K, V
     check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
     if tuple(dt_bias.shape) not in ((H * K,), (H, K)):
@@ -375,10 +402,11 @@ def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, o
     check_same_dtype(["q", "k", "v"], [q, k, v])
     check_tensor("raw_g", raw_g, shape=[*lead_sizes, H, K], dtypes=FLOAT_DTYPES, device=dev)
     check_tensor("raw_beta", raw_beta, shape=[*lead_sizes, H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
-    if list(dt_bias.shape) not in ([H, K], [H * K]):
-        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    if A_log is not None or dt_bias is not None:  # both None: gate='log_decay' (check_input_forms)
+        check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+        check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+        if list(dt_bias.shape) not in ([H, K], [H * K]):
+            raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
     if not (_is_pow2(K) and _is_pow2(V) and 16 <= K <= DECODE_MAX_HEAD_DIM and 16 <= V <= DECODE_MAX_HEAD_DIM):
         raise ValueError(
             f"state_cache: head dims K and V must be powers of two in [16, {DECODE_MAX_HEAD_DIM}], got K={K}, V={V}"

@@ -52,7 +52,8 @@ def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower
                        chunk_offsets, chunk_indices, out, initial_state=None, output_final_state=False,
                        state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
                        checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
-                       conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None):
+                       conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None, gate="raw",
+                       qk_l2norm=True, beta_sigmoid=True):
     """The prefill on the Hopper path: returns ``(out, final_state | None)`` exactly as
     :func:`kda_engram.kda.chunk_kda_prefill` does (no checks here: the caller has
     validated and guarded every argument, and :func:`hopper_unsupported` said yes).
@@ -67,7 +68,8 @@ def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower
         final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
                                            (N, H, V, K), q.device)
     ops = prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state)()
+                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state, gate=gate,
+                                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)()
     has = has_initial_state.view(torch.uint8) if has_initial_state is not None else None
     folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, scale, cu_seqlens,
                 chunk_offsets, initial_state=initial_state, final_state=final_state, state_cache=state_cache,

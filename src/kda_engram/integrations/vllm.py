@@ -1,0 +1,180 @@
+"""The call shapes of vLLM's KDA ops, served by kda-engram's kernels.
+
+Plain functions (no vLLM import) that an engine, or a patch of vLLM's Kimi-Linear
+layer, calls in place of vLLM's Triton ops:
+
+* :func:`chunk_kda_with_fused_gate` -- prefill from the raw gate (``A_log``, ``g_bias``)
+  and the raw beta; onto :func:`kda_engram.kda.chunk_kda_prefill`.
+* :func:`fused_recurrent_kda` -- decode and speculative verification on the state
+  pool, in place; onto :func:`kda_engram.kda.kda_decode_multi`.
+* :func:`fused_kda_gate` -- the gate alone, ``[..., H*D] -> [..., H, D]`` fp32.
+
+States are V-first ``[*, H, V, K]`` as in vLLM's KDA and in our kernels, so nothing is
+transposed. Each adapter validates what it maps (one ``ValueError``/``TypeError`` line);
+``check_inputs=False`` turns the device-value checks off for CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kda.decode import kda_decode_multi
+from ..kda.prefill import chunk_kda_prefill
+from ..kda.reference import kda_gate
+from .common import NotServed, even_cu_seqlens, fold_batch
+
+__all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
+
+
+def chunk_kda_with_fused_gate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    g_bias: torch.Tensor | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA prefill from raw projections (vLLM's ``chunk_kda_with_fused_gate``).
+
+    ``q, k, v, raw_g``: ``[B, T, H, K|V]`` (``B = 1`` with ``cu_seqlens``);
+    ``raw_beta``: ``[B, T, H]`` before its sigmoid; ``A_log [H]``; ``g_bias``
+    (``dt_bias``) ``[H*K]`` or None (zeros). Gate ``-exp(A_log) softplus(raw_g + g_bias)``,
+    or ``lower_bound * sigmoid(exp(A_log) (raw_g + g_bias))`` with ``lower_bound``.
+    ``initial_state``: V-first ``[N, H, V, K]``, fp32 or bf16; the final state has its
+    dtype (fp32 without one). Returns ``(o [B, T, H, V], final_state | None)``.
+    """
+    if g_bias is None:
+        g_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is None:
+        cu_seqlens = even_cu_seqlens(B, T, q.device)
+    try:
+        flat = [fold_batch(x, n) for n, x in (("q", q), ("k", k), ("v", v), ("raw_g", raw_g), ("raw_beta", raw_beta))]
+    except NotServed as reason:
+        raise ValueError(str(reason)) from None
+    o, final = chunk_kda_prefill(
+        *flat, A_log, g_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+        initial_state=initial_state, output_final_state=output_final_state,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), check_inputs=check_inputs,
+    )
+    return o.view(B, T, *o.shape[2:]), final
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    inplace_final_state: bool = True,
+    use_qk_l2norm_in_kernel: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    *,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode steps on the state pool, in place (vLLM's ``fused_recurrent_kda``).
+
+    ``g`` is the per-channel log decay (``fused_kda_gate``'s output), ``beta`` is
+    after its sigmoid. ``initial_state`` is the V-first pool ``[slots, H, V, K]``
+    (fp32 or bf16), updated in place and returned. Tokens: ``[N, S, H, *]``, or
+    ``[1, N*S, H, *]`` with ``cu_seqlens = [0, S, 2S, ..., N*S]`` (every sequence
+    ``S`` tokens: 1 for decode, the draft length for speculative verification;
+    checked on the device unless ``check_inputs=False``).
+
+    ``ssm_state_indices``: ``[N]`` (``S = 1``) or ``[N, >= S]``; the state after
+    token ``s`` of sequence ``n`` is written to row ``ssm_state_indices[n, s]``
+    (negative: not written). The walk starts from row
+    ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
+    ``num_accepted_tokens``); a negative start row is a padding sequence (zero
+    output, no row touched). Without ``ssm_state_indices`` sequence ``n`` reads and
+    writes row ``n`` after its last token. ``inplace_final_state=False`` (per-token
+    states into a new buffer) is not served: ``ValueError``.
+
+    Returns ``(o, initial_state)``: ``o`` ``[*q.shape[:3], V]`` in ``v``'s dtype.
+    """
+    if not inplace_final_state:
+        raise ValueError("inplace_final_state: only True is served (the state pool is updated in place)")
+    if not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state: expected the state pool tensor [slots, H, V, K], got "
+                        f"{type(initial_state).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [N, S, H, K] or [1, T, H, K], got {list(q.shape)}")
+    if cu_seqlens is None:
+        N, S = q.shape[0], q.shape[1]
+        tokens = (q, k, v, g, beta)
+    else:
+        if q.shape[0] != 1:
+            raise ValueError(f"q: with cu_seqlens the batch dim must be 1, got {list(q.shape)}")
+        N = cu_seqlens.numel() - 1
+        T = q.shape[1]
+        if N <= 0 or T % N:
+            raise ValueError(f"cu_seqlens: {N} sequences of equal length expected for T={T} tokens")
+        S = T // N
+        if check_inputs and not torch.equal(cu_seqlens.to(torch.int64), even_cu_seqlens(N, S, q.device).long()):
+            raise ValueError(f"cu_seqlens: every sequence must have S={S} tokens (equal lengths are served)")
+        tokens = tuple(x.view(N, S, *x.shape[2:]) for x in (q, k, v, g, beta))
+    if ssm_state_indices is None:
+        rows = torch.arange(N, device=q.device)
+        state_indices = torch.full((N, S), -1, dtype=torch.int64, device=q.device)
+        state_indices[:, -1:] = rows[:, None]
+        start = rows
+    else:
+        if ssm_state_indices.dim() == 1:
+            if S != 1:
+                raise ValueError(f"ssm_state_indices: a 1-D [N] index serves one token per sequence, got S={S}")
+            ssm_state_indices = ssm_state_indices[:, None]
+        if ssm_state_indices.dim() != 2 or ssm_state_indices.shape[0] != N or ssm_state_indices.shape[1] < S:
+            raise ValueError(f"ssm_state_indices: expected [{N}] or [{N}, >= {S}], got {list(ssm_state_indices.shape)}")
+        state_indices = ssm_state_indices[:, :S]
+        if num_accepted_tokens is None:
+            start = ssm_state_indices[:, 0]
+        else:
+            col = (num_accepted_tokens.to(torch.int64) - 1).clamp(0, ssm_state_indices.shape[1] - 1)
+            start = ssm_state_indices.gather(1, col[:, None])[:, 0]
+    o = kda_decode_multi(*tokens, None, None, state_cache=initial_state, state_indices=state_indices,
+                         initial_state_indices=start, scale=scale, gate="log_decay",
+                         qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=False, check_inputs=check_inputs)
+    return o.view(*q.shape[:3], o.shape[-1]), initial_state
+
+
+def fused_kda_gate(
+    g: torch.Tensor,
+    A: torch.Tensor,
+    head_k_dim: int,
+    g_bias: torch.Tensor | None = None,
+    beta: float = 1.0,
+    threshold: float = 20.0,
+    *,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """The KDA gate alone (vLLM's ``fused_kda_gate``): ``g [..., H*D]`` -> fp32 ``[..., H, D]``.
+
+    ``-exp(A) softplus_{beta, threshold}(g + g_bias)`` (softplus with torch's
+    ``beta``/``threshold`` semantics; at the defaults it is
+    :func:`kda_engram.kda.reference.kda_gate`), or with ``lower_bound``
+    ``lower_bound * sigmoid(exp(A) (g + g_bias))``. ``A``: ``[H]`` or any shape of
+    ``H`` elements; ``g_bias``: ``[H*D]`` or None.
+    """
+    H = A.numel()
+    if g.shape[-1] != H * head_k_dim:
+        raise ValueError(f"g: last dim must be H*head_k_dim = {H}*{head_k_dim}, got {g.shape[-1]}")
+    x = g.float().view(*g.shape[:-1], H, head_k_dim)
+    A_log = A.reshape(H).float()
+    bias = torch.zeros(H * head_k_dim, device=g.device) if g_bias is None else g_bias.reshape(-1).float()
+    if lower_bound is not None or (beta == 1.0 and threshold == 20.0):
+        return kda_gate(x, A_log, bias, lower_bound)
+    return -torch.exp(A_log)[:, None] * F.softplus(x + bias.view(H, head_k_dim), beta=beta, threshold=threshold)

@@ -1,0 +1,101 @@
+"""kda_engram.integrations.vllm: the vLLM call shapes against the fp64 recurrence
+(CPU, fp32 under the interpreter)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_engram.integrations.vllm import chunk_kda_with_fused_gate, fused_kda_gate, fused_recurrent_kda
+from kda_engram.kda.reference import kda_gate, naive_recurrent_kda
+
+H, K = 2, 32
+
+
+def rnd(*s, seed=0):
+    return torch.randn(*s, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, atol=3e-4):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert (a.double() - b.double()).abs().max().item() < atol
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_chunk_kda_with_fused_gate(lower_bound):
+    lengths = [3, 64, 20]
+    T = sum(lengths)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    q, k, v, g = (rnd(1, T, H, K, seed=i) for i in range(4))
+    raw_beta, A_log, g_bias = rnd(1, T, H, seed=5), rnd(H, seed=6) * 0.5, rnd(H * K, seed=7)
+    h0 = rnd(3, H, K, K, seed=8)
+    o, final = chunk_kda_with_fused_gate(q, k, v, g, raw_beta, A_log, g_bias, None, h0, True, lower_bound, True, cu)
+    o_ref, f_ref, _ = naive_recurrent_kda(q.double(), k.double(), v.double(), g.double(), raw_beta.double(), A_log,
+                                          g_bias, lower_bound=lower_bound, cu_seqlens=cu, initial_state=h0.double(),
+                                          output_final_state=True)
+    close(o, o_ref)
+    close(final, f_ref)
+
+
+@pytest.mark.parametrize("layout", ["decode_varlen", "spec_varlen", "spec_batched", "no_indices"])
+def test_fused_recurrent_kda_on_the_pool(layout):
+    N, S = 3, (1 if layout == "decode_varlen" else 3)
+    q, k, v = (rnd(N, S, H, K, seed=i) for i in range(3))
+    g = F.logsigmoid(rnd(N, S, H, K, seed=3))
+    beta = rnd(N, S, H, seed=4).sigmoid()
+    slots = 16
+    pool = rnd(slots, H, K, K, seed=5)
+    original = pool.clone()
+    accepted = torch.tensor([1, 3, 2])
+    if layout == "no_indices":
+        ssm, start = None, torch.arange(N)
+    elif layout == "decode_varlen":
+        ssm, start = torch.tensor([7, 2, -1]), torch.tensor([7, 2, -1])
+    else:
+        ssm = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+        start = ssm.gather(1, (accepted - 1)[:, None])[:, 0]
+    kw = dict(scale=None, initial_state=pool, inplace_final_state=True, use_qk_l2norm_in_kernel=True,
+              ssm_state_indices=ssm, num_accepted_tokens=None if layout in ("decode_varlen", "no_indices") else accepted)
+    if layout == "spec_batched" or layout == "no_indices":
+        o, ret = fused_recurrent_kda(q, k, v, g, beta, **kw)
+    else:
+        flat = [x.reshape(1, N * S, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        o, ret = fused_recurrent_kda(*flat, cu_seqlens=torch.arange(N + 1) * S, **kw)
+        o = o.view(N, S, H, K)
+    assert ret is pool
+    for n in range(N):
+        row = int(start[n])
+        if row < 0:
+            assert (o[n] == 0).all()
+            continue
+        o_ref, _, _ = naive_recurrent_kda(*(x[n:n + 1].double() for x in (q, k, v, g, beta)), None, None,
+                                          initial_state=original[row:row + 1].double(), gate="log_decay",
+                                          beta_sigmoid=False)
+        close(o[n:n + 1], o_ref)
+        # The state after the last token sits in the last written row.
+        last = n if ssm is None else int(ssm.view(N, -1)[n, S - 1])
+        _, f_ref, _ = naive_recurrent_kda(*(x[n:n + 1].double() for x in (q, k, v, g, beta)), None, None,
+                                          initial_state=original[row:row + 1].double(), gate="log_decay",
+                                          beta_sigmoid=False, output_final_state=True)
+        close(pool[last:last + 1], f_ref)
+
+
+def test_fused_recurrent_kda_refusals():
+    x = [rnd(1, 4, H, K, seed=i) for i in range(4)] + [rnd(1, 4, H).sigmoid()]
+    pool = torch.zeros(8, H, K, K)
+    with pytest.raises(ValueError, match="inplace_final_state"):
+        fused_recurrent_kda(*x, initial_state=pool, inplace_final_state=False)
+    with pytest.raises(ValueError, match="equal"):
+        fused_recurrent_kda(*x, initial_state=pool, cu_seqlens=torch.tensor([0, 1, 4]),
+                            ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]))
+
+
+@pytest.mark.parametrize("beta_threshold", [(1.0, 20.0), (2.0, 5.0)])
+def test_fused_kda_gate(beta_threshold):
+    beta, threshold = beta_threshold
+    g, A, bias = rnd(5, H * K, seed=1) * 8, rnd(H, seed=2), rnd(H * K, seed=3)
+    y = fused_kda_gate(g, A, K, bias, beta, threshold)
+    x = g.view(5, H, K) + bias.view(H, K)
+    want = -A.exp()[:, None] * torch.where(beta * x > threshold, x, torch.log1p(torch.exp(beta * x)) / beta)
+    assert y.dtype == torch.float32 and y.shape == (5, H, K)
+    close(y, want, atol=1e-5)
+    close(fused_kda_gate(g, A.view(1, 1, H, 1), K, bias, lower_bound=-5.0), kda_gate(g.view(5, H, K), A, bias, -5.0))
