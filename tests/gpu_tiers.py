@@ -42,6 +42,8 @@ SMOKE_TESTS = (
     # state cache and checkpoints; the conv prefill through the prologue; the
     # grouped walk (pass one, scan).
     "tests/kda/test_prefill.py::test_gpu_small_cache_checkpoints_out_is_v",
+    # The Hopper path (sm_90): folded prologue (intra + fold) and the Gluon walk.
+    "tests/kda/test_hopper.py::test_gpu_hopper_cache_checkpoints_out_is_v[ckpt_rows-bf16]",
     "tests/kda/test_prologue.py::test_gpu_small_bf16_strided_and_conv",
     "tests/kda/test_groups.py::test_gpu_small_groups_cache_checkpoints",
     "tests/kda/test_metadata.py::test_gpu_metadata_kernel_matches_torch",

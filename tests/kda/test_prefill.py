@@ -266,7 +266,7 @@ def test_gpu_small_cache_checkpoints_out_is_v(gpu):
     v_ref = raw["v"].clone()
     o, final = chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, state_cache=cache, state_indices=idx,
                                  has_initial_state=has, checkpoint_state=cache, checkpoint_offsets=offs,
-                                 checkpoint_state_indices=ck_rows, out=raw["v"])
+                                 checkpoint_state_indices=ck_rows, out=raw["v"], path="portable")
     assert final is None and o.data_ptr() == raw["v"].data_ptr()
     start = torch.where((has & (idx >= 0))[:, None, None, None], h0, torch.zeros_like(h0))
     o_nv, f_nv, c_nv = naive_recurrent_kda(**{**raw, "v": v_ref}, lower_bound=-5.0, cu_seqlens=cu,
