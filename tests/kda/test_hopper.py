@@ -287,3 +287,19 @@ def test_gpu_hopper_accuracy_32k_no_worse_than_fla(gpu, gate):
     if fla is not None:
         print(f"; fla o {fla[0]:.3e} state {fla[1]:.3e}", end="")
         assert e[0] <= 1.1 * fla[0] + 1e-4 and e[1] <= 1.1 * fla[1] + 1e-4, (e, fla)
+
+
+def test_auto_picks_hopper_only_where_the_portable_walk_takes_one_group(monkeypatch):
+    import kda_engram.kda.prefill as prefill
+
+    raw, cu = make_raw([10], H=2, K=16, V=16)
+    monkeypatch.setattr(prefill, "hopper_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", True)
+    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (1, 1))
+    assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "hopper"
+    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (4, 8))
+    assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"
+    assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper") == "hopper"
+    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", False)
+    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (1, 1))
+    assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"

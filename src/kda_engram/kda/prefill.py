@@ -35,12 +35,18 @@ __all__ = ["PREFILL_PATHS", "chunk_kda_prefill", "prefill_path"]
 
 PREFILL_PATHS = ("auto", "hopper", "portable")
 
+#: Whether ``path="auto"`` takes the Hopper path where it serves the call. Off until
+#: its GPU tests and benchmark have run on an H100/H200 (docs/design/kda_fused_prefill.md
+#: says which run turned it on); ``path="hopper"`` takes it either way.
+AUTO_PICKS_HOPPER = False
+
 
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
     """The path :func:`chunk_kda_prefill` takes for this call: ``"hopper"`` or ``"portable"``.
 
     ``path="portable"`` always gives the portable path; ``"hopper"`` the Hopper
-    path or a ``ValueError`` saying why it cannot serve the call; ``"auto"`` the
+    path or a ``ValueError`` saying why it cannot serve the call; ``"auto"`` (while
+    :data:`AUTO_PICKS_HOPPER`) the
     Hopper path where it serves the call and the portable walk would not cut the
     sequences into chunk groups (long sequences on few heads, where the groups'
     parallel walk is faster than one CTA per sequence and head). Host facts only:
@@ -54,7 +60,7 @@ def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="
         if reason is not None:
             raise ValueError(f"path: the Hopper path cannot serve this call: it {reason}")
         return "hopper"
-    if reason is not None:
+    if reason is not None or not AUTO_PICKS_HOPPER:
         return "portable"
     T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     n_groups, _ = _resolve_groups(groups, None, T, cu_seqlens.numel() - 1, H, K, V, q.device)
