@@ -26,18 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
-from ..platform import interpreting
-from .conv import conv_prefill_bands
+from ..constants import CHUNK_SIZE, SUB_CHUNK
 from .prologue import (
-    MAX_DIAG_SHIFT,
-    _kda_prologue_intra_kernel,
     _launch_warps,
     _load_rows,
     _mm,
     _program_chunk,
     _store_rows,
     _tri_inv,
+    intra_launcher,
+    prologue_dot_dtype,
 )
 
 __all__ = ["FOLD_WARPS", "prepare_folded_prologue"]
@@ -185,46 +183,18 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
     )
     if num_chunks == 0 or H == 0:
         return lambda: out
-    bounded = lower_bound is not None
-    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
-    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
-    if exact_diag:
-        shift = 0.0
-    # fp32 operands under the interpreter, whose tl.dot is wrong on bf16 (as in the prologue).
-    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
-    log_decay = gate == "log_decay"
-    if log_decay:
-        A_log, dt_bias = raw_g, raw_g  # never read: raw_g stands in for both pointers
-        sdtb_h, sdtb_c = 0, 0
-    elif dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    dot_dtype = prologue_dot_dtype(q)
+    launch_intra = intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                                  gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, num_warps=intra_warps)
     akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
     grid = (num_chunks * H,)
 
     def launch():
-        qb, kb, vb = q, k, v
-        if conv_weight is not None:
-            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
-                                            conv_state_indices, conv_has_initial_state)
-            out["v"] = vb
-        _kda_prologue_intra_kernel[grid](
-            qb, qb.stride(1), qb.stride(2), qb.stride(3),
-            kb, kb.stride(1), kb.stride(2), kb.stride(3),
-            vb, vb.stride(1), vb.stride(2), vb.stride(3),
-            raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
-            raw_beta, raw_beta.stride(1), raw_beta.stride(2),
-            A_log, A_log.stride(0),
-            dt_bias, sdtb_h, sdtb_c,
-            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
-            out["qg"], out["kd"], out["kd"], out["t_fold"], out["a_fold"], out["decay"], akk,
-            H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
-            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK, BOUNDED=bounded, EXACT_DIAG=exact_diag, DOT=dot_dtype,
-            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
-            FOLDED=True, LOAD_V=False,
-            num_warps=intra_warps, num_stages=1,
-        )
+        # kd into the w slot, the kg rows into t_fold, A_qk into a_fold (the fold
+        # launch rewrites the last two in place); u is never written.
+        out["v"] = launch_intra(out["qg"], out["kd"], out["kd"], out["t_fold"], out["a_fold"], out["decay"], akk,
+                                folded=True)
         _kda_prologue_fold_kernel[grid](
             cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
             raw_beta, raw_beta.stride(1), raw_beta.stride(2),

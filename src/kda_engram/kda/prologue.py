@@ -527,6 +527,71 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     return int(pair[0]), int(pair[1])
 
 
+def prologue_dot_dtype(q: torch.Tensor):
+    """The operand dtype of the prologues' products: bf16 tensor-core operands when
+    compiled; fp32 under the interpreter, whose tl.dot is wrong on bf16 operands (the
+    CPU path then computes what the GPU does up to the operand rounding)."""
+    return tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
+
+
+def intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, conv_weight,
+                   conv_state, conv_state_indices, conv_has_initial_state, *, gate, qk_l2norm, beta_sigmoid,
+                   num_warps):
+    """The first launch of both prologues (this module's and the folded one,
+    :mod:`kda_engram.kda.folded_prologue`), with the conv's launch before it when on.
+    Returns ``launch(qg, w, u, kg, aqk, decay, akk, folded)``, which launches and
+    returns the value band the launch read (the conv's output, or ``v``)."""
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    V = v.shape[3]
+    bounded = lower_bound is not None
+    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
+    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
+    if exact_diag:
+        shift = 0.0
+    dot_dtype = prologue_dot_dtype(q)
+
+    log_decay = gate == "log_decay"
+    if log_decay:
+        # No A_log / dt_bias: the kernel never reads them, so raw_g stands in for
+        # both pointers (a pointer argument must be a tensor).
+        A_log, dt_bias = raw_g, raw_g
+        sdtb_h, sdtb_c = 0, 0
+    elif dt_bias.dim() == 1:
+        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
+    else:
+        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    grid = (chunk_indices.shape[0] * H,)
+
+    def launch(qg, w, u, kg, aqk, decay, akk, folded):
+        qb, kb, vb = q, k, v
+        if conv_weight is not None:
+            # The conv runs as a launch of its own (see kda/conv.py for the measured
+            # reason); the rest of the prologue reads its bands like raw inputs.
+            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
+                                            conv_state_indices, conv_has_initial_state)
+        _kda_prologue_intra_kernel[grid](
+            qb, qb.stride(1), qb.stride(2), qb.stride(3),
+            kb, kb.stride(1), kb.stride(2), kb.stride(3),
+            vb, vb.stride(1), vb.stride(2), vb.stride(3),
+            raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
+            raw_beta, raw_beta.stride(1), raw_beta.stride(2),
+            A_log, 0 if log_decay else A_log.stride(0),
+            dt_bias, sdtb_h, sdtb_c,
+            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
+            qg, w, u, kg, aqk, decay, akk,
+            H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
+            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
+            BOUNDED=bounded, EXACT_DIAG=exact_diag,
+            DOT=dot_dtype,
+            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+            FOLDED=folded, LOAD_V=not folded,
+            num_warps=num_warps, num_stages=1,
+        )
+        return vb
+
+    return launch
+
+
 def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
                          conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
                          *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
@@ -553,26 +618,10 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
     if num_chunks == 0 or H == 0:
         return lambda: out
 
-    bounded = lower_bound is not None
-    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
-    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
-    if exact_diag:
-        shift = 0.0
-    # bf16 tensor-core operands when compiled; fp32 under the interpreter, whose
-    # tl.dot is wrong on bf16 operands (the CPU path then computes what the GPU
-    # does up to the operand rounding).
-    dot_dtype = tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
-
-    log_decay = gate == "log_decay"
-    if log_decay:
-        # No A_log / dt_bias: the kernel never reads them, so raw_g stands in for
-        # both pointers (a pointer argument must be a tensor).
-        A_log, dt_bias = raw_g, raw_g
-        sdtb_h, sdtb_c = 0, 0
-    elif dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    dot_dtype = prologue_dot_dtype(q)
+    launch_intra = intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
+                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                                  gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, num_warps=intra_warps)
     # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
     # in fp32) passes from the first launch to the second through this
     # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
@@ -580,29 +629,7 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
     grid = (num_chunks * H,)
 
     def launch():
-        qb, kb, vb = q, k, v
-        if conv_weight is not None:
-            # The conv runs as a launch of its own (see kda/conv.py for the measured
-            # reason); the rest of the prologue reads its bands like raw inputs.
-            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
-                                            conv_state_indices, conv_has_initial_state)
-        _kda_prologue_intra_kernel[grid](
-            qb, qb.stride(1), qb.stride(2), qb.stride(3),
-            kb, kb.stride(1), kb.stride(2), kb.stride(3),
-            vb, vb.stride(1), vb.stride(2), vb.stride(3),
-            raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
-            raw_beta, raw_beta.stride(1), raw_beta.stride(2),
-            A_log, 0 if log_decay else A_log.stride(0),
-            dt_bias, sdtb_h, sdtb_c,
-            cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
-            out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk,
-            H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
-            K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
-            BOUNDED=bounded, EXACT_DIAG=exact_diag,
-            DOT=dot_dtype,
-            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
-            num_warps=intra_warps, num_stages=1,
-        )
+        launch_intra(out["qg"], out["w"], out["u"], out["kg_t"], out["aqk"], out["decay"], akk, folded=False)
         _kda_prologue_solve_kernel[grid](
             cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
             out["w"], out["u"], akk,
