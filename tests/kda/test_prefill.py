@@ -280,9 +280,13 @@ def test_gpu_small_cache_checkpoints_out_is_v(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_small_cuda_graph_replay_new_cu_seqlens(gpu):
+@pytest.mark.parametrize("path", ["portable", "hopper"])
+def test_gpu_small_cuda_graph_replay_new_cu_seqlens(gpu, path):
     """A whole prefill (metadata, prologue, chunk; state cache and checkpoints) in
-    one CUDA graph, replayed with new cu_seqlens contents of the same N and T."""
+    one CUDA graph, replayed with new cu_seqlens contents of the same N and T, on
+    each path (a host sync inside the capture would fail it)."""
+    if path == "hopper" and torch.cuda.get_device_capability(gpu)[0] != 9:
+        pytest.skip("the Hopper path needs an sm_90 GPU")
     heads, T = 2, 384
     raw, cu = gpu_inputs([100, 64, 220], heads, gpu, seed=2)
     N = cu.numel() - 1
@@ -298,7 +302,7 @@ def test_gpu_small_cuda_graph_replay_new_cu_seqlens(gpu):
     def prefill():
         return chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=static_cu, state_cache=cache,
                                  state_indices=idx, has_initial_state=has, checkpoint_state=ck,
-                                 checkpoint_offsets=offs, out=out, check_inputs=False)
+                                 checkpoint_offsets=offs, out=out, check_inputs=False, path=path)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -322,7 +326,7 @@ def test_gpu_small_cuda_graph_replay_new_cu_seqlens(gpu):
     cache_e = cache0.clone()
     ck_e = torch.full_like(ck, math.nan)
     o_e, _ = chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=new_cu, state_cache=cache_e, state_indices=idx,
-                               has_initial_state=has, checkpoint_state=ck_e, checkpoint_offsets=new_offs)
+                               has_initial_state=has, checkpoint_state=ck_e, checkpoint_offsets=new_offs, path=path)
     assert torch.equal(o_graph, o_e)
     assert torch.equal(cache_graph, cache_e)
     assert torch.equal(ck_graph[[0, 2]], ck_e[[0, 2]])
