@@ -121,19 +121,33 @@ def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.c
 
 
 @triton.jit
+def _exact_diag_part(qh, kh, lc, causal):
+    """The diagonal block's sums over a subset of the channels, from the
+    unfactored ``2^(g_i - g_j)`` ([BS, BS, channels]; masked before the exp2)."""
+    e = tl.exp2(tl.where(causal, lc[:, None, :] - lc[None, :, :], float("-inf")))
+    ke = kh[None, :, :] * e
+    return tl.sum(qh[:, None, :] * ke, 2), tl.sum(kh[:, None, :] * ke, 2)
+
+
+@triton.jit
 def _diag_block(qh, kh, lc, qd, kd, kf, tot, beta, shift, two_shift,
                 BS: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
     """Diagonal ``[BS, BS]`` blocks of ``A_qk`` (``j <= i``) and ``A_kk``
     (``j < i``, rows times beta) of one sub-chunk."""
     rows = tl.arange(0, BS)
     if EXACT:
-        # The unfactored 2^(g_i - g_j) per channel, [BS, BS, K]; masked before
-        # the exp2 (for j > i the difference is positive and may overflow).
+        # The unfactored 2^(g_i - g_j) per channel; masked before the exp2 (for
+        # j > i the difference is positive and may overflow). Summed over the even
+        # and then the odd channels, so one [BS, BS, K/2] product is live at a
+        # time instead of [BS, BS, K] (register pressure, docs/design/kda_prefill.md).
         causal = (rows[None, :] <= rows[:, None])[:, :, None]
-        e = tl.exp2(tl.where(causal, lc[:, None, :] - lc[None, :, :], float("-inf")))
-        ke = kh[None, :, :] * e
-        aq = tl.sum(qh[:, None, :] * ke, 2)
-        ak = tl.sum(kh[:, None, :] * ke, 2)
+        q0, q1 = tl.split(tl.reshape(qh, [BS, qh.shape[1] // 2, 2]))
+        k0, k1 = tl.split(tl.reshape(kh, [BS, kh.shape[1] // 2, 2]))
+        l0, l1 = tl.split(tl.reshape(lc, [BS, lc.shape[1] // 2, 2]))
+        aq, ak = _exact_diag_part(q0, k0, l0, causal)
+        aq1, ak1 = _exact_diag_part(q1, k1, l1, causal)
+        aq += aq1
+        ak += ak1
     else:
         # kf = k̂ 2^(tot - lc); times 2^(-tot - s) gives k̂ 2^(-lc_j - s) in [2^-s, 2^s].
         kc = (kf * tl.exp2(-tot - shift)[None, :]).to(DOT)
