@@ -81,17 +81,9 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
     per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
 
-    BV = 16 is never picked: on an H200 with Triton 3.6 the compiled walk with
-    16-column state tiles returned NaN outputs (and the benchmark hit an illegal
-    address) where BV = 32 and 64 matched the reference to bf16 rounding
-    (2026-12-02, .dbg chunk sweep); the tests still run BV = 16 under the
-    interpreter, where it is correct. On NVIDIA, Triton 3.6 compiles the
-    32-column walk wrongly when it is single-staged: compute-sanitizer caught an
-    out-of-bounds shared-memory read in the grouped walk (H200, 2026-12-03, 2 x 16
-    programs per head at BV = 32, num_stages = 1), and the serial walk forced to
-    the same build faulted too, while the same launches double-staged, and BV = 64
-    single-staged, ran clean. BV = 32 is therefore only taken where its grid fits
-    one program per SM, i.e. double-staged.
+    BV = 16 is never picked, and BV = 32 only where its grid fits one program per
+    SM (double-staged): Triton 3.6 miscompiles both otherwise on NVIDIA (the
+    record: docs/design/kda_prefill.md, "The chunk walk's launch").
     """
     nh = max(num_seqs * num_heads, 1)
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
@@ -380,10 +372,8 @@ def _scan_precision(ieee_operands: bool, device) -> str:
     ``"tf32x3"`` (three TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about
     fp32's 2^-24 relative rounding to within a few bits) where the walk's own
     dots run on bf16/fp16 operands on NVIDIA: the scan then costs a fraction of
-    the FMA product and stays far below the walk's bf16 rounding (H200,
-    2026-12-04, 1 x 131072 H4, G = 32: the scan kernel 0.667 ms ``ieee`` ->
-    0.137 ms, the grouped walk 1.107 -> 0.822 ms; 1 x 32768 H4, G = 16:
-    0.314 -> 0.087 ms). ``"ieee"`` for fp32 operands (the tests' exact path,
+    the FMA product and stays far below the walk's bf16 rounding (timings:
+    docs/design/kda_prefill.md). ``"ieee"`` for fp32 operands (the tests' exact path,
     where the walk itself is fp32), under the interpreter, and on AMD, which has
     no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it. The rule is
     :func:`kda_engram.launch_config.scan_precision_for`."""

@@ -506,14 +506,8 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     """``(intra, solve)`` warps per program from the ``num_warps`` override: None
     for the defaults, one int for both launches, or a pair.
 
-    Defaults from the H200 sweep at 1 x 32k, H32, K = V = 128 (ms for the whole
-    prologue): (4, 4) 2.29, (8, 4) 3.29, (8, 8) 3.31, (4, 2) 2.11, (8, 2) 3.10,
-    (16, 4) 5.10, (4, 1) 3.33, (2, 2) 4.39. Both kernels use the full 255
-    registers a thread may hold at any width, so the register file admits the
-    same number of warps per SM either way (12.5% occupancy); narrower programs
-    make that several independent programs instead of one wide one, which hides
-    more of each program's serial chain, until the spills of 2 warps (intra:
-    290) or 1 warp (solve: 432) take over.
+    The defaults are :func:`kda_engram.launch_config.prologue_warps_for`; the sweep
+    behind them: docs/design/kda_prefill.md ("Prologue warps").
     """
     if num_warps is None:
         warps = prologue_warps_for(arch(dev) if is_gpu(dev) else "cpu", K, V)  # the per-architecture rule
