@@ -38,10 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.launch_config import GateGeometry
-from kda_engram.platform import arch, interpreting, num_compute_units
-from kda_engram.validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
-from kda_engram.validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
+from ..launch_config import GateGeometry
+from ..platform import arch, interpreting, num_compute_units
+from ..validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
+from ..validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
 
 # Up to this dim the row stays in registers at warps_for(row lanes) warps and a
 # program may walk several tokens.

@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
-from kda_engram.validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
-from kda_engram.engram.gate import (
+from ..validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
+from ..validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
+from .gate import (
     _check_num_warps,
     _load_qk,
     _row_piece,

@@ -47,10 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import DeviceChecks, check_tensor
-from kda_engram.validation.engram import check_column_sizes, check_finite_weight, check_table_rows
-from kda_engram.engram.layout import EngramLayout
-from kda_engram.platform import interpreting, is_amd, num_compute_units
+from ..validation.common import DeviceChecks, check_tensor
+from ..validation.engram import check_column_sizes, check_finite_weight, check_table_rows
+from .layout import EngramLayout
+from ..platform import interpreting, is_amd, num_compute_units
 
 SCALE_BLOCK = 32
 FP8_MAX = 448.0
