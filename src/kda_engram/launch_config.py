@@ -44,6 +44,7 @@ __all__ = [
     "decode_tiling_for",
     "fused_decode_tiling_for",
     "device_arch",
+    "is_pow2",
     "prologue_warps_for",
     "scan_precision_for",
     "walk_programs_per_cu",
@@ -100,17 +101,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _pow2(x) -> bool:
+def is_pow2(x) -> bool:
+    """Whether ``x`` is an int (not a bool) and a positive power of two."""
     return _is_int(x) and x > 0 and (x & (x - 1)) == 0
 
 
 def _check_tile(name: str, value, lo: int = 16) -> None:
-    if value is not None and not (_pow2(value) and value >= lo):
+    if value is not None and not (is_pow2(value) and value >= lo):
         raise ValueError(f"config: {name} must be a power of two >= {lo}, got {value!r}")
 
 
 def _check_warps(name: str, value) -> None:
-    if value is not None and not (_pow2(value) and value <= 32):
+    if value is not None and not (is_pow2(value) and value <= 32):
         raise ValueError(f"config: {name} must be a power of two in [1, 32], got {value!r}")
 
 
@@ -337,9 +339,9 @@ class DecodeTiling:
     num_warps: int
 
     def __post_init__(self):
-        if not _pow2(self.block_v):
+        if not is_pow2(self.block_v):
             raise ValueError(f"block_v: expected a power of two, got {self.block_v!r}")
-        if not (_pow2(self.num_warps) and self.num_warps <= 32):
+        if not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
 
 
@@ -382,7 +384,7 @@ class PrologueWarps:
     def __post_init__(self):
         for name in ("intra", "solve"):
             w = getattr(self, name)
-            if not (_pow2(w) and w <= 16):
+            if not (is_pow2(w) and w <= 16):
                 raise ValueError(f"num_warps: expected powers of two in [1, 16], got {name}={w!r}")
 
 
@@ -427,11 +429,11 @@ class GateGeometry:
 
     def __post_init__(self):
         for name in ("HEAD", "CHUNK"):
-            if not (_pow2(getattr(self, name)) and getattr(self, name) >= 16):
+            if not (is_pow2(getattr(self, name)) and getattr(self, name) >= 16):
                 raise ValueError(f"gate geometry: {name} must be a power of two >= 16, got {getattr(self, name)!r}")
-        if self.TAIL != 0 and not (_pow2(self.TAIL) and self.TAIL >= 16):
+        if self.TAIL != 0 and not (is_pow2(self.TAIL) and self.TAIL >= 16):
             raise ValueError(f"gate geometry: TAIL must be 0 or a power of two >= 16, got {self.TAIL!r}")
-        if not (_pow2(self.num_warps) and self.num_warps <= 32):
+        if not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
         if self.LOOP and (self.HEAD, self.TAIL) != (16, 0):
             raise ValueError(f"gate geometry: LOOP streams CHUNK-wide blocks, HEAD/TAIL must be 16/0, "

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
-from ..launch_config import decode_tiling_for, device_arch
+from ..constants import L2NORM_EPS
+from ..launch_config import decode_tiling_for, device_arch, is_pow2
 from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import (
@@ -55,9 +55,6 @@ from ..validation.kda import (
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
-
-# Largest head dim whose fp32 [BLOCK_V, K] tile we keep in registers.
-MAX_HEAD_DIM = DECODE_MAX_HEAD_DIM
 
 
 @triton.jit
@@ -210,10 +207,6 @@ def decode_tiling(
     return tiling.block_v, tiling.num_warps
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int, int]:
     # [H, K] or flat [H*K]; a strided 1-D view is read through its stride, not reshaped.
     if dt_bias.dim() == 2:
@@ -234,7 +227,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
         bv, nw = decode_tiling(B, H, V, state_cache.device, steps, state_cache.dtype)
         block_v = bv if block_v is None else block_v
         num_warps = nw if num_warps is None else num_warps
-    if not (_is_pow2(block_v) and V % block_v == 0):
+    if not (is_pow2(block_v) and V % block_v == 0):
         raise ValueError(f"block_v: expected a power of two dividing V={V}, got {block_v}")
     if scale is None:
         scale = K ** -0.5

@@ -22,7 +22,7 @@ from ..platform import interpreting
 from ..validation.common import check_int
 from ..validation.kda import check_cu_seqlens
 
-__all__ = ["CHUNK_SIZE", "max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
+__all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
