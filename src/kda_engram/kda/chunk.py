@@ -1,7 +1,7 @@
 """The KDA chunk kernel: inter-chunk recurrence and output in one launch.
 
 Consumes the operands of the fused prologue (documented, and computed in plain
-PyTorch, by :func:`kda_engram.kda.reference.chunk_operands`) and walks every
+PyTorch, by :func:`kda_engram.kda.reference.naive_chunk_operands`) and walks every
 sequence's 64-token chunks with the recurrent state on chip. Per chunk, with
 ``S`` the V-first state ``[V, K]`` at the chunk start::
 
@@ -22,7 +22,7 @@ sequence's last group in pass two writes it: launch order serialises them).
 The walk over chunks is serial per sequence. For long sequences on few heads
 (where that leaves the GPU mostly idle) :func:`fused_kda_chunk` cuts every
 sequence into parallel chunk groups joined by the exact transfer-operator scan
-(:mod:`kda_engram.kda.groups`; ``reference.chunk_walk(groups=...)`` is its
+(:mod:`kda_engram.kda.groups`; ``reference.naive_chunk_walk(groups=...)`` is its
 plain-PyTorch form): pass one (the same chunk step with the output switched
 off, over the V state rows and the K operator rows), the scan and pass two (the
 walk kernel with ``GROUPED``). With one group it is the single launch above. The
@@ -134,7 +134,7 @@ def fused_kda_chunk(
     """Run the chunk recurrence and the output projection: one launch, or three
     with parallel chunk groups.
 
-    Operands (what the prologue / ``reference.chunk_operands`` produce; one float
+    Operands (what the prologue / ``reference.naive_chunk_operands`` produce; one float
     dtype for all but ``decay``):
 
     * ``qg``, ``w``: ``[1, T, H, K]``; ``u``: ``[1, T, H, V]``; ``aqk``: ``[1, T, H, 64]``
@@ -192,7 +192,7 @@ def fused_kda_chunk(
     back from the device) and at least :data:`~kda_engram.kda.groups.MIN_GROUP_CHUNKS`
     chunks per group; ``groups=G`` forces ``G`` with ``min_group_chunks=1``
     (each sequence's chunks cut into ``ceil(chunks / G)``-chunk groups, as
-    ``reference.chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
+    ``reference.naive_chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
     group length is ``L_n = max(ceil(chunks_n / G), min_group_chunks)``, so a short
     sequence in a ragged batch stays one group and costs no pass one. ``G = 1`` is
     the single launch above. ``G > 1`` runs pass one (every group but each

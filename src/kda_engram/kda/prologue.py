@@ -12,7 +12,7 @@ fp32 workspace. The second (``_kda_prologue_solve_kernel``, same grid) solves
 block forward substitution over 16x16 fp32 diagonal inverses. Why two launches:
 one program would need far more than the 255 registers a thread may hold.
 
-Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`),
+Operand contract (identical to :func:`kda_engram.kda.reference.naive_chunk_operands`),
 with ``g`` the chunk-local inclusive cumsum of ``a * log2(e)``:
 
 ====== ============================ ====================================================
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
+from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.common import DeviceChecks
@@ -57,7 +57,6 @@ from .metadata import chunk_row, prepare_chunk_metadata
 # (2^-126) before the shift brings them into [2^-s, 2^s]. Past it (|L| > 5.45)
 # the diagonal blocks take the exact path.
 MAX_DIAG_SHIFT = 63.0
-_SUPPORTED_DIMS = KDA_HEAD_DIMS
 
 
 # --------------------------------------------------------------------------- kernel
