@@ -303,6 +303,14 @@ def _chunk_rows(cu_seqlens: torch.Tensor, chunk_size: int):
     return out
 
 
+def _w_u_kg(S, ops, row, s, e):
+    """The chunk's ``w [H, L, K]``, ``u [H, L, V]`` and ``kg [H, L, K]`` in ``S``'s dtype."""
+    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)
+    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
+    kg = ops["kg_t"][row, :, :, : e - s].transpose(1, 2).to(S.dtype)
+    return w, u, kg
+
+
 def naive_chunk_step(S, ops, row, s, e, scale):
     """One chunk of the walk: returns ``(o [L, H, V], S_next)``.
 
@@ -310,11 +318,9 @@ def naive_chunk_step(S, ops, row, s, e, scale):
     ``S_next = S diag(decay) + v_new^T kg``.
     """
     L = e - s
-    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)  # [H, L, K]
-    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
+    w, u, kg = _w_u_kg(S, ops, row, s, e)
     qg = ops["qg"][0, s:e].transpose(0, 1).to(S.dtype)
     aqk = ops["aqk"][0, s:e, :, :L].transpose(0, 1).to(S.dtype)  # [H, L, L]
-    kg = ops["kg_t"][row, :, :, :L].transpose(1, 2).to(S.dtype)  # [H, L, K]
     St = S.transpose(1, 2)  # [H, K, V]
     v_new = u - w @ St
     o = scale * (qg @ St + aqk @ v_new)
@@ -348,10 +354,7 @@ def naive_folded_chunk_step(S, ops, v, row, s, e, scale):
 def naive_chunk_transfer(S, ops, row, s, e):
     """``(M_c, H_c)`` with ``S_end = S_start M_c + H_c``: ``M_c = diag(d_c) - w_c^T kg_c``
     ``[H, K, K]`` and ``H_c = u_c^T kg_c`` ``[H, V, K]``."""
-    L = e - s
-    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)
-    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
-    kg = ops["kg_t"][row, :, :, :L].transpose(1, 2).to(S.dtype)
+    w, u, kg = _w_u_kg(S, ops, row, s, e)
     M = torch.diag_embed(ops["decay"][row].to(S.dtype)) - w.transpose(1, 2) @ kg
     return M, u.transpose(1, 2) @ kg
 
