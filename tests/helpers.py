@@ -12,7 +12,7 @@ import torch
 
 from kda_engram.kda.chunk import fused_kda_chunk
 from kda_engram.kda.metadata import max_chunks
-from kda_engram.kda.reference import chunk_operands
+from kda_engram.kda.reference import naive_chunk_operands
 
 # ----------------------------------------------------------------------- error metrics
 
@@ -54,9 +54,9 @@ def make_raw(lengths, *, H=2, K=32, V=32, seed=0, device="cpu"):
 
 
 def make_ops(raw, cu, lower_bound, *, dtype=torch.float32, pad_rows=True):
-    """chunk_operands, with kg_t/decay padded to the prologue's static row bound
+    """naive_chunk_operands, with kg_t/decay padded to the prologue's static row bound
     and the padding filled with NaN (the kernel must never read it)."""
-    ops = chunk_operands(**raw, cu_seqlens=cu, lower_bound=lower_bound)
+    ops = naive_chunk_operands(**raw, cu_seqlens=cu, lower_bound=lower_bound)
     out = {n: ops[n].to(dtype) for n in ("qg", "w", "u", "aqk")}
     out["decay"] = ops["decay"].float()
     out["kg_t"] = ops["kg_t"].to(dtype)

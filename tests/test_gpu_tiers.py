@@ -75,14 +75,15 @@ def test_smoke_selection_names_collected_tests():
 
 
 def test_launch_log_passes_launches_through():
-    from kda_engram.kda.conv import conv_decode_reference, kda_conv_decode
+    from kda_engram.kda.conv import kda_conv_decode
+    from kda_engram.kda.reference import naive_conv_decode
 
     assert {"_kda_decode_kernel", "_conv_decode_kernel", "_engram_post_wkv_kernel"} <= defined_kernels()
     launched = set()
     restore = log_launches(launched)
     try:
         x, w, state = torch.randn(2, 8), torch.randn(8, 4), torch.randn(3, 8, 3)
-        want, want_state = conv_decode_reference(x, w, state, torch.tensor([2, 0]))
+        want, want_state = naive_conv_decode(x, w, state, torch.tensor([2, 0]))
         out = kda_conv_decode(x, w, state, torch.tensor([2, 0]), out_dtype=torch.float32)
     finally:
         restore()

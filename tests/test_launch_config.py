@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
-from kda_engram.kda.reference import chunk_operands, chunk_walk
+from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk
 from kda_engram.launch_config import (
     ARCH_FACTS,
     ChunkConfig,
@@ -145,9 +145,9 @@ def test_fused_kda_chunk_takes_a_dict_or_the_dataclass():
     raw = dict(q=rnd(1, T, H, K), k=rnd(1, T, H, K), v=rnd(1, T, H, V), raw_g=rnd(1, T, H, K),
                raw_beta=rnd(1, T, H), A_log=rnd(H) * 0.5, dt_bias=rnd(H * K))
     cu = torch.tensor([0, T])
-    ops = chunk_operands(**raw, cu_seqlens=cu, lower_bound=-5.0)
+    ops = naive_chunk_operands(**raw, cu_seqlens=cu, lower_bound=-5.0)
     args = [ops[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
-    ref, _, _ = chunk_walk(ops, cu_seqlens=cu, scale=0.2)
+    ref, _, _ = naive_chunk_walk(ops, cu_seqlens=cu, scale=0.2)
     for config in ({"BV": 16, "num_warps": 2}, ChunkConfig(BV=32, num_stages=2), None):
         out = torch.empty_like(ops["u"])
         fused_kda_chunk(*args, out, 0.2, cu, None, False, config=config)

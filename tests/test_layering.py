@@ -11,10 +11,10 @@ Layers, top to bottom (a module may import from its own layer and any below):
 5. the base: ``parallel``, ``platform``, ``validation``, ``constants``,
    ``launch_config``.
 
-Within the kernel families, the plain-PyTorch references (``kda/reference.py``,
-``engram/reference.py``, ``engram/memory_reference.py``) sit beside the kernels
-but are not used by them: only the tools, the layers (their ``*_reference``
-functions), the other references and the family's ``__init__`` (which re-exports
+The plain-PyTorch references (``kda/reference.py``, ``engram/reference.py``,
+``layers/reference.py``; ``engram/memory_reference.py`` holds old names until the
+tools move) sit beside what they check but are not used by it: only the tools,
+the layers, the other references and a family's ``__init__`` (which re-exports
 them as public API) may import a reference. Tests may import anything.
 
 Every import counts: at module level, inside functions (the lazy imports that
@@ -44,7 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               f"{PACKAGE}.launch_config")),
 ]
 
-REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.engram.memory_reference"}
+REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.engram.memory_reference",
+              f"{PACKAGE}.layers.reference"}
 
 # ----------------------------------------------------------------------- the graph
 

@@ -12,7 +12,7 @@ Without a CUDA device (and without --emulate) it prints a message and exits 0.
 
 Checks (exit status 1 if any fails):
   1. accuracy: ragged batch (lengths 1000, 0, 1, 63, 64, 65, 2048, 37, 0), H = 4, K = V = 128,
-     random initial state, two gates. Operands from reference.chunk_operands in float64, rounded to
+     random initial state, two gates. Operands from reference.naive_chunk_operands in float64, rounded to
      bf16 (via fp32, RTNE), decay fp32. o and the final state against naive_recurrent_kda in float64
      (relative RMS; PRECISION.md predicts 1.7-3.4e-3, limit 5e-3) and against the fp32 emulation of the
      same recipe (precision_emulation.folded_walk 'fold-bf16', o rounded to bf16 like the kernel's store;
@@ -62,7 +62,7 @@ def _setup(lengths, gate, dev, H=4, K=128, V=128, seed=0):
     """Inputs, fp64 references and the bf16 operands the kernel reads."""
     import torch
     from kda_engram.kda.metadata import prepare_chunk_offsets
-    from kda_engram.kda.reference import chunk_operands, naive_recurrent_kda
+    from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
     from precision_emulation import _stored, make_inputs
 
     x = make_inputs(lengths, gate, H=H, K=K, V=V, seed=seed)  # CPU float64 (bf16-representable inputs)
@@ -74,7 +74,7 @@ def _setup(lengths, gate, dev, H=4, K=128, V=128, seed=0):
                                           initial_state=init, output_final_state=True)
     o_ref0, s_ref0, _ = naive_recurrent_kda(*args, scale=scale, lower_bound=x["lower_bound"], cu_seqlens=cu,
                                             initial_state=None, output_final_state=True)
-    ops = chunk_operands(*args, cu_seqlens=cu, lower_bound=x["lower_bound"], chunk_size=64)
+    ops = naive_chunk_operands(*args, cu_seqlens=cu, lower_bound=x["lower_bound"], chunk_size=64)
     st = _stored({k: t.cpu() for k, t in ops.items()}, x["v"])  # float32 holding bf16 values; decay fp32
     bf = torch.bfloat16
     kin = {k: st[k].to(dev, bf).contiguous() for k in ("qg", "kd", "t_fold", "a_fold", "v")}

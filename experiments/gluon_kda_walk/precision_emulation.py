@@ -4,7 +4,7 @@ Not part of the package. Run (2 CPU cores, a few minutes):
 
     PYTHONPATH=src python3 experiments/gluon_kda_walk/precision_emulation.py   (from the repository root)
 
-Every walk reads the operands of ``reference.chunk_operands`` computed in float64 and rounded
+Every walk reads the operands of ``reference.naive_chunk_operands`` computed in float64 and rounded
 to bf16 (fp32 -> bf16, RTNE) as the prologue would store them; ``decay`` is stored fp32 (as
 ``prologue.py`` does). A product ``A @ B`` is emulated as ``round(A) @ round(B)`` in float32
 (bf16 x bf16 and tf32 x bf16 products are exact in fp32, so this is an fp32-accumulating
@@ -18,7 +18,7 @@ Variants (``mode`` of :func:`folded_walk` / :func:`unfolded_walk`):
 * ``fold-Rtf32``  S bf16, R tf32 (only a_fold and t_fold would need tf32 tiles).
 * ``fold-S32``    S kept fp32 in its two products, R bf16 (the ideal the kernel can't have cheaply).
 * ``fold-SR32``   S and R both fp32 (isolates the bf16 operand storage alone).
-* ``today-S32``   ``chunk_step`` over the unfolded operands (w, u, qg, kg_t, aqk bf16, decay
+* ``today-S32``   ``naive_chunk_step`` over the unfolded operands (w, u, qg, kg_t, aqk bf16, decay
                   fp32), S and v_new fp32 in the products (the stand-in the brief asked for).
 * ``today-bf16``  the same, but S and v_new rounded to bf16 in the products, which is what
                   ``chunk_kernels._walk_chunk`` does on the GPU today (``sb = st.to(dt)``,
@@ -36,10 +36,23 @@ import time
 
 import torch
 
-from kda_engram.kda.reference import _chunk_rows, chunk_operands, folded_chunk_step, naive_recurrent_kda
+from kda_engram.kda.metadata import prepare_chunk_offsets
+from kda_engram.kda.reference import naive_chunk_operands, naive_folded_chunk_step, naive_recurrent_kda
 
 CHUNK = 64
 torch.set_float32_matmul_precision("highest")
+
+
+def _chunk_rows(cu_seqlens: torch.Tensor, chunk_size: int):
+    """Per sequence: list of (chunk row, start, end) token ranges (the rows of
+    ``naive_chunk_operands``' per-chunk operands)."""
+    bounds = cu_seqlens.tolist()
+    offsets = prepare_chunk_offsets(cu_seqlens, chunk_size).tolist()
+    out = []
+    for n in range(len(bounds) - 1):
+        starts = range(bounds[n], bounds[n + 1], chunk_size)
+        out.append([(offsets[n] + c, s, min(s + chunk_size, bounds[n + 1])) for c, s in enumerate(starts)])
+    return out
 
 
 # ----------------------------------------------------------------------------- rounding helpers
@@ -130,7 +143,7 @@ def folded_walk(st, cu_seqlens, scale, initial_state, mode):
 
 
 def unfolded_walk(st, cu_seqlens, scale, initial_state, mode):
-    """``chunk_step`` over (w, u, qg, kg_t, aqk, decay): v_new = u - w S^T;
+    """``naive_chunk_step`` over (w, u, qg, kg_t, aqk, decay): v_new = u - w S^T;
     o = scale (qg S^T + aqk v_new); S = S diag(decay) + v_new^T kg."""
     rS, rV = (ROUND[m] for m in UNFOLDED[mode])
 
@@ -151,10 +164,10 @@ def unfolded_walk(st, cu_seqlens, scale, initial_state, mode):
 
 
 def folded_walk_f64(ops, v, cu_seqlens, scale, initial_state):
-    """reference.folded_chunk_step in float64 (harness check)."""
+    """reference.naive_folded_chunk_step in float64 (harness check)."""
     T, H, V = v.shape[1:]
     return _walk(cu_seqlens, initial_state, T, H, V, ops["kd"].shape[3], torch.float64,
-                 lambda S, row, s, e: folded_chunk_step(S, ops, v, row, s, e, scale))
+                 lambda S, row, s, e: naive_folded_chunk_step(S, ops, v, row, s, e, scale))
 
 
 # ----------------------------------------------------------------------------- the study
@@ -204,7 +217,7 @@ def run_case(lengths, gate):
     scale = K**-0.5
     o_ref, s_ref, _ = naive_recurrent_kda(*args, scale=scale, lower_bound=x["lower_bound"], cu_seqlens=x["cu"],
                                           initial_state=x["init"], output_final_state=True)
-    ops = chunk_operands(*args, cu_seqlens=x["cu"], lower_bound=x["lower_bound"], chunk_size=CHUNK)
+    ops = naive_chunk_operands(*args, cu_seqlens=x["cu"], lower_bound=x["lower_bound"], chunk_size=CHUNK)
     st = _stored(ops, x["v"])
     res = {}
     o, s = folded_walk_f64(ops, x["v"], x["cu"], scale, x["init"])

@@ -6,8 +6,8 @@ launches with is a field of a frozen dataclass here, checked once in
 architecture string (``"sm_90"``, ``"gfx942"``, ``"gfx950"``, ``"cpu"``) and a
 compute-unit count by a plain function, so the per-architecture choices live in
 one file instead of in the kernels' launchers. Why each choice is what it is is
-written beside it; the measurements behind the NVIDIA defaults are in the
-launchers' docstrings (``kda/chunk.py``, ``kda/decode.py``, ``kda/prologue.py``).
+written beside it in a line; the measurements behind the NVIDIA defaults are in
+docs/design/ (``kda_prefill.md``, ``kda_decode.md``, ``kda_bf16_state.md``).
 
 * :class:`ChunkConfig`: a user's partial override of the chunk walk (what
   ``fused_kda_chunk(config=...)`` takes; a dict of the same keys converts).
@@ -44,6 +44,7 @@ __all__ = [
     "decode_tiling_for",
     "fused_decode_tiling_for",
     "device_arch",
+    "is_pow2",
     "prologue_warps_for",
     "scan_precision_for",
     "walk_programs_per_cu",
@@ -100,17 +101,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _pow2(x) -> bool:
+def is_pow2(x) -> bool:
+    """Whether ``x`` is an int (not a bool) and a positive power of two."""
     return _is_int(x) and x > 0 and (x & (x - 1)) == 0
 
 
 def _check_tile(name: str, value, lo: int = 16) -> None:
-    if value is not None and not (_pow2(value) and value >= lo):
+    if value is not None and not (is_pow2(value) and value >= lo):
         raise ValueError(f"config: {name} must be a power of two >= {lo}, got {value!r}")
 
 
 def _check_warps(name: str, value) -> None:
-    if value is not None and not (_pow2(value) and value <= 32):
+    if value is not None and not (is_pow2(value) and value <= 32):
         raise ValueError(f"config: {name} must be a power of two in [1, 32], got {value!r}")
 
 
@@ -203,14 +205,14 @@ class ChunkLaunch:
             if any(d % bv for d in dims):
                 tiled = f"V={V} and K={K}" if len(dims) > 1 else f"V={V}"
                 raise ValueError(f"config: {name} must be an int >= 16 dividing {tiled}, got {bv!r}")
-            # H200, Triton 3.6: 16-column state tiles returned NaN outputs where 32 and 64
-            # matched the reference (2026-12-02); the interpreter computes them correctly.
+            # Triton 3.6 miscompiles 16-column state tiles on the GPU (NaN outputs; the
+            # interpreter computes them correctly): docs/design/kda_prefill.md.
             if compiled and bv < 32 and min(dims + (V,)) >= 32:
                 raise ValueError(f"config: {name}={bv} is miscompiled by Triton 3.6 on the GPU (NaN outputs); use 32 or 64")
         if K % self.BJ_scan:
             raise ValueError(f"config: BJ_scan must be an int >= 16 dividing K={K}, got {self.BJ_scan!r}")
         if compiled and not _is_amd(self.arch) and self.BV == 32 and self.num_stages < 2:
-            # H200, Triton 3.6: out-of-bounds shared-memory read (compute-sanitizer), see chunk_config.
+            # Triton 3.6: out-of-bounds shared-memory read (compute-sanitizer): docs/design/kda_prefill.md.
             raise ValueError(f"config: BV=32 with num_stages={self.num_stages} is miscompiled by Triton 3.6 on "
                              "NVIDIA GPUs (illegal memory access); use num_stages=2 or BV=64")
         if compiled and self.scan_precision not in self.facts.dot_precisions:
@@ -337,23 +339,21 @@ class DecodeTiling:
     num_warps: int
 
     def __post_init__(self):
-        if not _pow2(self.block_v):
+        if not is_pow2(self.block_v):
             raise ValueError(f"block_v: expected a power of two, got {self.block_v!r}")
-        if not (_pow2(self.num_warps) and self.num_warps <= 32):
+        if not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
 
 
 def decode_tiling_for(arch: str, v_dim: int, steps: int = 1, state_dtype=None) -> DecodeTiling:
-    """The decode tiling (numbers in ``kda/decode.py: decode_tiling``).
+    """The decode tiling (the sweeps: docs/design/kda_decode.md, kda_bf16_state.md).
 
     * 16 rows per program: a 16-row tile of a 128-wide fp32 state is 8 KiB, so more
-      programs keep more bytes in flight (H200 sweep).
+      programs keep more bytes in flight.
     * fp32 state: 4 warps for one token, 2 for several (the tile stays live across
       the steps and each thread then does more independent work per load).
-    * bf16 state, one token: the whole head (128 rows) and 8 warps (H200 sweep of
-      16..128 rows x 2..8 warps, 2026-12-04: B256_H32 0.1675 ms against 0.1741
-      at 16 x 2, B64_H32 0.047 against 0.053, B1024_H8 0.1695 against 0.1634).
-      Several tokens: 32 rows and 2 warps (B256_H32_S4 0.548 against 0.585).
+    * bf16 state, one token: the whole head (128 rows) and 8 warps. Several tokens:
+      32 rows and 2 warps.
     * On AMD the same choices: at 4 wavefronts of 64 lanes a one-token program holds
       8 state elements per lane and the compile shows no spills
       (tests/test_compile_amd.py).
@@ -368,10 +368,8 @@ def decode_tiling_for(arch: str, v_dim: int, steps: int = 1, state_dtype=None) -
 def fused_decode_tiling_for(arch: str, v_dim: int, state_dtype=None) -> DecodeTiling:
     """The fused layer decode step's tiling (``kda/fused_decode.py``): one program
     per (sequence, head) walks the head's ``V`` rows in ``block_v`` tiles, two
-    tiles live at a time (the next one's load in flight). 16 rows x 4 warps (H200
-    sweep at B256_H32, 2026-12-04: 0.328 ms against 0.346 at 32 x 4 with an fp32
-    state, 0.186 against 0.189 with bf16); 64 x 2 spills once double-buffered
-    (sm_90 compile) and ran 6x slower."""
+    tiles live at a time (the next one's load in flight). 16 rows x 4 warps; 64 x 2
+    spills once double-buffered (the sweep: docs/design/kda_bf16_state.md)."""
     del arch, state_dtype  # one choice so far for both state dtypes and every target
     return DecodeTiling(block_v=min(16, v_dim), num_warps=4)
 
@@ -386,16 +384,16 @@ class PrologueWarps:
     def __post_init__(self):
         for name in ("intra", "solve"):
             w = getattr(self, name)
-            if not (_pow2(w) and w <= 16):
+            if not (is_pow2(w) and w <= 16):
                 raise ValueError(f"num_warps: expected powers of two in [1, 16], got {name}={w!r}")
 
 
 def prologue_warps_for(arch: str, head_k: int, head_v: int) -> PrologueWarps:
-    """The prologue's warps (numbers in ``kda/prologue.py: _launch_warps``).
+    """The prologue's warps (the sweep: docs/design/kda_prefill.md, "Prologue warps").
 
     * Compiled, K or V >= 128: (4, 2); both kernels hold 255 registers per thread at
-      any width, so narrower solve programs give more independent programs per SM
-      (H200 sweep: 2.11 ms against 2.29 at (4, 4)). The same on AMD, where 4 and 2
+      any width, so narrower solve programs give more independent programs per SM.
+      The same on AMD, where 4 and 2
       wavefronts are 256 and 128 lanes (the compile test reports the spills).
     * Interpreter or small heads: (4, 4) (only speed differs).
     """
@@ -431,11 +429,11 @@ class GateGeometry:
 
     def __post_init__(self):
         for name in ("HEAD", "CHUNK"):
-            if not (_pow2(getattr(self, name)) and getattr(self, name) >= 16):
+            if not (is_pow2(getattr(self, name)) and getattr(self, name) >= 16):
                 raise ValueError(f"gate geometry: {name} must be a power of two >= 16, got {getattr(self, name)!r}")
-        if self.TAIL != 0 and not (_pow2(self.TAIL) and self.TAIL >= 16):
+        if self.TAIL != 0 and not (is_pow2(self.TAIL) and self.TAIL >= 16):
             raise ValueError(f"gate geometry: TAIL must be 0 or a power of two >= 16, got {self.TAIL!r}")
-        if not (_pow2(self.num_warps) and self.num_warps <= 32):
+        if not (is_pow2(self.num_warps) and self.num_warps <= 32):
             raise ValueError(f"num_warps: expected a power of two in [1, 32], got {self.num_warps!r}")
         if self.LOOP and (self.HEAD, self.TAIL) != (16, 0):
             raise ValueError(f"gate geometry: LOOP streams CHUNK-wide blocks, HEAD/TAIL must be 16/0, "

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kda_engram.validation.common import check_tensor
+from .validation.common import check_tensor
 
 
 def _gather_into_tensor_fn():

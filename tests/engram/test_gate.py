@@ -1,4 +1,4 @@
-"""engram_post_wkv (the single-rank fused gate) against engram_post_wkv_ref.
+"""engram_post_wkv (the single-rank fused gate) against naive_engram_post_wkv.
 
 CPU: the Triton interpreter, fp32/fp16, small T (the kernel is one program per
 (token, stream), so dims up to 5120 stay cheap). GPU: bf16 and fp32 at real shapes.
@@ -28,7 +28,7 @@ from kda_engram.engram.gate import (
     WIDE_ROW_MAX_DIM,
     wide_row_warps,
 )
-from kda_engram.engram.reference import engram_post_wkv_ref
+from kda_engram.engram.reference import naive_engram_post_wkv
 from kda_engram.platform import num_compute_units
 
 EPS = 1e-6
@@ -48,7 +48,7 @@ def make_inputs(T, hc, dim, *, dtype=torch.float32, device="cpu", seed=0, T_kv=N
 
 def ref64(hidden, kv, q, k, **kw):
     """The reference in fp64 on the exact (already rounded) inputs."""
-    return engram_post_wkv_ref(hidden.double(), kv.double(), q.double(), k.double(), eps=kw.pop("eps", EPS), **kw)
+    return naive_engram_post_wkv(hidden.double(), kv.double(), q.double(), k.double(), eps=kw.pop("eps", EPS), **kw)
 
 
 def assert_matches(out, want, dtype):

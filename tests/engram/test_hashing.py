@@ -4,11 +4,11 @@ import torch
 
 from kda_engram.engram.hashing import build_compressed_token_map, ngram_hash, next_history
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.engram.memory_reference import (
-    compressed_token_map_ref,
-    next_history_ref,
-    ngram_hash_padded_ref,
-    ngram_hash_ref,
+from kda_engram.engram.reference import (
+    naive_compressed_token_map,
+    naive_next_history,
+    naive_ngram_hash_padded,
+    naive_ngram_hash,
 )
 
 VOCAB = 50
@@ -47,7 +47,7 @@ def test_hash_matches_reference(dtype, use_history, use_dead):
         kw["dead_mask"] = dead
     got = ngram_hash(tok, cu, layout, **kw)
     assert got.dtype == torch.int32 and got.shape == (tok.shape[0], 2, 9)
-    np.testing.assert_array_equal(got.numpy(), ngram_hash_ref(tok, cu, layout, **kw))
+    np.testing.assert_array_equal(got.numpy(), naive_ngram_hash(tok, cu, layout, **kw))
     # Tokens past the last sequence have no rows.
     assert (got[int(cu[-1]) :] == -1).all()
 
@@ -58,7 +58,7 @@ def test_hash_equals_the_papers_batch_form():
     x = torch.randint(0, VOCAB, (3, 11), generator=gen)
     got = ngram_hash(x.reshape(-1), torch.tensor([0, 11, 22, 33]), layout).numpy().reshape(3, 11, 2, -1)
     for li in range(2):
-        np.testing.assert_array_equal(got[:, :, li] - layout.row_offsets()[li], ngram_hash_padded_ref(x, layout, li))
+        np.testing.assert_array_equal(got[:, :, li] - layout.row_offsets()[li], naive_ngram_hash_padded(x, layout, li))
 
 
 def test_rows_lie_in_their_column_tables_and_global_rows():
@@ -82,9 +82,9 @@ def test_token_map_and_strided_ids():
     got = ngram_hash(raw, cu, layout, token_map=token_map, history=hist)
     mapped_hist = torch.where(hist >= 0, token_map[hist.clamp(min=0)], hist)
     np.testing.assert_array_equal(got.numpy(), ngram_hash(token_map[raw], cu, layout, history=mapped_hist).numpy())
-    np.testing.assert_array_equal(got.numpy(), ngram_hash_ref(raw, cu, layout, token_map=token_map, history=hist))
+    np.testing.assert_array_equal(got.numpy(), naive_ngram_hash(raw, cu, layout, token_map=token_map, history=hist))
     nh = next_history(raw, cu, layout, history=hist)
-    np.testing.assert_array_equal(nh.numpy(), next_history_ref(raw, cu, layout, history=hist))
+    np.testing.assert_array_equal(nh.numpy(), naive_next_history(raw, cu, layout, history=hist))
 
 
 def test_continuing_a_sequence_equals_hashing_it_whole():
@@ -107,7 +107,7 @@ def test_continuing_a_sequence_equals_hashing_it_whole():
         pieces[0].append(rows[: lens[0]])
         pieces[1].append(rows[lens[0] :])
         new = next_history(toks, cu, layout, history=history, dead_mask=dead)
-        np.testing.assert_array_equal(new.numpy(), next_history_ref(toks, cu, layout, history=history, dead_mask=dead))
+        np.testing.assert_array_equal(new.numpy(), naive_next_history(toks, cu, layout, history=history, dead_mask=dead))
         # In place into the caller's buffer gives the same.
         inplace = history.clone()
         next_history(toks, cu, layout, history=inplace, dead_mask=dead, out=inplace)
@@ -144,7 +144,7 @@ def test_v41_layout_large_multipliers():
     cu = torch.tensor([0, 30, 44], dtype=torch.int32)
     hist = torch.tensor([[-1, -1, -1], [99_091, 5, 7]])
     got = ngram_hash(tok, cu, layout, history=hist)
-    np.testing.assert_array_equal(got.numpy(), ngram_hash_ref(tok, cu, layout, history=hist))
+    np.testing.assert_array_equal(got.numpy(), naive_ngram_hash(tok, cu, layout, history=hist))
 
 
 def test_empty_batches():
@@ -161,7 +161,7 @@ def test_strided_out():
     buf = torch.full((10, 2, 18), 7, dtype=torch.int32)
     out = buf[:, :, ::2]
     ngram_hash(tok, cu, layout, out=out)
-    np.testing.assert_array_equal(out.numpy(), ngram_hash_ref(tok, cu, layout))
+    np.testing.assert_array_equal(out.numpy(), naive_ngram_hash(tok, cu, layout))
     assert (buf[:, :, 1::2] == 7).all()
 
 
@@ -221,7 +221,7 @@ def test_compressed_token_map():
     assert got.token_map.tolist() == expect and got.num_compressed == 9
     n = tok.get_vocab_size(with_added_tokens=True)
     texts = [tok.decode([i], skip_special_tokens=False) for i in range(n)]
-    ref, size = compressed_token_map_ref(texts, [tok.id_to_token(i) for i in range(n)])
+    ref, size = naive_compressed_token_map(texts, [tok.id_to_token(i) for i in range(n)])
     assert got.token_map.tolist() == ref.tolist() and got.num_compressed == size
 
 
@@ -266,9 +266,9 @@ def test_gpu_hash_prefill_size(gpu):
     hist = torch.randint(-1, 99_092, (len(lengths), 3), generator=gen)
     dead = torch.rand(T, generator=gen) < 0.01
     got = ngram_hash(tok.to(gpu), cu.to(gpu), layout, history=hist.to(gpu), dead_mask=dead.to(gpu))
-    np.testing.assert_array_equal(got.cpu().numpy(), ngram_hash_ref(tok, cu, layout, history=hist, dead_mask=dead))
+    np.testing.assert_array_equal(got.cpu().numpy(), naive_ngram_hash(tok, cu, layout, history=hist, dead_mask=dead))
     nh = next_history(tok.to(gpu), cu.to(gpu), layout, history=hist.to(gpu), dead_mask=dead.to(gpu))
-    np.testing.assert_array_equal(nh.cpu().numpy(), next_history_ref(tok, cu, layout, history=hist, dead_mask=dead))
+    np.testing.assert_array_equal(nh.cpu().numpy(), naive_next_history(tok, cu, layout, history=hist, dead_mask=dead))
 
 
 @pytest.mark.gpu
@@ -281,8 +281,8 @@ def test_gpu_hash_graph_capture(gpu):
     out = torch.empty(64, 2, 24, dtype=torch.int32, device=gpu)
     ngram_hash(tok, cu, layout, history=hist, out=out, check_inputs=False)  # compile outside the capture
     next_history(tok, cu, layout, history=hist, check_inputs=False)
-    expect_rows = ngram_hash_ref(tok.cpu(), cu.cpu(), layout, history=hist.cpu())
-    expect_hist = next_history_ref(tok.cpu(), cu.cpu(), layout, history=hist.cpu())
+    expect_rows = naive_ngram_hash(tok.cpu(), cu.cpu(), layout, history=hist.cpu())
+    expect_hist = naive_next_history(tok.cpu(), cu.cpu(), layout, history=hist.cpu())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ngram_hash(tok, cu, layout, history=hist, out=out, check_inputs=False)

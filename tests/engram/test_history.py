@@ -7,7 +7,7 @@ import torch
 
 from kda_engram.engram.history import checkpoint_history, gather_history, scatter_history
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.engram.memory_reference import next_history_ref
+from kda_engram.engram.reference import naive_next_history
 
 
 def test_history_kernels_against_python():
@@ -62,7 +62,7 @@ def test_checkpoint_is_the_history_of_the_truncated_sequence(with_history, with_
     checkpoint_history(ids, torch.tensor(cu), hist, dead, offs, rows, cache)
     for n, (p, row) in enumerate(zip(offs.tolist(), rows.tolist())):
         part = ids[cu[n] : cu[n] + p]
-        want = next_history_ref(part, [0, p], layout, history=None if hist is None else hist[n : n + 1],
+        want = naive_next_history(part, [0, p], layout, history=None if hist is None else hist[n : n + 1],
                                 dead_mask=None if dead is None else dead[cu[n] : cu[n] + p])
         assert cache[row].tolist() == torch.as_tensor(want)[0].tolist(), n
     untouched = [r for r in range(7) if r not in rows.tolist()]
@@ -109,6 +109,6 @@ def test_gpu_history_kernels_match_python(gpu):
     for n, (p, row) in enumerate(zip(offs.tolist(), rows.tolist())):
         if row < 0 or p == 0:
             continue
-        cache[row] = torch.as_tensor(next_history_ref(ids[cu[n] : cu[n] + p], [0, p], layout,
+        cache[row] = torch.as_tensor(naive_next_history(ids[cu[n] : cu[n] + p], [0, p], layout,
                                                       history=hist[n : n + 1], dead_mask=dead[cu[n] : cu[n] + p]))[0]
     assert torch.equal(cache_g.cpu(), cache)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_engram.engram.module import SHARD_GATE_ENV, Engram, shards_engram_gate
-from kda_engram.engram.reference import engram_post_wkv_ref
+from kda_engram.engram.reference import naive_engram_post_wkv
 from kda_engram.parallel import TensorParallelGroup
 
 from ..helpers import free_port
@@ -45,7 +45,7 @@ def batch(T, hc, dim, in_dim, seed=1, dtype=torch.float32):
 
 def reference(hidden, embeddings, mask, wkv, q, k):
     kv = embeddings.double() @ wkv.double().t()
-    return engram_post_wkv_ref(hidden.double(), kv, q.double(), k.double(), eps=EPS, token_mask=mask)
+    return naive_engram_post_wkv(hidden.double(), kv, q.double(), k.double(), eps=EPS, token_mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -207,5 +207,5 @@ def test_gpu_layer_paths_agree(gpu):
         outs.append(layer(hidden, embeddings, mask))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=8e-3, atol=1e-2)
     kv = (embeddings @ wkv.to(gpu).t()).double()  # bf16 matmul, as the layer does it
-    want = engram_post_wkv_ref(hidden.double(), kv, q.to(gpu).double(), k.to(gpu).double(), eps=EPS, token_mask=mask)
+    want = naive_engram_post_wkv(hidden.double(), kv, q.to(gpu).double(), k.to(gpu).double(), eps=EPS, token_mask=mask)
     torch.testing.assert_close(outs[1].double(), want, rtol=8e-3, atol=1e-2)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kda_engram.engram.reference import engram_gate_sharded_ref, engram_post_wkv_ref, shard_kv_by_dim
+from kda_engram.engram.reference import naive_engram_gate_sharded, naive_engram_post_wkv, shard_kv_by_dim
 
 
 def inputs(T=7, hc=4, dim=64, seed=0, dtype=torch.float64):
@@ -12,7 +12,7 @@ def inputs(T=7, hc=4, dim=64, seed=0, dtype=torch.float64):
 
 def test_gate_matches_formula():
     hidden, kv, qw, kw = inputs(T=3, hc=2, dim=8)
-    out = engram_post_wkv_ref(hidden, kv, qw, kw, eps=1e-5, clamp_value=1e-6)
+    out = naive_engram_post_wkv(hidden, kv, qw, kw, eps=1e-5, clamp_value=1e-6)
     t, h, dim = 1, 1, 8
     key, value = kv[t, h * dim : (h + 1) * dim], kv[t, 2 * dim :]
     x = hidden[t, h]
@@ -24,16 +24,16 @@ def test_gate_matches_formula():
 def test_mask_and_missing_kv_rows():
     hidden, kv, qw, kw = inputs(T=6)
     mask = torch.tensor([True, False, True, True, False, True])
-    out = engram_post_wkv_ref(hidden, kv, qw, kw, eps=1e-6, token_mask=mask, num_kv_tokens=4)
+    out = naive_engram_post_wkv(hidden, kv, qw, kw, eps=1e-6, token_mask=mask, num_kv_tokens=4)
     assert torch.equal(out[1], hidden[1]) and torch.equal(out[4:], hidden[4:])
     assert not torch.equal(out[0], hidden[0])
-    short = engram_post_wkv_ref(hidden, kv[:4], qw, kw, eps=1e-6, token_mask=mask)
+    short = naive_engram_post_wkv(hidden, kv[:4], qw, kw, eps=1e-6, token_mask=mask)
     assert torch.equal(short, out)
 
 
 def test_zero_dot_takes_positive_sign():
     hidden, kv, qw, kw = inputs(T=2, hc=1, dim=16)
-    out = engram_post_wkv_ref(hidden, kv, torch.zeros_like(qw), kw, eps=1e-6, clamp_value=0.25)
+    out = naive_engram_post_wkv(hidden, kv, torch.zeros_like(qw), kw, eps=1e-6, clamp_value=0.25)
     gate = torch.sigmoid(torch.tensor(0.5, dtype=torch.float64))
     assert torch.allclose(out, hidden + gate * kv[:, None, 16:])
 
@@ -42,8 +42,8 @@ def test_zero_dot_takes_positive_sign():
 def test_sharded_equals_unsharded(tp_size):
     hidden, kv, qw, kw = inputs(T=9, hc=4, dim=64, seed=tp_size)
     mask = torch.rand(9) > 0.3
-    full = engram_post_wkv_ref(hidden, kv, qw, kw, eps=1e-6, token_mask=mask)
-    sharded = engram_gate_sharded_ref(hidden, kv, qw, kw, tp_size=tp_size, eps=1e-6, token_mask=mask)
+    full = naive_engram_post_wkv(hidden, kv, qw, kw, eps=1e-6, token_mask=mask)
+    sharded = naive_engram_gate_sharded(hidden, kv, qw, kw, tp_size=tp_size, eps=1e-6, token_mask=mask)
     assert (full - sharded).abs().max() < 1e-12
 
 
@@ -57,4 +57,4 @@ def test_shard_layout():
 def test_sharded_rejects_indivisible_dim():
     hidden, kv, qw, kw = inputs(dim=12)
     with pytest.raises(ValueError, match="divisible"):
-        engram_gate_sharded_ref(hidden, kv, qw, kw, tp_size=8, eps=1e-6)
+        naive_engram_gate_sharded(hidden, kv, qw, kw, tp_size=8, eps=1e-6)

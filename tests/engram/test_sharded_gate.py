@@ -11,7 +11,7 @@ import torch
 from kda_engram import ops
 
 from kda_engram.engram.gate import engram_post_wkv
-from kda_engram.engram.reference import engram_gate_sharded_ref, engram_post_wkv_ref, shard_kv_by_dim
+from kda_engram.engram.reference import naive_engram_gate_sharded, naive_engram_post_wkv, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, pair_elems, send_width
 
 EPS = 1e-6
@@ -37,7 +37,7 @@ def sharded(hidden, kv, q, k, P, *, token_mask=None, chunk=None, tokens=None):
 
 
 def ref64(hidden, kv, q, k, **kw):
-    return engram_post_wkv_ref(hidden.double(), kv.double(), q.double(), k.double(), eps=EPS, **kw)
+    return naive_engram_post_wkv(hidden.double(), kv.double(), q.double(), k.double(), eps=EPS, **kw)
 
 
 def test_pair_packing_follows_the_element_size():
@@ -75,7 +75,7 @@ def test_matches_reference_fp32(dim, hc, P):
     mask[0] = True
     out, _ = sharded(hidden, kv, q, k, P, token_mask=mask)
     torch.testing.assert_close(out.double(), ref64(hidden, kv, q, k, token_mask=mask), rtol=2e-5, atol=2e-5)
-    want = engram_gate_sharded_ref(hidden, kv, q, k, tp_size=P, eps=EPS, token_mask=mask)
+    want = naive_engram_gate_sharded(hidden, kv, q, k, tp_size=P, eps=EPS, token_mask=mask)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert torch.equal(out[~mask], hidden[~mask])
 

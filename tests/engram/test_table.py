@@ -4,11 +4,11 @@ import torch
 
 from kda_engram.engram.hashing import ngram_hash
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.engram.memory_reference import (
-    dequantize_fp8_ue8m0_ref,
-    lookup_ref,
-    ngram_hash_padded_ref,
-    quantize_fp8_ue8m0_ref,
+from kda_engram.engram.reference import (
+    naive_dequantize_fp8_ue8m0,
+    naive_lookup,
+    naive_ngram_hash_padded,
+    naive_quantize_fp8_ue8m0,
 )
 from kda_engram.engram.table import EngramTable, quantize_fp8_ue8m0, shard_columns
 
@@ -36,7 +36,7 @@ def random_rows(T, sizes=SIZES, seed=1):
 
 def expected_weight(weight, storage):
     if storage == "fp8":
-        return dequantize_fp8_ue8m0_ref(*quantize_fp8_ue8m0_ref(weight))
+        return naive_dequantize_fp8_ue8m0(*naive_quantize_fp8_ue8m0(weight))
     return weight.to({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[storage])
 
 
@@ -48,11 +48,11 @@ def test_quantize_matches_reference_and_bounds_error():
     w[3, :32] = 0  # an all-zero block
     w[4, :32] = 448.0 * 2.0**-5  # amax exactly on a power of two
     q, s = quantize_fp8_ue8m0(w)
-    qr, sr = quantize_fp8_ue8m0_ref(w)
+    qr, sr = naive_quantize_fp8_ue8m0(w)
     assert q.dtype == s.dtype == torch.uint8 and s.shape == (w.shape[0], D // 32)
     assert torch.equal(q, qr) and torch.equal(s, sr)
     assert s[3, 0] == 127 and s[4, 0] == 127 - 5
-    back = dequantize_fp8_ue8m0_ref(q, s)
+    back = naive_dequantize_fp8_ue8m0(q, s)
     amax = w.reshape(-1, 32).abs().amax(-1, keepdim=True)
     err = (back - w).reshape(-1, 32).abs()
     # e4m3 keeps 3 mantissa bits: error <= half an ulp of the block's top binade.
@@ -77,7 +77,7 @@ def test_fp8_decode_every_byte_exactly():
     assert table.fp8_decode == "integer"  # the CPU (interpreter) always takes the integer rebuild
     table.load_(q, s)
     got = table.lookup(torch.tensor([[0], [1], [2]]))[:, 0]
-    assert torch.equal(got, dequantize_fp8_ue8m0_ref(q, s))
+    assert torch.equal(got, naive_dequantize_fp8_ue8m0(q, s))
 
 
 def test_load_prequantized_scales_in_every_format():
@@ -106,7 +106,7 @@ def test_fp8_lookup_row_width_not_a_power_of_two():
     table = EngramTable.from_weight(w, SIZES, storage="fp8", device="cpu", out_dtype=torch.float32)
     out = torch.full((7, 6, 96), float("nan"))
     got = table.lookup(rows, out=out)
-    assert torch.equal(got, lookup_ref(expected_weight(w, "fp8"), rows))
+    assert torch.equal(got, naive_lookup(expected_weight(w, "fp8"), rows))
 
 
 @pytest.mark.parametrize("storage", ["fp32", "fp16", "bf16", "fp8"])
@@ -116,7 +116,7 @@ def test_lookup_matches_reference(storage):
     table = EngramTable.from_weight(w, SIZES, storage=storage, device="cpu", out_dtype=torch.float32)
     got = table.lookup(rows)
     assert got.shape == (9, 6, D) and got.dtype == torch.float32
-    assert torch.equal(got, lookup_ref(expected_weight(w, storage), rows))
+    assert torch.equal(got, naive_lookup(expected_weight(w, storage), rows))
     assert (got[2, 3] == 0).all() and (got[5, 0] == 0).all()
     native = EngramTable.from_weight(w, SIZES, storage=storage, device="cpu").lookup(rows)
     assert native.dtype == (torch.bfloat16 if storage == "fp8" else table.weight.dtype)
@@ -135,7 +135,7 @@ def test_lookup_strided_rows_from_the_hash_and_embeddings():
         assert not rows.is_contiguous()
         emb = table.embeddings(rows)
         # The paper's formulation: embedding(hash + column offset), flattened.
-        local = torch.from_numpy(ngram_hash_padded_ref(x, layout, li)).reshape(12, -1)
+        local = torch.from_numpy(naive_ngram_hash_padded(x, layout, li)).reshape(12, -1)
         expect = torch.nn.functional.embedding(local + torch.from_numpy(layout.column_offsets(layer_id)), w)
         assert emb.shape == (12, 4 * 32)
         assert torch.equal(emb, expect.reshape(12, -1))
@@ -171,7 +171,7 @@ def test_head_sharding(storage):
 def test_uneven_shards_and_streamed_loading():
     w = table_weight(seed=4)
     rows = random_rows(5, seed=6)
-    ref = lookup_ref(w, rows)
+    ref = naive_lookup(w, rows)
     for r in range(4):  # 6 columns over 4 ranks: 1, 2, 1, 2
         t = EngramTable(SIZES, D, storage="fp32", device="cpu", rank=r, world_size=4)
         for a in range(0, w.shape[0], 37):  # a checkpoint streamed in 37-row pieces
@@ -278,7 +278,7 @@ def test_gpu_lookup_prefill(gpu, storage):
     else:
         T = rows.shape[0]
         idx = rows.clamp(min=0).long()
-        dq = dequantize_fp8_ue8m0_ref(t.weight[idx].reshape(-1, V41_DIM).cpu(), t.scale[idx].reshape(-1, V41_DIM // 32).cpu())
+        dq = naive_dequantize_fp8_ue8m0(t.weight[idx].reshape(-1, V41_DIM).cpu(), t.scale[idx].reshape(-1, V41_DIM // 32).cpu())
         expect = torch.where((rows >= 0).cpu()[..., None], dq.reshape(T, V41_COLS, V41_DIM), 0.0).to(torch.bfloat16)
         assert torch.equal(got.cpu(), expect)
         # and against the bf16 source: fp8 keeps about 2 significant digits
@@ -324,7 +324,7 @@ def test_gpu_fp8_decode_paths_every_byte(gpu):
     """On the GPU both decodes (the conversion instruction where the device has
     it, and the integer rebuild) equal PyTorch's dequantisation bit for bit."""
     q, s = every_byte_case()
-    expect = dequantize_fp8_ue8m0_ref(q, s)
+    expect = naive_dequantize_fp8_ue8m0(q, s)
     table = EngramTable([3], 256, storage="fp8", device=gpu, out_dtype=torch.float32)
     table.load_(q.to(gpu), s.to(gpu))
     rows = torch.tensor([[0], [1], [2]], device=gpu)

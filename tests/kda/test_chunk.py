@@ -1,6 +1,6 @@
-"""fused_kda_chunk against reference.chunk_walk and naive_recurrent_kda.
+"""fused_kda_chunk against reference.naive_chunk_walk and naive_recurrent_kda.
 
-CPU (interpreter): fp32 operands from ``reference.chunk_operands``, small head
+CPU (interpreter): fp32 operands from ``reference.naive_chunk_operands``, small head
 dims (the kernel compiles for any power of two 16..128), plus one K = V = 128
 case. GPU: bf16 operands at real shapes; ``-k small`` selects the short cases
 run under compute-sanitizer.
@@ -13,7 +13,7 @@ import torch
 
 import kda_engram.kda.chunk as chunk_mod
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, fused_kda_chunk
-from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
+from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
 
@@ -49,7 +49,7 @@ def test_matches_reference(lower_bound, state):
         o, final = run_chunk(ops, cu, scale, state_cache=cache, state_indices=idx, has_initial_state=has)
         assert final is None
         start = torch.where((has & (idx >= 0))[:, None, None, None], h0, torch.zeros_like(h0))
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=start)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=start)
     o_nv, f_nv, _ = naive_recurrent_kda(**raw, lower_bound=lower_bound, cu_seqlens=cu, initial_state=start,
                                         output_final_state=True)
     close(o, o_ref)
@@ -99,10 +99,10 @@ def test_checkpoints_at_every_aligned_offset(dest):
                       checkpoint_state_indices=torch.tensor(rows, dtype=torch.int64),
                       state_cache=ck, state_indices=idx, has_initial_state=has)
             o, final = run_chunk(ops, cu, scale, **kw)
-        o_ref, f_ref, c_ref = chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0,
+        o_ref, f_ref, c_ref = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0,
                                          checkpoint_offsets=offs)
         c_nv = None
-        if dest == "staging":  # the recurrence once per offset (chunk_walk covers both modes)
+        if dest == "staging":  # the recurrence once per offset (naive_chunk_walk covers both modes)
             _, _, c_nv = naive_recurrent_kda(**raw, lower_bound=-5.0, cu_seqlens=cu, initial_state=h0,
                                              checkpoint_offsets=offs, scale=scale)
         close(o, o_ref)
@@ -139,7 +139,7 @@ def test_unplaceable_checkpoints_are_never_written():
     ck = torch.full((4, H, V, K), math.nan)
     run_chunk(ops, cu, 1.0, checkpoint_state=ck, checkpoint_offsets=offs, check_inputs=False)
     assert torch.isnan(ck[:3]).all()
-    _, _, c_ref = chunk_walk(ref_ops, cu_seqlens=cu, scale=1.0, checkpoint_offsets=offs.clamp_min(0))
+    _, _, c_ref = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=1.0, checkpoint_offsets=offs.clamp_min(0))
     close(ck[3], c_ref[3])
 
 
@@ -176,7 +176,7 @@ def test_strided_operands_state_and_padding():
     out_buf = torch.full((1, T, H, 2 * V), 7.0)
     out = out_buf[:, :, :, :V]
     o, final = fused_kda_chunk(*(strided[n] for n in OPS[:-1]), strided["decay"], out, scale, cu, h0, True)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0.contiguous())
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0.contiguous())
     close(o, o_ref)
     close(final, f_ref)
     assert (out_buf[:, :, :, V:] == 7.0).all()  # the other half of the buffer is not touched
@@ -190,7 +190,7 @@ def test_tokens_past_cu_seqlens_untouched():
     out = torch.full_like(ops["u"], 3.0)
     o, _ = run_chunk(ops, cu, 1.0, out=out)
     assert (o[:, 104:] == 3.0).all()
-    o_ref, _, _ = chunk_walk(chunk_operands(**raw, cu_seqlens=cu), cu_seqlens=cu, scale=1.0)
+    o_ref, _, _ = naive_chunk_walk(naive_chunk_operands(**raw, cu_seqlens=cu), cu_seqlens=cu, scale=1.0)
     close(o[:, :104], o_ref[:, :104])
 
 
@@ -200,7 +200,7 @@ def test_fp16_operands():
     h0 = torch.randn(3, H, V, K)
     o, final = run_chunk(ops, cu, K**-0.5, initial_state=h0, output_final_state=True)
     assert o.dtype == torch.float16 and final.dtype == torch.float32
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=K**-0.5, initial_state=h0)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=K**-0.5, initial_state=h0)
     close(o, o_ref, atol=3e-2)
     close(final, f_ref, atol=5e-2)
 
@@ -213,7 +213,7 @@ def test_head_dim_128_every_tile(bv):
     h0 = torch.randn(2, 1, 128, 128)
     o, final = run_chunk(ops, cu, 128**-0.5, initial_state=h0, output_final_state=True,
                          config={"BV": bv, "num_warps": 4, "num_stages": 1})
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)
     close(o, o_ref)
     close(final, f_ref)
 
@@ -375,7 +375,7 @@ def test_gpu_small_fp32_operands_ieee(gpu):
     raw, cu, ops = gpu_case(lengths, 2, gpu, seed=2, dtype=torch.float32)
     _, ref_ops = make_ops(raw, cu, -5.0)
     o, final = run_chunk(ops, cu, 0.1, output_final_state=True)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.1)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.1)
     close(o, o_ref, atol=1e-4)
     close(final, f_ref, atol=1e-4)
 

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 from kda_engram.kda.conv import (
-    conv_checkpoint_reference,
-    conv_decode_reference,
     conv_prefill_bands,
     kda_conv_checkpoint,
     kda_conv_decode,
 )
 from kda_engram.kda.metadata import prepare_chunk_indices
+from kda_engram.kda.reference import naive_conv_checkpoint, naive_conv_decode
 
 
 def gen(seed):
@@ -28,7 +27,7 @@ def test_decode_step_matches_reference(x_dtype, state_dtype):
     w = torch.randn(C, 4, generator=gen(1))
     state = torch.randn(7, C, 3, generator=gen(2)).to(state_dtype)
     idx = torch.tensor([6, -1, 0, 3])
-    want_out, want_state = conv_decode_reference(x, w, state, idx)
+    want_out, want_state = naive_conv_decode(x, w, state, idx)
     before = state.clone()
     out = kda_conv_decode(x, w, state, idx, out_dtype=torch.float32)
     tol = 1e-5 if x_dtype == torch.float32 else 2e-3
@@ -143,7 +142,7 @@ def test_checkpoint_matches_reference():
     offs = torch.tensor([64, 0, 128, 64])
     rows = torch.tensor([5, 2, -1, 0])
     state = torch.randn(6, C, 3, generator=gen(6))
-    want = conv_checkpoint_reference(x, cu, offs, rows, state)
+    want = naive_conv_checkpoint(x, cu, offs, rows, state)
     kda_conv_checkpoint(x, cu, offs, rows, state)
     torch.testing.assert_close(state, want, rtol=0, atol=0)
     torch.testing.assert_close(state[5], x[61:64].t(), rtol=0, atol=0)
@@ -181,13 +180,13 @@ def test_gpu_bf16_decode_and_checkpoint(gpu):
     state = torch.randn(80, C, 3, device=gpu).to(torch.bfloat16)
     idx = torch.randperm(80, device=gpu)[:B]
     idx[5] = -1
-    want_out, want_state = conv_decode_reference(x.cpu(), w.cpu(), state.cpu(), idx.cpu())
+    want_out, want_state = naive_conv_decode(x.cpu(), w.cpu(), state.cpu(), idx.cpu())
     out = kda_conv_decode(x, w, state, idx, out_dtype=torch.float32)
     torch.testing.assert_close(out.double().cpu(), want_out, rtol=1e-4, atol=1e-4)
     assert torch.equal(state.cpu(), want_state)
     xt = torch.randn(1000, C, device=gpu).to(torch.bfloat16)
     cu = torch.tensor([0, 300, 1000], device=gpu)
     offs, rows = torch.tensor([256, 640], device=gpu), torch.tensor([3, 7], device=gpu)
-    want = conv_checkpoint_reference(xt.cpu(), cu.cpu(), offs.cpu(), rows.cpu(), state.cpu())
+    want = naive_conv_checkpoint(xt.cpu(), cu.cpu(), offs.cpu(), rows.cpu(), state.cpu())
     kda_conv_checkpoint(xt, cu, offs, rows, state, check_inputs=False)
     assert torch.equal(state.cpu(), want)

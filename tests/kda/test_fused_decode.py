@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kda_engram.kda.fused_decode import fused_kda_decode_step
-from kda_engram.kda.reference import fused_kda_decode_reference
+from kda_engram.kda.reference import naive_fused_kda_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -46,7 +46,7 @@ def run_both(bands, params, state, conv, idx, cidx, **kw):
     s2, c2 = state.clone(), conv.clone()
     o = fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
                               state_indices=idx, **kw)
-    r = fused_kda_decode_reference(**bands, **params, conv_state=c2, conv_state_indices=cidx, state_cache=s2,
+    r = naive_fused_kda_decode(**bands, **params, conv_state=c2, conv_state_indices=cidx, state_cache=s2,
                                    state_indices=idx, **kw)
     return o, r, s2, c2
 

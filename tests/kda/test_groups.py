@@ -1,5 +1,5 @@
 """Parallel chunk groups: the heuristic, the workspace, and the grouped walk of
-``fused_kda_chunk`` against the serial walk (G = 1), ``reference.chunk_walk``
+``fused_kda_chunk`` against the serial walk (G = 1), ``reference.naive_chunk_walk``
 (fp64) and ``naive_recurrent_kda``.
 
 CPU (interpreter): fp32 operands, K = V = 16 or 32, few chunks per group. The
@@ -30,7 +30,7 @@ from kda_engram.kda.groups import (
     group_workspace_numel,
 )
 from kda_engram.kda.prefill import chunk_kda_prefill
-from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
+from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
 
@@ -207,7 +207,7 @@ def test_forced_groups_match_serial_and_reference(G):
     o, f = run_chunk(ops, cu, scale, initial_state=h0, output_final_state=True, groups=G, group_workspace=ws)
     close(o, o1, atol=1e-5)
     close(f, f1, atol=1e-5)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0, groups=G)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0, groups=G)
     close(o, o_ref, ATOL)
     close(f, f_ref, ATOL)
     o_nv, f_nv, _ = naive_recurrent_kda(**raw, lower_bound=-5.0, cu_seqlens=cu, initial_state=h0, scale=scale,
@@ -230,7 +230,7 @@ def test_strong_decay_and_softplus_gate():
         ops, ref_ops = make_ops(raw, cu, lower_bound)
         h0 = torch.randn(2, H, V, K)
         o, f = run_chunk(ops, cu, 0.25, initial_state=h0, output_final_state=True, groups=4)
-        o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.25, initial_state=h0)
+        o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.25, initial_state=h0)
         assert torch.isfinite(o).all() and torch.isfinite(f).all()
         close(o, o_ref, ATOL)
         close(f, f_ref, ATOL)
@@ -254,7 +254,7 @@ def test_state_cache_mixed_rows_and_sentinels():
     o, final = run_chunk(ops, cu, 0.2, state_cache=cache, state_indices=idx, has_initial_state=has, groups=4)
     assert final is None
     start = torch.where((has & (idx >= 0))[:, None, None, None], h0, torch.zeros_like(h0))
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=start)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=start)
     close(o, o_ref, ATOL)
     for n in range(N):
         if idx[n] >= 0:
@@ -294,7 +294,7 @@ def test_checkpoints_in_every_group_and_on_boundaries(dest):
         o, f = run_chunk(ops, cu, 0.2, groups=4, group_workspace=ws, checkpoint_state=ck, checkpoint_offsets=offs,
                          checkpoint_state_indices=torch.tensor(rows), state_cache=ck,
                          state_indices=torch.arange(N), has_initial_state=torch.ones(N, dtype=torch.bool))
-    o_ref, f_ref, c_ref = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0, checkpoint_offsets=offs)
+    o_ref, f_ref, c_ref = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0, checkpoint_offsets=offs)
     close(o, o_ref, ATOL)
     for n in range(N):
         if rows[n] >= 0:
@@ -320,7 +320,7 @@ def test_ragged_short_sequences_are_not_split():
     ws = nan_workspace(4, N, H, K, V)
     o, f = run_chunk(ops, cu, 0.2, initial_state=h0, output_final_state=True, groups=4, min_group_chunks=3,
                      group_workspace=ws)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0)
     close(o, o_ref, ATOL)
     close(f, f_ref, ATOL)
     p = parts(ws, 4, N, H, K, V)
@@ -342,9 +342,9 @@ def test_error_bound_vs_fp64():
     raw, cu = weak_raw([length], H=H, K=K, V=V, seed=16)
     ops, _ = make_ops(raw, cu, -5.0)
     raw64 = {n: t.double() for n, t in raw.items()}
-    ref64 = chunk_operands(**raw64, cu_seqlens=cu, lower_bound=-5.0)
+    ref64 = naive_chunk_operands(**raw64, cu_seqlens=cu, lower_bound=-5.0)
     h0 = torch.randn(1, H, V, K, dtype=torch.float64)
-    o64, f64, _ = chunk_walk(ref64, cu_seqlens=cu, scale=0.25, initial_state=h0)
+    o64, f64, _ = naive_chunk_walk(ref64, cu_seqlens=cu, scale=0.25, initial_state=h0)
     errs = {}
     for G in (1, 4, 8, 32):
         o, f = run_chunk(ops, cu, 0.25, initial_state=h0.float(), output_final_state=True, groups=G)
@@ -363,7 +363,7 @@ def test_heuristic_path_splits_on_the_interpreter():
     raw, cu = weak_raw([length], H=H, K=K, V=V, seed=17)
     ops, ref_ops = make_ops(raw, cu, None)
     o, f = run_chunk(ops, cu, 0.25, output_final_state=True)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.25)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.25)
     close(o, o_ref, ATOL)
     close(f, f_ref, ATOL)
 
@@ -375,7 +375,7 @@ def test_serial_walk_is_one_launch(monkeypatch):
     ops, ref_ops = make_ops(raw, cu, -5.0)
     for groups in (1, None):  # None: the heuristic keeps short batches serial
         o, f = run_chunk(ops, cu, 0.2, output_final_state=True, groups=groups)
-        o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2)
+        o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2)
         close(o, o_ref, ATOL)
     with pytest.raises(AssertionError, match="pass one"):
         run_chunk(ops, cu, 0.2, groups=4)
@@ -465,7 +465,7 @@ def test_gpu_small_groups_match_reference(gpu, G):
     o1, f1 = run_chunk(ops, cu, 128**-0.5, initial_state=h0, output_final_state=True, groups=1)
     o, f = run_chunk(ops, cu, 128**-0.5, initial_state=h0, output_final_state=True, groups=G)
     assert torch.isfinite(o).all() and torch.isfinite(f).all()
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)  # fp32 operands
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)  # fp32 operands
     e1 = (rel_rmse(o1, o_ref), rel_rmse(f1, f_ref))
     e = (rel_rmse(o, o_ref), rel_rmse(f, f_ref))
     # bf16 dots: the serial walk's own error is the yardstick (the weak decay here
@@ -519,7 +519,7 @@ def test_gpu_small_groups_cache_checkpoints(gpu):
                          checkpoint_state=cache, checkpoint_offsets=offs, checkpoint_state_indices=ck_rows, groups=8)
     assert final is None
     start = torch.where((has & (idx >= 0))[:, None, None, None], h0, torch.zeros_like(h0))
-    o_ref, f_ref, c_ref = chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=start,
+    o_ref, f_ref, c_ref = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=start,
                                      checkpoint_offsets=offs)
     assert rel_rmse(o, o_ref) < 2e-2
     for n, r in ((0, 3), (2, 5), (3, 0), (4, 7)):
@@ -567,8 +567,8 @@ def test_gpu_groups_131072_tokens(gpu):
     kw = dict(lower_bound=-5.0, cu_seqlens=cu, initial_state=h0, output_final_state=True)
     res = {G: chunk_kda_prefill(**x, **kw, groups=G) for G in (1, 4, 8, 32, None)}
     raw32 = {n: t.float() for n, t in x.items()}
-    ref_ops = chunk_operands(**raw32, cu_seqlens=cu, lower_bound=-5.0)
-    o_ref, f_ref, _ = chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)
+    ref_ops = naive_chunk_operands(**raw32, cu_seqlens=cu, lower_bound=-5.0)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=128**-0.5, initial_state=h0)
     e1 = (rel_rmse(res[1][0], o_ref), rel_rmse(res[1][1], f_ref))
     for G, (o, f) in res.items():
         assert torch.isfinite(o).all() and torch.isfinite(f).all(), G

@@ -1,6 +1,6 @@
 """The Hopper prefill path (kda/hopper/, kda/folded_prologue.py) and its dispatch.
 
-CPU (interpreter): the folded prologue against ``reference.chunk_operands`` (fp32),
+CPU (interpreter): the folded prologue against ``reference.naive_chunk_operands`` (fp32),
 and the path choice (``prefill_path``) with its refusals. GPU (sm_90): every
 contract of ``chunk_kda_prefill`` on ``path="hopper"`` against the fp64 recurrence
 and the portable path: ragged batches with empty and 1-token sequences, dense and
@@ -18,7 +18,7 @@ import torch
 from kda_engram.kda.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
-from kda_engram.kda.reference import chunk_operands, naive_recurrent_kda
+from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
 
 from ..helpers import make_raw, rel_rmse
 
@@ -34,7 +34,7 @@ def test_folded_prologue_matches_chunk_operands(lower_bound):
     _, indices = prepare_chunk_metadata(cu, T)
     ops = prepare_folded_prologue(*(raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
                                   lower_bound, cu, indices)()
-    ref = chunk_operands(**{n: t.double() for n, t in raw.items()}, cu_seqlens=cu, lower_bound=lower_bound)
+    ref = naive_chunk_operands(**{n: t.double() for n, t in raw.items()}, cu_seqlens=cu, lower_bound=lower_bound)
     for key in ("qg", "kd", "t_fold"):
         err = (ops[key].double() - ref[key]).abs().max().item()
         assert err < 1e-5, (key, err)

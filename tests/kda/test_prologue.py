@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kda_engram.kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.prologue import fused_kda_prologue
-from kda_engram.kda.reference import chunk_operands, chunk_walk, naive_recurrent_kda
+from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 RAGGED = [1, 15, 16, 17, 63, 64, 65, 1000]
 KEYS_T = ("qg", "w", "u", "aqk")  # token-major outputs
@@ -57,7 +57,7 @@ def run_prologue(x, cu, lower_bound, **kw):
 
 
 def reference(x, cu, lower_bound, dtype=torch.float64):
-    return chunk_operands(*(x[n].to(dtype) for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
+    return naive_chunk_operands(*(x[n].to(dtype) for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
                           cu_seqlens=cu, lower_bound=lower_bound)
 
 
@@ -93,7 +93,7 @@ def assert_walk_matches_recurrence(out, x, cu, lower_bound, tol, seed=1):
     h0 = h0.to(x["q"].device)
     scale = K ** -0.5
     ops = {n: (t.double() if t.is_floating_point() else t) for n, t in out.items()}
-    o_c, f_c, _ = chunk_walk(ops, cu_seqlens=cu, scale=scale, initial_state=h0)
+    o_c, f_c, _ = naive_chunk_walk(ops, cu_seqlens=cu, scale=scale, initial_state=h0)
     args = [x[n].double() for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")]
     o_r, f_r, _ = naive_recurrent_kda(*args, scale=scale, lower_bound=lower_bound, cu_seqlens=cu,
                                       initial_state=h0, output_final_state=True)

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
+from kda_engram.constants import KDA_CHECKPOINT_ALIGNMENT
 from kda_engram.kda.reference import (
-    KDA_CHECKPOINT_ALIGNMENT,
-    chunk_operands,
-    chunk_transfer,
     kda_gate,
     l2norm,
     naive_chunk_kda,
+    naive_chunk_operands,
+    naive_chunk_transfer,
     naive_group_chunk_kda,
     naive_recurrent_kda,
 )
@@ -112,7 +112,7 @@ def test_batched_layout_equals_varlen():
 def test_operands_contract():
     """Spot-check the documented contents of the chunk operands."""
     inputs, cu = make_inputs([65], seed=2)
-    ops = chunk_operands(**inputs, cu_seqlens=cu, lower_bound=-5.0)
+    ops = naive_chunk_operands(**inputs, cu_seqlens=cu, lower_bound=-5.0)
     assert ops["kg_t"].shape == (2, H, K, 64) and ops["decay"].shape == (2, H, K)
     # Second chunk has one token: kg = k̂ (g_last == g), decay = 2^g.
     kh = l2norm(inputs["k"][0, 64])
@@ -125,10 +125,10 @@ def test_operands_contract():
     assert torch.all(ops["akk"][0, :64].transpose(0, 1).triu(0) == 0)
     # The transfer operator reproduces one chunk step from any start state.
     S = torch.randn(H, V, K, dtype=torch.float64)
-    M, Hc = chunk_transfer(S, ops, 0, 0, 64)
-    from kda_engram.kda.reference import chunk_step
+    M, Hc = naive_chunk_transfer(S, ops, 0, 0, 64)
+    from kda_engram.kda.reference import naive_chunk_step
 
-    _, S_next = chunk_step(S, ops, 0, 0, 64, 1.0)
+    _, S_next = naive_chunk_step(S, ops, 0, 0, 64, 1.0)
     assert (S @ M + Hc - S_next).abs().max() < TOL
 
 
@@ -147,7 +147,7 @@ def test_folded_contract_walk_equals_the_recurrence(gate, lower_bound):
     gone, v read directly) walk to the recurrence's outputs and final state, over
     ragged sequences and a random initial state; and each folded operand is what
     the fold says (w = M kd, u = M v)."""
-    from kda_engram.kda.reference import _chunk_rows, folded_chunk_step
+    from kda_engram.kda.reference import _chunk_rows, naive_folded_chunk_step
 
     lengths = [1, 63, 64, 65, 200]
     inputs, cu = make_inputs(lengths, gate=gate, seed=9)
@@ -156,12 +156,12 @@ def test_folded_contract_walk_equals_the_recurrence(gate, lower_bound):
     scale = K**-0.5
     ref_o, ref_final, _ = naive_recurrent_kda(**inputs, cu_seqlens=cu, lower_bound=lower_bound, scale=scale,
                                               initial_state=h0, output_final_state=True)
-    ops = chunk_operands(**inputs, cu_seqlens=cu, lower_bound=lower_bound)
+    ops = naive_chunk_operands(**inputs, cu_seqlens=cu, lower_bound=lower_bound)
     o = torch.zeros_like(ref_o)
     for n, chunks in enumerate(_chunk_rows(cu, 64)):
         S = h0[n].clone()
         for row, s, e in chunks:
-            o[0, s:e], S = folded_chunk_step(S, ops, inputs["v"], row, s, e, scale)
+            o[0, s:e], S = naive_folded_chunk_step(S, ops, inputs["v"], row, s, e, scale)
         assert (S - ref_final[n]).abs().max() < TOL
     assert (o - ref_o).abs().max() < TOL
     # w and u are the fold applied to kd and v (one chunk, one head).

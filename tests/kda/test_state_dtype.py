@@ -14,7 +14,7 @@ import torch
 
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
-from kda_engram.kda.reference import naive_recurrent_kda, round_state
+from kda_engram.kda.reference import naive_recurrent_kda, stored_state
 
 from ..helpers import assert_untouched, make_step
 
@@ -268,12 +268,12 @@ def test_mixed_state_dtypes_are_a_type_error(check_inputs):
                           check_inputs=check_inputs)
 
 
-def test_reference_round_state():
+def test_reference_stored_state():
     x = torch.randn(100)
-    assert torch.equal(round_state(x, None), x)
-    assert torch.equal(round_state(x, BF16), x.to(BF16).float())
+    assert torch.equal(stored_state(x, None), x)
+    assert torch.equal(stored_state(x, BF16), x.to(BF16).float())
     with pytest.raises(TypeError, match="state_dtype"):
-        round_state(x, torch.float16)
+        stored_state(x, torch.float16)
 
 
 # ------------------------------------------------------------------------------- GPU

@@ -2,8 +2,8 @@
 carried across chunked prefill, decode and prefix-cache checkpoints; ``from_config``
 and the DeepSeek-V4.1 weight names. (The history cache kernels: tests/engram/test_history.py.)
 
-References: ``memory_reference`` (NumPy hash, gather, fp8 decode) and the gate
-reference, composed by ``engram_layer_reference``.
+References: ``engram.reference`` (NumPy hash, gather, fp8 decode) and the gate
+reference, composed by ``naive_engram_layer``.
 """
 
 import numpy as np
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.engram.memory_reference import next_history_ref, ngram_hash_ref
+from kda_engram.engram.reference import naive_next_history, naive_ngram_hash
 from kda_engram.engram.table import quantize_fp8_ue8m0
 from kda_engram.layers.engram import (
     EngramBatch,
     EngramLayer,
     engram_hash_step,
-    engram_layer_reference,
 )
 from kda_engram.layers.kda import KDABatch
+from kda_engram.layers.reference import naive_engram_layer
 
 DIM, HC, EPS = 32, 2, 1e-6
 VOCAB = 30
@@ -47,7 +47,7 @@ def hidden_for(T, seed):
 
 
 def ref_out(layer, w, hidden, ids, cu, **kw):
-    return engram_layer_reference(layer.layout, layer.layer_id, w, hidden, ids, cu, eps=EPS, **kw)
+    return naive_engram_layer(layer.layout, layer.layer_id, w, hidden, ids, cu, eps=EPS, **kw)
 
 
 def test_whole_layer_matches_reference_and_advances_history():
@@ -67,7 +67,7 @@ def test_whole_layer_matches_reference_and_advances_history():
     cu = [0, 6, 7, 16]
     want = ref_out(layer, w, hidden, ids, cu, dead_mask=dead, token_mask=mask)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    hist = next_history_ref(ids, cu, layer.layout, dead_mask=dead)
+    hist = naive_next_history(ids, cu, layer.layout, dead_mask=dead)
     assert cache[4].tolist() == hist[0].tolist() and cache[0].tolist() == hist[2].tolist()
     assert (cache[[1, 2, 3]] == -7).all()  # the padding sequence (-1) and unnamed rows untouched
 
@@ -124,7 +124,7 @@ def test_history_checkpoint_resume_equals_one_shot():
     rows_res = engram_hash_step(ids[p:], res, layout, cache)
     assert torch.equal(rows_res, rows_one[p:])
     assert torch.equal(cache[2], cache[0])
-    want = ngram_hash_ref(ids, [0, L], layout, dead_mask=dead)
+    want = naive_ngram_hash(ids, [0, L], layout, dead_mask=dead)
     np.testing.assert_array_equal(rows_one.numpy(), want)
 
 
@@ -269,8 +269,8 @@ def test_gpu_bf16_layer_matches_reference(gpu):
     cache_g = cache.to(gpu)
     out = layer(hidden.to(gpu, torch.bfloat16), batch, token_ids=ids.to(gpu), history_cache=cache_g)
     hist = torch.stack([cache[6], cache[2], torch.full((3,), -1), cache[1]])
-    want = engram_layer_reference(layout, 3, w, hidden.bfloat16(), ids, [0, 1, 2, 302, T], eps=EPS, history=hist)
+    want = naive_engram_layer(layout, 3, w, hidden.bfloat16(), ids, [0, 1, 2, 302, T], eps=EPS, history=hist)
     err = (out.float().cpu() - want).abs().max().item()
     assert err < 0.05 * want.abs().max().item(), err
-    new = next_history_ref(ids, [0, 1, 2, 302, T], layout, history=hist)
+    new = naive_next_history(ids, [0, 1, 2, 302, T], layout, history=hist)
     assert cache_g[[6, 2, 0, 1]].cpu().tolist() == new.tolist()

@@ -1,6 +1,6 @@
 """KimiDeltaAttention: mixed decode + prefill steps, prefix caching, chunked prefill,
 TP sharding and bad input, against the plain-PyTorch layer reference
-(``kda_layer_reference``: separate projections, ``F.conv1d``, ``naive_recurrent_kda``).
+(``naive_kda_layer``: separate projections, ``F.conv1d``, ``naive_recurrent_kda``).
 
 CPU (interpreter): fp32, head dim 16, one or two heads, short prompts (the
 prologue costs ~0.6 s per 64-token chunk and head under the interpreter). GPU:
@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from kda_engram.layers.kda import KDABatch, KimiDeltaAttention, kda_layer_reference
+from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
+from kda_engram.layers.reference import naive_kda_layer
 from kda_engram.parallel import TensorParallelGroup
 
 from ..helpers import rel_rmse
@@ -35,7 +36,7 @@ def make_layer(heads=2, *, low_rank=True, lower_bound=-5.0, tp=None, seed=1, dty
 
 
 def reference(layer, weights, x, cu, init=None, init_conv=None):
-    return kda_layer_reference(weights, x, cu, num_heads=layer.num_heads, head_dim=layer.head_dim,
+    return naive_kda_layer(weights, x, cu, num_heads=layer.num_heads, head_dim=layer.head_dim,
                                lower_bound=layer.lower_bound, norm_eps=layer.norm_eps, initial_state=init,
                                initial_conv=init_conv)
 
@@ -351,7 +352,7 @@ def test_gpu_bf16_mixed_step_matches_reference(gpu):
     for n in range(N):
         if slot[n] >= 0 and has[n]:
             init[n], init_c[n] = sc0[slot[n]].cpu(), cs0[slot[n]].float().cpu()
-    y_ref, s_ref, c_ref = kda_layer_reference(w, x.float(), cu_of(lens), num_heads=GPU_HEADS, head_dim=GPU_K,
+    y_ref, s_ref, c_ref = naive_kda_layer(w, x.float(), cu_of(lens), num_heads=GPU_HEADS, head_dim=GPU_K,
                                               lower_bound=-5.0, initial_state=init, initial_conv=init_c,
                                               dtype=torch.float32)
     live = torch.ones(T, dtype=torch.bool)
@@ -390,7 +391,7 @@ def test_gpu_prefix_checkpoint_resume_and_chunked_prefill(gpu):
     y_c = torch.cat([layer(x[:700], first, sc, cs), layer(x[700:L], rest, sc, cs)])
     dec = KDABatch.from_query_lens(torch.tensor([1, 1], device=gpu), torch.tensor([2, 0], device=gpu), num_decode=2)
     y_d = [layer(x[t : t + 1].expand(2, GPU_HID), dec, sc, cs) for t in range(L, L + 3)]
-    y_ref, s_ref, _ = kda_layer_reference(w, x.float(), [0, L + 3], num_heads=GPU_HEADS, head_dim=GPU_K,
+    y_ref, s_ref, _ = naive_kda_layer(w, x.float(), [0, L + 3], num_heads=GPU_HEADS, head_dim=GPU_K,
                                           lower_bound=-5.0, dtype=torch.float32)
     assert rel_rmse(y_one, y_ref[:L]) < 3e-2
     assert rel_rmse(y_c, y_ref[:L]) < 3e-2

@@ -14,7 +14,7 @@ from kda_engram.kda.chunk import fused_kda_chunk
 from kda_engram.kda.conv import kda_conv_decode
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
-from kda_engram.kda.reference import chunk_operands, naive_recurrent_kda
+from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
 
 from ..helpers import raw_kda_inputs
 
@@ -83,7 +83,7 @@ def test_kda_decode_scalars(kw, exc, name):
 def test_fused_kda_chunk_scale(scale):
     raw = prefill_raw(8)
     cu = torch.tensor([0, 8])
-    ops = chunk_operands(**raw, cu_seqlens=cu)
+    ops = naive_chunk_operands(**raw, cu_seqlens=cu)
     with pytest.raises(ValueError) as info:
         fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], torch.zeros(1, 8, H, V),
                         scale, cu, None, False)

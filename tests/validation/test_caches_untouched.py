@@ -18,7 +18,7 @@ from kda_engram.kda.chunk import fused_kda_chunk
 from kda_engram.kda.conv import kda_conv_checkpoint, kda_conv_decode
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
-from kda_engram.kda.reference import chunk_operands
+from kda_engram.kda.reference import naive_chunk_operands
 
 from ..helpers import raw_kda_inputs
 
@@ -109,7 +109,7 @@ def test_fused_kda_chunk():
     T = 70
     raw = prefill_raw(T)
     cu = torch.tensor([0, 66, T])
-    ops = chunk_operands(**raw, cu_seqlens=cu)
+    ops = naive_chunk_operands(**raw, cu_seqlens=cu)
     cache = with_sentinels(4, H, V, K)
     out = with_sentinels(1, T, H, V, seed=5)
     for bad, name in ((dict(checkpoint_offsets=torch.tensor([128, 0])), "checkpoint_offsets"),

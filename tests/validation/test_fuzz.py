@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from kda_engram.kda.decode import kda_decode
 from kda_engram.kda.reference import naive_recurrent_kda
-from kda_engram.layers.kda import KDABatch, KimiDeltaAttention, kda_layer_reference
+from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
+from kda_engram.layers.reference import naive_kda_layer
 
 HID, HEADS, K, SLOTS = 32, 1, 16, 6
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -112,7 +113,7 @@ def test_layer_forward_refuses_in_one_line_or_matches_the_reference(data):
     live = [True] * B + has
     init = torch.stack([sc0[r] if h else torch.zeros_like(sc0[r]) for r, h in zip(rows, live)])
     init_conv = torch.stack([cs0[r] if h else torch.zeros_like(cs0[r]) for r, h in zip(rows, live)])
-    y_ref, s_ref, c_ref = kda_layer_reference(weights, x, cu, num_heads=HEADS, head_dim=K, lower_bound=-5.0,
+    y_ref, s_ref, c_ref = naive_kda_layer(weights, x, cu, num_heads=HEADS, head_dim=K, lower_bound=-5.0,
                                               norm_eps=layer.norm_eps, initial_state=init, initial_conv=init_conv)
     assert (out[0].double() - y_ref).abs().max().item() < 1e-4
     for i, r in enumerate(rows):

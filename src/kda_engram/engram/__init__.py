@@ -8,7 +8,7 @@ from .gate import engram_post_wkv
 from .hashing import CompressedTokenMap, build_compressed_token_map, ngram_hash, next_history
 from .layout import EngramLayout
 from .module import Engram, shards_engram_gate
-from .reference import engram_gate_sharded_ref, engram_post_wkv_ref
+from .reference import naive_engram_gate_sharded, naive_engram_post_wkv
 from .sharded_gate import engram_gate_finish, engram_gate_partials
 from .table import EngramTable, quantize_fp8_ue8m0
 
@@ -20,11 +20,11 @@ __all__ = [
     "build_compressed_token_map",
     "engram_gate_finish",
     "engram_gate_partials",
-    "engram_gate_sharded_ref",
     "engram_post_wkv",
-    "engram_post_wkv_ref",
-    "ngram_hash",
+    "naive_engram_gate_sharded",
+    "naive_engram_post_wkv",
     "next_history",
+    "ngram_hash",
     "quantize_fp8_ue8m0",
     "shards_engram_gate",
 ]

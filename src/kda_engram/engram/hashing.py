@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import DeviceChecks, check_tensor
-from kda_engram.validation.engram import check_hash_arguments
-from kda_engram.engram.layout import EngramLayout
+from ..validation.common import DeviceChecks, check_tensor
+from ..validation.engram import check_hash_arguments
+from .layout import EngramLayout
 
 BLOCK_T = 128
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import INDEX_DTYPES, check_index_range, check_tensor
 
 __all__ = ["gather_history", "scatter_history", "checkpoint_history"]
 

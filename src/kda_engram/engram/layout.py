@@ -81,14 +81,16 @@ def next_unused_prime(start: int, used: set[int]) -> int:
     return candidate
 
 
-def _get(cfg: Any, key: str, default: Any = dataclasses.MISSING) -> Any:
+def config_value(cfg: Any, key: str, default: Any = dataclasses.MISSING) -> Any:
+    """``cfg[key]`` of a mapping or ``cfg.key`` of an object (a Hugging Face config);
+    ``default`` when missing, a ``ValueError`` naming the key when there is none."""
     if isinstance(cfg, Mapping):
         if key in cfg:
             return cfg[key]
     elif hasattr(cfg, key):
         return getattr(cfg, key)
     if default is dataclasses.MISSING:
-        raise ValueError(f"cfg: the Engram config needs the key {key!r}, which is missing")
+        raise ValueError(f"cfg: the config needs the key {key!r}, which is missing")
     return default
 
 
@@ -229,17 +231,17 @@ class EngramLayout:
         the checkpoint's tables wrongly, so it raises ``ValueError``.
         """
         layout = cls.build(
-            layer_ids=_get(cfg, "engram_layer_ids"),
-            max_ngram=_get(cfg, "engram_max_ngram_size"),
-            n_heads=_get(cfg, "engram_n_heads"),
-            head_dim=_get(cfg, "engram_head_dim"),
-            vocab_size=_get(cfg, "engram_vocab_size"),
-            compressed_vocab_size=_get(cfg, "engram_compressed_vocab_size"),
-            pad_id=_get(cfg, "engram_pad_token_id"),
-            seed=_get(cfg, "engram_seed", 0),
+            layer_ids=config_value(cfg, "engram_layer_ids"),
+            max_ngram=config_value(cfg, "engram_max_ngram_size"),
+            n_heads=config_value(cfg, "engram_n_heads"),
+            head_dim=config_value(cfg, "engram_head_dim"),
+            vocab_size=config_value(cfg, "engram_vocab_size"),
+            compressed_vocab_size=config_value(cfg, "engram_compressed_vocab_size"),
+            pad_id=config_value(cfg, "engram_pad_token_id"),
+            seed=config_value(cfg, "engram_seed", 0),
             token_map=token_map,
         )
-        published = _get(cfg, "engram_num_embeddings", None)
+        published = config_value(cfg, "engram_num_embeddings", None)
         if verify and published is not None:
             published = [int(x) for x in (published if isinstance(published, Sequence) else [published])]
             if published != list(layout.num_embeddings):

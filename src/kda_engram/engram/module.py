@@ -28,10 +28,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from kda_engram.validation.common import FLOAT_DTYPES, check_tensor
-from kda_engram.engram.gate import engram_post_wkv
-from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials
-from kda_engram.parallel import ColumnParallelLinear, TensorParallelGroup
+from ..validation.common import FLOAT_DTYPES, check_tensor
+from .gate import engram_post_wkv
+from .sharded_gate import engram_gate_finish, engram_gate_partials
+from ..parallel import ColumnParallelLinear, TensorParallelGroup
 
 # "1"/"0" (also true/false, on/off, yes/no) overrides the vendor default of
 # shards_engram_gate. It never turns sharding on for tp_size 1 or sequence parallelism.

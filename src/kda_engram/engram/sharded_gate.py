@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
-from kda_engram.validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
-from kda_engram.engram.gate import (
+from ..validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
+from ..validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
+from .gate import (
     _check_num_warps,
     _load_qk,
     _row_piece,
@@ -215,9 +215,7 @@ def _engram_gate_finish_kernel(
         acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
         for start in tl.range(0, DIM, CHUNK):
             # evict_last: the second pass re-reads this row, which should still be
-            # in L2. H200 (T = 16384, dim 5120, hc 4, default 1024-wide blocks at
-            # 4 warps): 449 -> 379 us at P = 4, 424 -> 386 us at P = 8. The same
-            # hint in engram_post_wkv's two-pass loop changed nothing (582 vs 580 us).
+            # in L2 (measured: docs/design/engram_gate.md, the dim-sharded gate).
             hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, "evict_last")
             acc_hidden += hidden * hidden
         gate = _signed_sqrt_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, inv_dim, dim_scale, eps, clamp_value)

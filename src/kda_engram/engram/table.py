@@ -47,10 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_engram.validation.common import DeviceChecks, check_tensor
-from kda_engram.validation.engram import check_column_sizes, check_finite_weight, check_table_rows
-from kda_engram.engram.layout import EngramLayout
-from kda_engram.platform import interpreting, is_amd, num_compute_units
+from ..validation.common import DeviceChecks, check_tensor
+from ..validation.engram import check_column_sizes, check_finite_weight, check_table_rows
+from .layout import EngramLayout
+from ..platform import interpreting, is_amd, num_compute_units
 
 SCALE_BLOCK = 32
 FP8_MAX = 448.0
@@ -408,17 +408,9 @@ class EngramTable:
         if n_items == 0:
             return out
         # Device tables: 16 rows per program once the grid fills the GPU 4 times
-        # over, else 4. H200 sweep of the fp8 gather at 16384 tokens x 24 columns
-        # (2026-12-03, block_r 4/8/16/32 x warps 2/4/8): 16 rows, 4 warps, native
-        # decode 89.4 us (81% of the copy floor; the best was 89.2 us); the
-        # integer rebuild's best 113.9 us (63%); the previous kernel, which loaded
-        # the scale byte of every value separately, 195.0 us (37%). bf16 rows: 90%.
-        # Rows read over the link (a zero-copy host table, whose weight is not
-        # on the output's device): always 4. H200, pinned table, CUDA-graph
-        # replay (2026-12-03): fp8 at 16384 tokens 2.51 ms with 4 rows (76% of
-        # the 54.6 GB/s host->device copy) against 3.90 ms with 16 (49%; why 16
-        # rows hurt over the link was not established); bf16 rows 4.49 ms (82%)
-        # either way; at 64 tokens 1-16 rows on 1-8 warps all within 18.6-20.0 us.
+        # over, else 4. Rows read over the link (a zero-copy host table, whose
+        # weight is not on the output's device): always 4. The sweeps behind both:
+        # docs/design/engram_table.md.
         big = n_items >= 16 * 4 * num_compute_units(self.device)
         over_link = weight.device != out.device
         block_r = 16 if big and not over_link else 4

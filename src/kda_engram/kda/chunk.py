@@ -1,7 +1,7 @@
 """The KDA chunk kernel: inter-chunk recurrence and output in one launch.
 
 Consumes the operands of the fused prologue (documented, and computed in plain
-PyTorch, by :func:`kda_engram.kda.reference.chunk_operands`) and walks every
+PyTorch, by :func:`kda_engram.kda.reference.naive_chunk_operands`) and walks every
 sequence's 64-token chunks with the recurrent state on chip. Per chunk, with
 ``S`` the V-first state ``[V, K]`` at the chunk start::
 
@@ -22,7 +22,7 @@ sequence's last group in pass two writes it: launch order serialises them).
 The walk over chunks is serial per sequence. For long sequences on few heads
 (where that leaves the GPU mostly idle) :func:`fused_kda_chunk` cuts every
 sequence into parallel chunk groups joined by the exact transfer-operator scan
-(:mod:`kda_engram.kda.groups`; ``reference.chunk_walk(groups=...)`` is its
+(:mod:`kda_engram.kda.groups`; ``reference.naive_chunk_walk(groups=...)`` is its
 plain-PyTorch form): pass one (the same chunk step with the output switched
 off, over the V state rows and the K operator rows), the scan and pass two (the
 walk kernel with ``GROUPED``). With one group it is the single launch above. The
@@ -81,17 +81,9 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
     per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
 
-    BV = 16 is never picked: on an H200 with Triton 3.6 the compiled walk with
-    16-column state tiles returned NaN outputs (and the benchmark hit an illegal
-    address) where BV = 32 and 64 matched the reference to bf16 rounding
-    (2026-12-02, .dbg chunk sweep); the tests still run BV = 16 under the
-    interpreter, where it is correct. On NVIDIA, Triton 3.6 compiles the
-    32-column walk wrongly when it is single-staged: compute-sanitizer caught an
-    out-of-bounds shared-memory read in the grouped walk (H200, 2026-12-03, 2 x 16
-    programs per head at BV = 32, num_stages = 1), and the serial walk forced to
-    the same build faulted too, while the same launches double-staged, and BV = 64
-    single-staged, ran clean. BV = 32 is therefore only taken where its grid fits
-    one program per SM, i.e. double-staged.
+    BV = 16 is never picked, and BV = 32 only where its grid fits one program per
+    SM (double-staged): Triton 3.6 miscompiles both otherwise on NVIDIA (the
+    record: docs/design/kda_prefill.md, "The chunk walk's launch").
     """
     nh = max(num_seqs * num_heads, 1)
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
@@ -142,7 +134,7 @@ def fused_kda_chunk(
     """Run the chunk recurrence and the output projection: one launch, or three
     with parallel chunk groups.
 
-    Operands (what the prologue / ``reference.chunk_operands`` produce; one float
+    Operands (what the prologue / ``reference.naive_chunk_operands`` produce; one float
     dtype for all but ``decay``):
 
     * ``qg``, ``w``: ``[1, T, H, K]``; ``u``: ``[1, T, H, V]``; ``aqk``: ``[1, T, H, 64]``
@@ -200,7 +192,7 @@ def fused_kda_chunk(
     back from the device) and at least :data:`~kda_engram.kda.groups.MIN_GROUP_CHUNKS`
     chunks per group; ``groups=G`` forces ``G`` with ``min_group_chunks=1``
     (each sequence's chunks cut into ``ceil(chunks / G)``-chunk groups, as
-    ``reference.chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
+    ``reference.naive_chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
     group length is ``L_n = max(ceil(chunks_n / G), min_group_chunks)``, so a short
     sequence in a ragged batch stays one group and costs no pass one. ``G = 1`` is
     the single launch above. ``G > 1`` runs pass one (every group but each
@@ -380,10 +372,8 @@ def _scan_precision(ieee_operands: bool, device) -> str:
     ``"tf32x3"`` (three TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about
     fp32's 2^-24 relative rounding to within a few bits) where the walk's own
     dots run on bf16/fp16 operands on NVIDIA: the scan then costs a fraction of
-    the FMA product and stays far below the walk's bf16 rounding (H200,
-    2026-12-04, 1 x 131072 H4, G = 32: the scan kernel 0.667 ms ``ieee`` ->
-    0.137 ms, the grouped walk 1.107 -> 0.822 ms; 1 x 32768 H4, G = 16:
-    0.314 -> 0.087 ms). ``"ieee"`` for fp32 operands (the tests' exact path,
+    the FMA product and stays far below the walk's bf16 rounding (timings:
+    docs/design/kda_prefill.md). ``"ieee"`` for fp32 operands (the tests' exact path,
     where the walk itself is fp32), under the interpreter, and on AMD, which has
     no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it. The rule is
     :func:`kda_engram.launch_config.scan_precision_for`."""

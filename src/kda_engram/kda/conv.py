@@ -49,7 +49,7 @@ from ..validation.common import DeviceChecks
 from ..validation.kda import check_conv_checkpoint, check_conv_decode
 from .metadata import chunk_row
 
-__all__ = ["kda_conv_decode", "kda_conv_checkpoint", "conv_decode_reference", "conv_checkpoint_reference"]
+__all__ = ["kda_conv_decode", "kda_conv_checkpoint"]
 
 BLOCK_C = 256
 # Launch geometry of the prefill conv: one program per (chunk, head, band), rows in
@@ -433,39 +433,3 @@ def kda_conv_checkpoint(
         num_warps=4,
     )
     return conv_state
-
-
-# --------------------------------------------------------------------------- references
-
-
-def conv_decode_reference(x, conv_weight, conv_state, conv_state_indices):
-    """Plain PyTorch :func:`kda_conv_decode` (fp64): ``(out [B, C], new conv_state)``,
-    the input state left untouched."""
-    new_state = conv_state.clone()
-    B, C = x.shape
-    W = conv_weight.shape[1]
-    out = torch.zeros(B, C, dtype=torch.float64)
-    for b in range(B):
-        row = int(conv_state_indices[b])
-        window = conv_state[row].double().cpu() if row >= 0 else torch.zeros(C, W - 1, dtype=torch.float64)
-        taps = torch.cat([window, x[b].double().cpu()[:, None]], dim=1)  # [C, W]
-        y = torch.nn.functional.conv1d(taps[None], conv_weight.double().cpu()[:, None, :], groups=C)[0, :, 0]
-        out[b] = torch.nn.functional.silu(y)
-        if row >= 0:
-            new_state[row] = taps[:, 1:].to(new_state.dtype)
-    return out, new_state
-
-
-def conv_checkpoint_reference(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state):
-    """Plain PyTorch :func:`kda_conv_checkpoint` on a copy of ``conv_state``."""
-    new_state = conv_state.clone()
-    W = conv_state.shape[2] + 1
-    cu = [int(c) for c in cu_seqlens]
-    for n in range(len(cu) - 1):
-        p, row = int(checkpoint_offsets[n]), int(checkpoint_indices[n])
-        if row < 0 or p <= 0 or p < W - 1 or p > cu[n + 1] - cu[n]:
-            continue
-        s = cu[n] + p - (W - 1)
-        new_state[row] = x[s : s + W - 1].t().to(new_state.dtype)
-    return new_state
-

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import DECODE_MAX_HEAD_DIM, L2NORM_EPS
-from ..launch_config import decode_tiling_for, device_arch
+from ..constants import L2NORM_EPS
+from ..launch_config import decode_tiling_for, device_arch, is_pow2
 from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import (
@@ -55,9 +55,6 @@ from ..validation.kda import (
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
-
-# Largest head dim whose fp32 [BLOCK_V, K] tile we keep in registers.
-MAX_HEAD_DIM = DECODE_MAX_HEAD_DIM
 
 
 @triton.jit
@@ -198,25 +195,16 @@ def decode_tiling(
     """``(BLOCK_V, num_warps)`` for a decode launch of ``batch · heads`` heads of
     ``steps`` tokens each.
 
-    Measured on an H200 (``benchmarks/bench_kda_decode.py --sweep``, 2026-12-02),
-    BLOCK_V in {16, 32, 64} x warps in {2, 4, 8}: one token is fastest at 16 rows
-    x 4 warps in all three cases (B·H = 64·32: 0.0766 ms against 0.0790 for 32x4;
-    256·32: 0.2869 against 0.2914; 1024·8: 0.2946 against 0.2986): a 16-row tile
-    of a 128-wide fp32 state is 8 KiB, so twice as many programs keep more bytes
-    in flight per SM. With several tokens (speculative decode, S = 4) the state
-    tile stays live across the steps and 2 warps win (0.834 ms against 0.914 at
-    4 warps), as each thread then does more independent work per load. A bf16
-    state has its own rule (the whole head per program, 8 warps; see
-    :func:`kda_engram.launch_config.decode_tiling_for`). Any power-of-two
-    ``BLOCK_V`` dividing ``V`` is correct; this only picks speed.
+    One token: 16 rows x 4 warps (a 16-row tile of a 128-wide fp32 state is 8 KiB,
+    so more programs keep more bytes in flight per SM); several tokens: 2 warps
+    (the tile stays live across the steps). A bf16 state has its own rule. The
+    rule is :func:`kda_engram.launch_config.decode_tiling_for`; the sweep behind
+    it: docs/design/kda_decode.md. Any power-of-two ``BLOCK_V`` dividing ``V`` is
+    correct; this only picks speed.
     """
     del batch, heads  # the measured optimum did not depend on the grid size
     tiling = decode_tiling_for(device_arch(device), v_dim, steps, state_dtype)  # the per-architecture rule
     return tiling.block_v, tiling.num_warps
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int, int]:
@@ -239,7 +227,7 @@ def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx
         bv, nw = decode_tiling(B, H, V, state_cache.device, steps, state_cache.dtype)
         block_v = bv if block_v is None else block_v
         num_warps = nw if num_warps is None else num_warps
-    if not (_is_pow2(block_v) and V % block_v == 0):
+    if not (is_pow2(block_v) and V % block_v == 0):
         raise ValueError(f"block_v: expected a power of two dividing V={V}, got {block_v}")
     if scale is None:
         scale = K ** -0.5

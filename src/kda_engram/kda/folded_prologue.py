@@ -1,7 +1,7 @@
 """The folded prologue: raw ``q, k, v, raw_g, raw_beta`` to the operands of the
 folded walk (:mod:`kda_engram.kda.hopper.walk`), two launches.
 
-The folded contract (:func:`kda_engram.kda.reference.chunk_operands`, keys
+The folded contract (:func:`kda_engram.kda.reference.naive_chunk_operands`, keys
 ``qg, kd, t_fold, a_fold, decay``) takes the triangular inverse into the operands:
 with ``T = (I + A_kk)^-1`` and ``M = T diag(beta)``, ``t_fold = M^T kg`` and
 ``a_fold = A_qk M``, so the walk reads ``v`` itself and needs neither ``w`` nor

@@ -4,9 +4,8 @@ The chunk walk of :func:`kda_engram.kda.chunk.fused_kda_chunk` is serial per
 sequence: one program per (sequence, head, V-tile) steps through every 64-token
 chunk, so a long prompt on the few heads that tensor parallelism leaves on a GPU
 (4-8) occupies a handful of the compute units and the launch is latency-bound
-(fla-core takes 4.2 ms for 1 x 131072 tokens, H = 4, on an H200, against a
-0.16 ms HBM floor). Cutting each sequence into ``G`` contiguous groups of chunks turns
-one walk of ``n`` steps into
+(measured: docs/design/kda_prefill.md). Cutting each sequence into ``G`` contiguous
+groups of chunks turns one walk of ``n`` steps into
 
 * **pass one**: every group but the last walks its ``L = n / G`` chunks from a
   zero state, giving its local end state ``H_g`` (V rows) and, with ``u = 0``
@@ -23,12 +22,11 @@ drops from ``n`` to about ``2 n / G`` steps for about three times the work
 (pass one has ``V + K`` rows). That trade pays only where the machine is
 otherwise idle, which is what :func:`chunk_groups` decides.
 
-Numerics: the grouped walk stays within the serial walk's error bound (fp32: the
-same max error as G = 1 up to G = 32; bf16: within 1.5x the serial walk's
-relative RMS error), so ``M_g`` is kept in fp32 and the scan's products run as
-fp32 ``ieee`` (fp32 operands, AMD) or ``tf32x3`` (bf16/fp16 walks on NVIDIA, 3.6-4.9x
-faster than FMAs and far below the walk's own rounding). Measurements:
-docs/design/kda_prefill.md; the bounds are tests in ``tests/kda/test_groups.py``.
+Numerics: the grouped walk stays within the serial walk's error bound, so
+``M_g`` is kept in fp32 and the scan's products run as fp32 ``ieee`` (fp32
+operands, AMD) or ``tf32x3`` (bf16/fp16 walks on NVIDIA: cheaper than FMAs and far
+below the walk's own rounding). Measurements: docs/design/kda_prefill.md; the
+bounds are tests in ``tests/kda/test_groups.py``.
 """
 
 from __future__ import annotations
@@ -174,35 +172,8 @@ def chunk_groups(
     the host); the kernels apply the minimum group length per sequence, so in a
     ragged batch only the sequences long enough are split.
 
-    Model picks on an H200 (132 SMs) at K = V = 128: 1 x 131072 H4 -> 16,
-    1 x 32768 H4 -> 16, 1 x 262144 H2 -> 32, 1 x 32768 H8, 1 x 65536 H8 and
-    2 x 32768 H4 -> 7, 1 x 16384 H4 and 1 x 8192 H4 -> 8, 1 x 32768 H32,
-    4 x 8192 H8, 1 x 8192 H32/H96, 16 x 2048 H32, 64 x 512 H32 -> 1.
-
-    H200 sweep with the tf32x3 scan (``python benchmarks/sweep_kda_groups.py``:
-    the chunk kernel alone, forced G = 1 / 8 / 16 / 24 / 32 / 48 / 64, bf16,
-    lower_bound -5, ms, 2026-12-04): 1 x 32768 H4: 1.257 / 0.345 / **0.272** / 0.347 / 0.330 /
-    0.437 / 0.499; 1 x 131072 H4: 4.977 / 1.217 / 0.841 / 0.986 / **0.822** /
-    0.992 / 0.980; 1 x 32768 H8: 1.273 / 0.432 / **0.429** / 0.525 / 0.512;
-    1 x 65536 H8: 2.538 / 0.807 / **0.753** / 0.880 / 0.836; 2 x 32768 H4:
-    1.272 / **0.430** / **0.430** / 0.525; 1 x 16384 H4: 0.633 / 0.196 /
-    **0.183** / 0.226; 1 x 8192 H4: 0.322 / 0.186 / **0.182** / 0.195;
-    1 x 262144 H2: 10.08 / 2.214 / 1.256 / 1.092 / **0.900** / 1.088 / 0.963;
-    1 x 32768 H32: 1.406 / **1.370** / 1.416 (a 3 % edge the model leaves to the
-    single launch); 4 x 8192 H8: **0.359** / 0.399. The model's pick is the
-    optimum or within 8 % of it (1 x 65536 H8: 7 -> ~0.80 against 0.753), and
-    G > 32 never won. Counts that put more pass-two programs on the GPU than it
-    has SMs without filling two per SM (G = 24 at H4) lose to both neighbours:
-    a pass-two grid of at most one program per SM is double-staged (see
-    :func:`~kda_engram.kda.chunk.chunk_config`).
-
-    Earlier sweep, with the scan's product on fp32 FMAs (scan step 3.0):
-
-    (``benchmarks/bench_kda_prefill.py --quick``, 2026-12-03, bf16,
-    lower_bound -5, chunk kernel alone with forced G = 1 / 4 / 8 / 16 / 32, ms):
-    1 x 32768 H4: 1.245 / 0.618 / 0.462 / 0.524 / 0.864; 1 x 131072 H4: 4.933 /
-    2.209 / 1.327 / 1.103 / 1.360; 1 x 32768 H32: 1.391 / 1.409 / 1.489 / 1.674 /
-    2.058 (the serial grid already fills the SMs: a split only adds work).
+    The model's picks and the sweeps behind it: docs/design/kda_prefill.md
+    ("Chunk groups: the model's picks and the sweeps").
     """
     for name, val in (("chunks_per_seq", chunks_per_seq), ("num_seqs", num_seqs), ("num_heads", num_heads)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:

@@ -22,7 +22,7 @@ from ..platform import interpreting
 from ..validation.common import check_int
 from ..validation.kda import check_cu_seqlens
 
-__all__ = ["CHUNK_SIZE", "max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
+__all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
@@ -137,12 +137,9 @@ def prepare_chunk_metadata(
     launch and no host sync.
 
     Why a kernel: the two torch constructions are about ten small device ops,
-    each with its own host-side dispatch. A prefill whose GPU time is short is
-    bound by that host work in eager mode: on the H200 machine (2026-12-04, 50
-    eager ``chunk_kda_prefill`` calls at 1 x 32k and 1 x 128k, H4, timed on the
-    host) the host took 0.62-1.33 ms per call with the torch constructions
-    (cProfile: 0.3 ms of it in them) and 0.32-0.37 ms with this launch, against
-    0.58 ms of GPU time at 1 x 32k, H4. On a CPU tensor without the Triton
+    each with its own host-side dispatch, and a prefill whose GPU time is short is
+    bound by that host work in eager mode (measured: docs/design/kda_prefill.md,
+    "Chunk metadata in one launch"). On a CPU tensor without the Triton
     interpreter it falls back to the torch functions.
     """
     _check_cu_seqlens(cu_seqlens)

@@ -12,7 +12,7 @@ fp32 workspace. The second (``_kda_prologue_solve_kernel``, same grid) solves
 block forward substitution over 16x16 fp32 diagonal inverses. Why two launches:
 one program would need far more than the 255 registers a thread may hold.
 
-Operand contract (identical to :func:`kda_engram.kda.reference.chunk_operands`),
+Operand contract (identical to :func:`kda_engram.kda.reference.naive_chunk_operands`),
 with ``g`` the chunk-local inclusive cumsum of ``a * log2(e)``:
 
 ====== ============================ ====================================================
@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import CHUNK_SIZE, CONV_WIDTH, KDA_HEAD_DIMS, LOG2E, SUB_CHUNK  # noqa: F401 (re-exported)
+from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.common import DeviceChecks
@@ -57,7 +57,6 @@ from .metadata import chunk_row, prepare_chunk_metadata
 # (2^-126) before the shift brings them into [2^-s, 2^s]. Past it (|L| > 5.45)
 # the diagonal blocks take the exact path.
 MAX_DIAG_SHIFT = 63.0
-_SUPPORTED_DIMS = KDA_HEAD_DIMS
 
 
 # --------------------------------------------------------------------------- kernel
@@ -520,14 +519,8 @@ def _launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     """``(intra, solve)`` warps per program from the ``num_warps`` override: None
     for the defaults, one int for both launches, or a pair.
 
-    Defaults from the H200 sweep at 1 x 32k, H32, K = V = 128 (ms for the whole
-    prologue): (4, 4) 2.29, (8, 4) 3.29, (8, 8) 3.31, (4, 2) 2.11, (8, 2) 3.10,
-    (16, 4) 5.10, (4, 1) 3.33, (2, 2) 4.39. Both kernels use the full 255
-    registers a thread may hold at any width, so the register file admits the
-    same number of warps per SM either way (12.5% occupancy); narrower programs
-    make that several independent programs instead of one wide one, which hides
-    more of each program's serial chain, until the spills of 2 warps (intra:
-    290) or 1 warp (solve: 432) take over.
+    The defaults are :func:`kda_engram.launch_config.prologue_warps_for`; the sweep
+    behind them: docs/design/kda_prefill.md ("Prologue warps").
     """
     if num_warps is None:
         warps = prologue_warps_for(arch(dev) if is_gpu(dev) else "cpu", K, V)  # the per-architecture rule

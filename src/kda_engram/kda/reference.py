@@ -4,11 +4,16 @@ Three formulations of the same function, which the tests prove equal in fp64:
 
 * :func:`naive_recurrent_kda` -- token by token, the definition.
 * :func:`naive_chunk_kda` -- the chunk form the prefill kernels implement, with its
-  per-chunk operands exposed (:func:`chunk_operands`) so each kernel can be tested
-  on its own: the prologue against :func:`chunk_operands`, the chunk kernel
-  against :func:`chunk_walk`.
+  per-chunk operands exposed (:func:`naive_chunk_operands`) so each kernel can be tested
+  on its own: the prologue against :func:`naive_chunk_operands`, the chunk kernel
+  against :func:`naive_chunk_walk`.
 * :func:`naive_group_chunk_kda` -- the chunk walk cut into groups joined by the
   exact transfer-operator scan (parallel chunk groups).
+
+The other kernels' references: :func:`naive_fused_kda_decode` (the fused layer
+decode step), :func:`naive_conv_decode` and :func:`naive_conv_checkpoint` (the
+short convolution). :func:`kda_gate`, :func:`l2norm` and :func:`stored_state` are
+the building blocks they share.
 
 Conventions: inputs ``[1, T, H, K]`` flattened over a varlen batch
 described by ``cu_seqlens [N+1]`` (or ``[B, T, H, K]`` without ``cu_seqlens``);
@@ -23,11 +28,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, L2NORM_EPS, LOG2E  # noqa: F401 (re-exported)
+from ..constants import CHUNK_SIZE, L2NORM_EPS, LOG2E
 from .metadata import prepare_chunk_offsets
 
 
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The references' arithmetic dtype: fp64 when any given tensor is fp64, else
+    fp32 (``None`` entries are skipped). The Engram references share it."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
@@ -75,7 +82,7 @@ def _sequences(cu_seqlens: torch.Tensor | None, q: torch.Tensor) -> tuple[list[t
 def _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale, gate="raw", qk_l2norm=True,
              beta_sigmoid=True):
     """Compute-dtype operands; the input forms as in :func:`naive_recurrent_kda`."""
-    dtype = _compute_dtype(q, k, v, raw_g)
+    dtype = compute_dtype(q, k, v, raw_g)
     qh, kh = q.to(dtype), k.to(dtype)
     if qk_l2norm:
         qh, kh = l2norm(qh), l2norm(kh)
@@ -93,7 +100,7 @@ def _prepare(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, scale, gate=
     return dtype, qh, kh, v.to(dtype), a, beta, scale
 
 
-def round_state(S: torch.Tensor, state_dtype: torch.dtype | None) -> torch.Tensor:
+def stored_state(S: torch.Tensor, state_dtype: torch.dtype | None) -> torch.Tensor:
     """``S`` as it reads back from storage of ``state_dtype`` (bf16: RTNE, as the
     kernels store it; ``None``/fp32/fp64: unchanged), in ``S``'s own dtype."""
     if state_dtype is None or state_dtype in (torch.float32, torch.float64):
@@ -166,21 +173,21 @@ def naive_recurrent_kda(
             S = initial_state[n].to(dtype).clone()
         for t in range(start, end):
             if offsets is not None and offsets[n] == t - start and t > start:
-                S = round_state(S, state_dtype)
+                S = stored_state(S, state_dtype)
                 ckpt[n] = S
             S = S * decay[b, t][:, None, :]
             kt = kh[b, t]
             pred = torch.einsum("hvk,hk->hv", S, kt)
             S = S + torch.einsum("hv,hk->hvk", beta[b, t][:, None] * (vv[b, t] - pred), kt)
             o[b, t] = scale * torch.einsum("hvk,hk->hv", S, qh[b, t])
-        S = round_state(S, state_dtype)
+        S = stored_state(S, state_dtype)
         if offsets is not None and offsets[n] == end - start and end > start:
             ckpt[n] = S
         final[n] = S
     return o, (final if output_final_state else None), ckpt
 
 
-def chunk_operands(
+def naive_chunk_operands(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -221,7 +228,7 @@ def chunk_operands(
     ====== =============================== =========================================
 
     The last three are the folded contract (the inverse folded into the operands,
-    :func:`folded_chunk_step`): ``w = M kd`` and ``u = M v``, so a walk that reads
+    :func:`naive_folded_chunk_step`): ``w = M kd`` and ``u = M v``, so a walk that reads
     ``v`` itself needs neither ``w`` nor ``u``.
 
     ``chunks`` rows are ordered by :func:`prepare_chunk_offsets`: sequence ``n``'s
@@ -296,18 +303,24 @@ def _chunk_rows(cu_seqlens: torch.Tensor, chunk_size: int):
     return out
 
 
-def chunk_step(S, ops, row, s, e, scale):
+def _w_u_kg(S, ops, row, s, e):
+    """The chunk's ``w [H, L, K]``, ``u [H, L, V]`` and ``kg [H, L, K]`` in ``S``'s dtype."""
+    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)
+    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
+    kg = ops["kg_t"][row, :, :, : e - s].transpose(1, 2).to(S.dtype)
+    return w, u, kg
+
+
+def naive_chunk_step(S, ops, row, s, e, scale):
     """One chunk of the walk: returns ``(o [L, H, V], S_next)``.
 
     ``v_new = u - w S^T``; ``o = scale (qg S^T + aqk v_new)``;
     ``S_next = S diag(decay) + v_new^T kg``.
     """
     L = e - s
-    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)  # [H, L, K]
-    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
+    w, u, kg = _w_u_kg(S, ops, row, s, e)
     qg = ops["qg"][0, s:e].transpose(0, 1).to(S.dtype)
     aqk = ops["aqk"][0, s:e, :, :L].transpose(0, 1).to(S.dtype)  # [H, L, L]
-    kg = ops["kg_t"][row, :, :, :L].transpose(1, 2).to(S.dtype)  # [H, L, K]
     St = S.transpose(1, 2)  # [H, K, V]
     v_new = u - w @ St
     o = scale * (qg @ St + aqk @ v_new)
@@ -315,12 +328,12 @@ def chunk_step(S, ops, row, s, e, scale):
     return o.transpose(0, 1), S_next
 
 
-def folded_chunk_step(S, ops, v, row, s, e, scale):
-    """:func:`chunk_step` over the folded contract: ``(o [L, H, V], S_next)``.
+def naive_folded_chunk_step(S, ops, v, row, s, e, scale):
+    """:func:`naive_chunk_step` over the folded contract: ``(o [L, H, V], S_next)``.
 
     ``R = v - kd S^T``; ``o = scale (qg S^T + a_fold R)``;
     ``S_next = S diag(decay) + R^T t_fold``. The same four products as
-    :func:`chunk_step`, reading the raw ``v [1, T, H, V]`` instead of ``u`` and
+    :func:`naive_chunk_step`, reading the raw ``v [1, T, H, V]`` instead of ``u`` and
     ``w``: the prologue writes kd and t_fold instead of w, u and kg_t (about
     0.5 KB less per token-head in all at K = V = 128, bf16 operands), and the
     walk needs no operand it did not get.
@@ -338,18 +351,15 @@ def folded_chunk_step(S, ops, v, row, s, e, scale):
     return o.transpose(0, 1), S_next
 
 
-def chunk_transfer(S, ops, row, s, e):
+def naive_chunk_transfer(S, ops, row, s, e):
     """``(M_c, H_c)`` with ``S_end = S_start M_c + H_c``: ``M_c = diag(d_c) - w_c^T kg_c``
     ``[H, K, K]`` and ``H_c = u_c^T kg_c`` ``[H, V, K]``."""
-    L = e - s
-    w = ops["w"][0, s:e].transpose(0, 1).to(S.dtype)
-    u = ops["u"][0, s:e].transpose(0, 1).to(S.dtype)
-    kg = ops["kg_t"][row, :, :, :L].transpose(1, 2).to(S.dtype)
+    w, u, kg = _w_u_kg(S, ops, row, s, e)
     M = torch.diag_embed(ops["decay"][row].to(S.dtype)) - w.transpose(1, 2) @ kg
     return M, u.transpose(1, 2) @ kg
 
 
-def chunk_walk(
+def naive_chunk_walk(
     ops: dict[str, torch.Tensor],
     *,
     cu_seqlens: torch.Tensor,
@@ -360,7 +370,7 @@ def chunk_walk(
     chunk_size: int = CHUNK_SIZE,
     state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Walk the chunks of every sequence over the operands of :func:`chunk_operands`.
+    """Walk the chunks of every sequence over the operands of :func:`naive_chunk_operands`.
 
     With ``groups > 1`` each sequence's chunks are cut into ``groups`` contiguous
     groups (``ceil(chunks / groups)`` each, the last ones possibly empty). Every
@@ -401,17 +411,17 @@ def chunk_walk(
                 M = torch.eye(K, dtype=dtype, device=u.device).expand(H, K, K).clone()
                 Hg = torch.zeros(H, V, K, dtype=dtype, device=u.device)
                 for row, s, e in grp:
-                    Mc, Hc = chunk_transfer(Hg, ops, row, s, e)
+                    Mc, Hc = naive_chunk_transfer(Hg, ops, row, s, e)
                     M, Hg = M @ Mc, Hg @ Mc + Hc
                 starts.append(starts[-1] @ M + Hg)
         for gi, grp in enumerate(group_chunks):
             S = starts[gi] if groups > 1 else S
             for row, s, e in grp:
-                o[0, s:e], S = chunk_step(S, ops, row, s, e, scale)
+                o[0, s:e], S = naive_chunk_step(S, ops, row, s, e, scale)
                 if offsets is not None and offsets[n] > 0 and offsets[n] == e - chunks[0][1]:
-                    S = round_state(S, state_dtype)
+                    S = stored_state(S, state_dtype)
                     ckpt[n] = S
-        final[n] = round_state(S, state_dtype)
+        final[n] = stored_state(S, state_dtype)
     return o, final, ckpt
 
 
@@ -435,8 +445,8 @@ def naive_chunk_kda(
     return_operands: bool = False,
     state_dtype: torch.dtype | None = None,
 ):
-    """:func:`naive_recurrent_kda` through the chunk form (:func:`chunk_operands`
-    then :func:`chunk_walk`). Same arguments and returns; ``return_operands=True``
+    """:func:`naive_recurrent_kda` through the chunk form (:func:`naive_chunk_operands`
+    then :func:`naive_chunk_walk`). Same arguments and returns; ``return_operands=True``
     appends the operand dict as a fourth element."""
     if cu_seqlens is None:
         B, T = q.shape[0], q.shape[1]
@@ -451,10 +461,10 @@ def naive_chunk_kda(
         return (res[0].reshape(B, T, *res[0].shape[2:]),) + tuple(res[1:])
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    ops = chunk_operands(
+    ops = naive_chunk_operands(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, cu_seqlens=cu_seqlens, lower_bound=lower_bound, chunk_size=chunk_size
     )
-    o, final, ckpt = chunk_walk(
+    o, final, ckpt = naive_chunk_walk(
         ops, cu_seqlens=cu_seqlens, scale=scale, initial_state=initial_state,
         checkpoint_offsets=checkpoint_offsets, groups=groups, chunk_size=chunk_size, state_dtype=state_dtype,
     )
@@ -464,11 +474,11 @@ def naive_chunk_kda(
 
 def naive_group_chunk_kda(*args, groups: int, **kwargs):
     """:func:`naive_chunk_kda` with every sequence cut into ``groups`` chunk groups
-    joined by the transfer-operator scan (see :func:`chunk_walk`)."""
+    joined by the transfer-operator scan (see :func:`naive_chunk_walk`)."""
     return naive_chunk_kda(*args, groups=groups, **kwargs)
 
 
-def fused_kda_decode_reference(
+def naive_fused_kda_decode(
     x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias, o_norm_weight,
     state_cache, state_indices, *, initial_state_indices=None, initial_conv_indices=None, scale=None,
     lower_bound=None, norm_eps=1e-5, out_dtype=None,
@@ -512,7 +522,7 @@ def fused_kda_decode_reference(
             d = beta[:, None] * (v - torch.einsum("hvk,hk->hv", S_, k))
             S_ = S_ + d[:, :, None] * k[:, None, :]
             o = scale * torch.einsum("hvk,hk->hv", S_, q)  # from the fp32 state, before the store
-            S_ = round_state(S_, state_cache.dtype)
+            S_ = stored_state(S_, state_cache.dtype)
             o = f(o.to(out.dtype))
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + norm_eps) * f(o_norm_weight)
             o = o * torch.sigmoid(f(g_out[b, s]).view(H, V))
@@ -521,3 +531,39 @@ def fused_kda_decode_reference(
             if row >= 0:
                 state_cache[row] = S_.to(state_cache.dtype)
     return out if multi else out[:, 0]
+
+
+def naive_conv_decode(x, conv_weight, conv_state, conv_state_indices):
+    """Plain PyTorch :func:`~kda_engram.kda.conv.kda_conv_decode` (fp64): ``(out [B, C], new conv_state)``,
+    the input state left untouched."""
+    new_state = conv_state.clone()
+    B, C = x.shape
+    W = conv_weight.shape[1]
+    out = torch.zeros(B, C, dtype=torch.float64)
+    for b in range(B):
+        row = int(conv_state_indices[b])
+        window = conv_state[row].double().cpu() if row >= 0 else torch.zeros(C, W - 1, dtype=torch.float64)
+        taps = torch.cat([window, x[b].double().cpu()[:, None]], dim=1)  # [C, W]
+        y = F.conv1d(taps[None], conv_weight.double().cpu()[:, None, :], groups=C)[0, :, 0]
+        out[b] = F.silu(y)
+        if row >= 0:
+            new_state[row] = taps[:, 1:].to(new_state.dtype)
+    return out, new_state
+
+
+def naive_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state):
+    """Plain PyTorch :func:`~kda_engram.kda.conv.kda_conv_checkpoint` on a copy of ``conv_state``."""
+    new_state = conv_state.clone()
+    W = conv_state.shape[2] + 1
+    cu = [int(c) for c in cu_seqlens]
+    for n in range(len(cu) - 1):
+        p, row = int(checkpoint_offsets[n]), int(checkpoint_indices[n])
+        if row < 0 or p <= 0 or p < W - 1 or p > cu[n + 1] - cu[n]:
+            continue
+        s = cu[n] + p - (W - 1)
+        new_state[row] = x[s : s + W - 1].t().to(new_state.dtype)
+    return new_state
+
+
+# Old names, kept only for benchmarks/ (bench_kda_prologue.py) until it moves into the package.
+chunk_operands = naive_chunk_operands

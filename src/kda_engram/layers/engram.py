@@ -54,7 +54,7 @@ from .. import ops
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
 from ..validation.engram import check_engram_batch, check_hash_arguments
 from ..engram.history import checkpoint_history, gather_history, scatter_history
-from ..engram.layout import EngramLayout
+from ..engram.layout import EngramLayout, config_value
 from ..engram.module import Engram, GateKernels
 from ..engram.table import EngramTable
 from ..parallel import TensorParallelGroup
@@ -66,7 +66,6 @@ __all__ = [
     "gather_history",
     "scatter_history",
     "checkpoint_history",
-    "engram_layer_reference",
 ]
 
 
@@ -242,21 +241,10 @@ def engram_hash_step(
 # ------------------------------------------------------------------------- layer
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = dataclasses.MISSING) -> Any:
-    if isinstance(cfg, Mapping):
-        if key in cfg:
-            return cfg[key]
-    elif hasattr(cfg, key):
-        return getattr(cfg, key)
-    if default is dataclasses.MISSING:
-        raise ValueError(f"cfg: the model config needs the key {key!r}, which is missing")
-    return default
-
-
 def _text_config(cfg: Any) -> dict:
     """The text config as a dict (V4.1 nests it under ``text_config``), with the pad
     id under the key :meth:`EngramLayout.from_config` reads."""
-    inner = _cfg_get(cfg, "text_config", None)
+    inner = config_value(cfg, "text_config", None)
     src = inner if inner is not None else cfg
     if isinstance(src, Mapping):
         out = dict(src)
@@ -353,9 +341,10 @@ class EngramLayer(nn.Module):
         text = _text_config(cfg)
         if layout is None:
             layout = EngramLayout.from_config(text, token_map=token_map)
-        kwargs.setdefault("eps", float(_cfg_get(text, "rms_norm_eps", 1e-6)))
-        kwargs.setdefault("clamp_value", float(_cfg_get(text, "engram_clamp_value", 1e-6)))
-        return cls(layout, layer_id, int(_cfg_get(text, "hidden_size")), int(_cfg_get(text, "hc_mult")), **kwargs)
+        kwargs.setdefault("eps", float(config_value(text, "rms_norm_eps", 1e-6)))
+        kwargs.setdefault("clamp_value", float(config_value(text, "engram_clamp_value", 1e-6)))
+        return cls(layout, layer_id, int(config_value(text, "hidden_size")), int(config_value(text, "hc_mult")),
+                   **kwargs)
 
     @staticmethod
     def checkpoint_prefix(layer_id: int) -> str:
@@ -459,35 +448,5 @@ class EngramLayer(nn.Module):
                 f"storage={self.table.storage}, tp_size={self.tp.world_size}")
 
 
-# --------------------------------------------------------------------- reference
-
-
-def engram_layer_reference(
-    layout: EngramLayout,
-    layer_id: int,
-    weights: Mapping[str, torch.Tensor],
-    hidden_states: torch.Tensor,
-    token_ids,
-    cu_seqlens,
-    *,
-    eps: float,
-    clamp_value: float = 1e-6,
-    history=None,
-    dead_mask=None,
-    token_mask=None,
-    token_map=None,
-) -> torch.Tensor:
-    """The layer in plain NumPy/PyTorch (fp32 on the CPU) from full weights: the
-    reference hash, gather, projection and gate of :mod:`kda_engram.engram`."""
-    from ..engram.memory_reference import dequantize_fp8_ue8m0_ref, lookup_ref, ngram_hash_ref
-    from ..engram.reference import engram_post_wkv_ref
-
-    rows = ngram_hash_ref(token_ids, cu_seqlens, layout, history=history, dead_mask=dead_mask, token_map=token_map)
-    table = weights["embed.weight"]
-    if "embed.scale" in weights:
-        table = dequantize_fp8_ue8m0_ref(table.view(torch.uint8), weights["embed.scale"].view(torch.uint8))
-    emb = lookup_ref(table, rows[:, layout.layer_index(layer_id)]).reshape(rows.shape[0], -1)
-    kv = emb @ weights["wkv.weight"].float().t()
-    mask = None if token_mask is None else token_mask.cpu()
-    return engram_post_wkv_ref(hidden_states.float().cpu(), kv, weights["q_weight"].float(),
-                               weights["k_weight"].float(), eps=eps, clamp_value=clamp_value, token_mask=mask)
+# The old name, kept only for demo.py until the tools move into kda_engram/tools.
+from .reference import naive_engram_layer as engram_layer_reference  # noqa: E402, F401

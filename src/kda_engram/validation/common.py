@@ -336,10 +336,6 @@ def value_at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, i.reshape(1)).reshape(())
 
 
-def _zero_detail(idx: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64, device=idx.device)
-
-
 def check_index_values(
     checks: DeviceChecks,
     name: str,

@@ -20,6 +20,7 @@ from ..constants import (
     KDA_CHECKPOINT_ALIGNMENT,
     KDA_HEAD_DIMS,
 )
+from ..launch_config import is_pow2
 from .common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -377,10 +378,6 @@ def check_state_arguments(
                    n, value_at(ck_rows, n), value_at(who, n))
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
                         lead: int) -> tuple[int, ...]:
     """Host rules shared by both decode entry points; ``lead`` is 1 (``[B]``) or 2
@@ -407,7 +404,7 @@ def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, o
         check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
         if list(dt_bias.shape) not in ([H, K], [H * K]):
             raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
-    if not (_is_pow2(K) and _is_pow2(V) and 16 <= K <= DECODE_MAX_HEAD_DIM and 16 <= V <= DECODE_MAX_HEAD_DIM):
+    if not (is_pow2(K) and is_pow2(V) and 16 <= K <= DECODE_MAX_HEAD_DIM and 16 <= V <= DECODE_MAX_HEAD_DIM):
         raise ValueError(
             f"state_cache: head dims K and V must be powers of two in [16, {DECODE_MAX_HEAD_DIM}], got K={K}, V={V}"
         )

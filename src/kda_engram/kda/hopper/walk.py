@@ -1,7 +1,7 @@
 """The KDA chunk walk over the folded operands on Hopper (sm_90a), in Gluon.
 
 Per (sequence n, head h) and 64-token chunk, exactly
-:func:`kda_engram.kda.reference.folded_chunk_step`::
+:func:`kda_engram.kda.reference.naive_folded_chunk_step`::
 
     R      = v - kd S^T                       [L, V]
     o      = scale (qg S^T + a_fold R)        [L, V]

@@ -1,0 +1,108 @@
+"""House rules read from the source (CPU, no kernels run).
+
+* Measurements and dated records live in ``docs/design/*.md``, not in ``src/``:
+  no line of the package carries a date (``YYYY-MM-DD``), in code, comment or
+  docstring.
+* One reference convention: the plain-PyTorch references live in a
+  ``reference.py`` beside what they check and are named ``naive_*`` (besides the
+  few building blocks they share, listed below); no other module defines one.
+* One import style: inside the package, imports of the package are relative.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kda_engram"
+
+DATE = re.compile(r"\b(19|20)\d\d-[01]\d-[0-3]\d\b")
+
+#: Public functions of a reference.py that are not references of a kernel but the
+#: pieces the references share (and, for kda_gate, a public formula of the package).
+REFERENCE_BUILDING_BLOCKS = {"compute_dtype", "kda_gate", "l2norm", "shard_kv_by_dim", "stored_state"}
+#: Names that say "reference" in the retired spellings.
+RETIRED_REFERENCE_NAME = re.compile(r"(_ref|_reference)$")
+
+#: Modules that still import the package absolutely: the tools, which issue 37
+#: moves into kda_engram/tools (their imports change with the move).
+ABSOLUTE_IMPORTS_ALLOWED = {"check.py", "cli.py", "demo.py", "reporting.py", "bench.py"}
+
+
+def dated_lines(src: Path = SRC) -> list[str]:
+    """``path:line: text`` of every line under ``src`` that holds a date."""
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if DATE.search(line):
+                found.append(f"{path.relative_to(src.parent)}:{number}: {line.strip()}")
+    return found
+
+
+def top_level_functions(path: Path) -> list[str]:
+    return [n.name for n in ast.parse(path.read_text()).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def reference_naming_problems(src: Path = SRC) -> list[str]:
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        where = path.relative_to(src.parent)
+        for name in top_level_functions(path):
+            if name.startswith("_"):
+                continue
+            if path.name == "reference.py":
+                if not name.startswith("naive_") and name not in REFERENCE_BUILDING_BLOCKS:
+                    bad.append(f"{where}: {name} (a reference is named naive_*)")
+            elif name.startswith("naive_") or RETIRED_REFERENCE_NAME.search(name):
+                bad.append(f"{where}: {name} (references live in a reference.py)")
+    return bad
+
+
+def absolute_package_imports(src: Path = SRC) -> list[str]:
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        if path.parent == src and path.name in ABSOLUTE_IMPORTS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            bad += [f"{path.relative_to(src.parent)}:{node.lineno}: {n}" for n in names
+                    if n == src.name or n.startswith(src.name + ".")]
+    return bad
+
+
+def test_no_dated_line_in_src():
+    assert dated_lines() == [], "move dated records to docs/design/<family>.md"
+
+
+def test_the_date_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text('"""Measured on an H200 (2026-12-04)."""\nx = 1\n')
+    assert dated_lines(tmp_path) == [f'{tmp_path.name}/m.py:1: """Measured on an H200 (2026-12-04)."""']
+
+
+def test_references_are_naive_and_live_in_reference_py():
+    assert reference_naming_problems() == []
+
+
+def test_the_reference_check_can_fail(tmp_path):
+    (tmp_path / "reference.py").write_text("def gate_ref():\n    pass\ndef naive_gate():\n    pass\n")
+    (tmp_path / "gate.py").write_text("def naive_gate():\n    pass\ndef gate_reference():\n    pass\n")
+    assert reference_naming_problems(tmp_path) == [
+        f"{tmp_path.name}/gate.py: naive_gate (references live in a reference.py)",
+        f"{tmp_path.name}/gate.py: gate_reference (references live in a reference.py)",
+        f"{tmp_path.name}/reference.py: gate_ref (a reference is named naive_*)",
+    ]
+
+
+def test_package_imports_itself_relatively():
+    assert absolute_package_imports() == []
+
+
+def test_the_import_check_can_fail(tmp_path):
+    pkg = tmp_path / "kda_engram"
+    pkg.mkdir()
+    (pkg / "gate.py").write_text("from kda_engram.platform import arch\nfrom .platform import arch\n"
+                                 "def f():\n    import kda_engram.kda\n")
+    assert absolute_package_imports(pkg) == ["kda_engram/gate.py:1: kda_engram.platform",
+                                             "kda_engram/gate.py:4: kda_engram.kda"]
