@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from kda_engram import __version__
-from kda_engram.bench import BENCH_DIR_ENV, BENCHMARKS
-from kda_engram.reporting import MAX_SEED
+from kda_engram.tools.bench import BENCH_DIR_ENV, BENCHMARKS
+from kda_engram.tools.reporting import MAX_SEED
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,14 +37,14 @@ _examples = _int_in(1, "at least 1 case per kernel")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kda_engram.demo import run_demo
-    from kda_engram.reporting import pick_device
+    from kda_engram.tools.demo import run_demo
+    from kda_engram.tools.reporting import pick_device
 
     return run_demo(device=pick_device(args.device), seed=args.seed, small=args.small)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kda_engram.bench import find_benchmarks, require_gpu, run_bench
+    from kda_engram.tools.bench import find_benchmarks, require_gpu, run_bench
 
     require_gpu()
     folder = find_benchmarks(args.benchmarks)
@@ -53,8 +53,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kda_engram.check import run_check
-    from kda_engram.reporting import pick_device
+    from kda_engram.tools.check import run_check
+    from kda_engram.tools.reporting import pick_device
 
     return run_check(device=pick_device(args.device), examples=args.examples, seed=args.seed)
 
@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status. Bad options, a device that is
     not there and a missing benchmarks folder end in one line on stderr and 2."""
-    from kda_engram.bench import BenchmarksNotFound, NeedsGPU
-    from kda_engram.reporting import DeviceError
+    from kda_engram.tools.bench import BenchmarksNotFound, NeedsGPU
+    from kda_engram.tools.reporting import DeviceError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kda_engram import bench, check, demo
-from kda_engram.cli import build_parser, main
+from kda_engram.tools import bench, check, demo
+from kda_engram.tools.cli import build_parser, main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _refused(capsys, argv):
@@ -88,7 +88,7 @@ def test_bench_without_its_scripts_is_one_line_and_exit_2(capsys, monkeypatch, n
 
 
 def test_the_benchmarks_are_found_from_the_checkout_root_an_option_or_the_environment(monkeypatch, tmp_path):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
     monkeypatch.chdir(root)
     assert bench.find_benchmarks() == root / "benchmarks"
@@ -117,7 +117,7 @@ def test_every_subcommand_has_a_description_and_bench_says_it_needs_a_gpu():
 def test_the_installed_entry_point_refuses_in_one_line():
     # Through a fresh interpreter, as a user runs it: nothing of the test process leaks in.
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run([sys.executable, "-m", "kda_engram.cli", "demo", "--device", "tpu"],
+    done = subprocess.run([sys.executable, "-m", "kda_engram.tools.cli", "demo", "--device", "tpu"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == "kda-engram demo: error: --device: expected one of cpu, cuda, got 'tpu'"

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tp.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_tp.py"
 
 
 def _run(tmp_path, *extra):

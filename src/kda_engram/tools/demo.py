@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from kda_engram.reporting import Checks, check_seed, pick_device
+from kda_engram.tools.reporting import Checks, check_seed, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0
@@ -148,7 +148,7 @@ BF16_BOUNDS = DemoBounds(engram=Bound(5e-2, True), kda_out=Bound(5e-2, True), kd
 
 
 class DemoChecks(Checks):
-    """:class:`kda_engram.reporting.Checks` with relative bounds and exact (integer)
+    """:class:`kda_engram.tools.reporting.Checks` with relative bounds and exact (integer)
     comparisons; failures land in the same ``failed`` list."""
 
     def __init__(self) -> None:

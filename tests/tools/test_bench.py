@@ -1,6 +1,6 @@
 """``kda-engram bench``'s table (CPU: formatting only; the timings need a GPU)."""
 
-from kda_engram.bench import print_table
+from kda_engram.tools.bench import print_table
 
 
 def test_table_adds_the_cuda_graph_columns_where_a_row_has_them(capsys):
@@ -24,12 +24,12 @@ def test_table_adds_the_cuda_graph_columns_where_a_row_has_them(capsys):
 def test_every_benchmark_loads_and_takes_the_runner_arguments():
     import inspect
 
-    from kda_engram.bench import BENCHMARKS, load_benchmark
+    from kda_engram.tools.bench import BENCHMARKS, load_benchmark
 
     assert "kda-prologue" in BENCHMARKS
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
     for name in BENCHMARKS:
         params = inspect.signature(load_benchmark(name, folder).run).parameters
         assert "peers" in params and "quick" in params, name
@@ -43,7 +43,7 @@ def test_group_sweep_imports_and_refuses_without_a_gpu(monkeypatch, capsys):
 
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_kda_groups.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_kda_groups.py"
     spec = importlib.util.spec_from_file_location("sweep_kda_groups", path)
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
