@@ -63,7 +63,7 @@ def _import_kernel_modules():
                  "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
                  "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
                  "kda_engram.kda.prologue", "kda_engram.kda.folded_prologue", "kda_engram.kda.hopper.walk",
-                 "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.demo"):
+                 "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.tools.demo"):
         importlib.import_module(name)
 
 
@@ -133,7 +133,7 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
     import torch
 
     defined = patch_device(calls, arch, compute_units)
-    import kda_engram.demo as demo
+    import kda_engram.tools.demo as demo
     from kda_engram.engram import engram_gate_finish, engram_gate_partials, engram_post_wkv
     from kda_engram.engram.reference import shard_kv_by_dim
     from kda_engram.engram.table import EngramTable

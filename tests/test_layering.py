@@ -3,8 +3,8 @@ between modules, and no module imports from a layer above its own.
 
 Layers, top to bottom (a module may import from its own layer and any below):
 
-1. the tools: ``cli``, ``demo``, ``check``, ``bench``, ``reporting`` (and the
-   package root);
+1. the tools: ``tools`` (the command line, demo, check, bench, the benchmark
+   scripts and their reporting) and the package root;
 2. ``layers`` (the serving ``nn.Module``s) and ``integrations`` (the fla / vLLM adapters);
 3. ``ops`` (the ``torch.ops`` wrappers);
 4. the kernel families: ``kda``, ``engram``;
@@ -35,8 +35,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 #: Top to bottom. An entry names a module or a package (and everything under it);
 #: the bare package name matches only the root ``__init__``.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("tools", (PACKAGE, f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.check", f"{PACKAGE}.bench",
-               f"{PACKAGE}.reporting")),
+    ("tools", (PACKAGE, f"{PACKAGE}.tools")),
     ("layers", (f"{PACKAGE}.layers", f"{PACKAGE}.integrations")),
     ("ops", (f"{PACKAGE}.ops",)),
     ("kernels", (f"{PACKAGE}.kda", f"{PACKAGE}.engram")),
@@ -183,7 +182,7 @@ def test_the_graph_sees_every_module_and_its_lazy_imports(graph):
     # A sanity floor: the walk found the package and reads function-level imports
     # (cli imports demo and check only inside functions).
     assert {f"{PACKAGE}.ops", f"{PACKAGE}.kda.chunk", f"{PACKAGE}.layers.engram"} <= graph.keys()
-    assert {f"{PACKAGE}.demo", f"{PACKAGE}.check"} <= graph[f"{PACKAGE}.cli"]
+    assert {f"{PACKAGE}.tools.demo", f"{PACKAGE}.tools.check"} <= graph[f"{PACKAGE}.tools.cli"]
     assert f"{PACKAGE}.ops" in graph[f"{PACKAGE}.layers.engram"]  # `from .. import ops`
 
 
@@ -205,23 +204,24 @@ def test_kernels_do_not_import_the_references(graph):
 
 def test_the_checker_reports_a_cycle_an_upward_import_and_a_kernel_importing_a_reference():
     synthetic = {
-        f"{PACKAGE}.cli": {f"{PACKAGE}.demo"},
-        f"{PACKAGE}.demo": {f"{PACKAGE}.reporting", f"{PACKAGE}.kda.reference"},
-        f"{PACKAGE}.reporting": {f"{PACKAGE}.cli"},  # cycle cli -> demo -> reporting -> cli
+        f"{PACKAGE}.tools.cli": {f"{PACKAGE}.tools.demo"},
+        f"{PACKAGE}.tools.demo": {f"{PACKAGE}.tools.reporting", f"{PACKAGE}.kda.reference"},
+        f"{PACKAGE}.tools.reporting": {f"{PACKAGE}.tools.cli"},  # cycle cli -> demo -> reporting -> cli
         f"{PACKAGE}.ops": {f"{PACKAGE}.layers.engram"},  # upward: ops -> layers
         f"{PACKAGE}.layers.engram": {f"{PACKAGE}.ops", f"{PACKAGE}.engram.reference"},  # and a cycle back
         f"{PACKAGE}.kda.chunk": {f"{PACKAGE}.kda.reference", f"{PACKAGE}.platform"},  # kernel -> reference
         f"{PACKAGE}.kda.reference": {f"{PACKAGE}.kda.metadata"},
         f"{PACKAGE}.kda.metadata": set(),
-        f"{PACKAGE}.platform": set(),
+        f"{PACKAGE}.platform": {f"{PACKAGE}.tools.bench"},  # upward: the base -> the tools
         f"{PACKAGE}.engram.reference": set(),
         f"{PACKAGE}.mystery": set(),
     }
     assert import_cycles(synthetic) == [
-        [f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.reporting"],
         [f"{PACKAGE}.layers.engram", f"{PACKAGE}.ops"],
+        [f"{PACKAGE}.tools.cli", f"{PACKAGE}.tools.demo", f"{PACKAGE}.tools.reporting"],
     ]
-    assert upward_imports(synthetic) == [f"{PACKAGE}.ops (ops) imports {PACKAGE}.layers.engram (layers)"]
+    assert upward_imports(synthetic) == [f"{PACKAGE}.ops (ops) imports {PACKAGE}.layers.engram (layers)",
+                                         f"{PACKAGE}.platform (base) imports {PACKAGE}.tools.bench (tools)"]
     assert reference_imports(synthetic) == [f"{PACKAGE}.kda.chunk imports the reference {PACKAGE}.kda.reference"]
     assert unplaced_modules(synthetic) == [f"{PACKAGE}.mystery"]
 
@@ -250,7 +250,7 @@ def test_no_references_to_files_outside_the_repository():
     root = SRC.parents[1]
     outside = ["DESIGN" + ".md", "ANCHORS" + ".md", ".dbg" + "/", "../" + "shared", "PREFILL_NOTES" + ".md"]
     found = []
-    for folder in ("src", "tests", "benchmarks", "scripts"):
+    for folder in ("src", "tests", "scripts"):
         for path in sorted((root / folder).rglob("*")):
             generated = "__pycache__" in path.parts or any(p.endswith(".egg-info") for p in path.parts)
             if path.is_file() and path.suffix in (".py", "") and not generated:

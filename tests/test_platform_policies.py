@@ -86,7 +86,7 @@ def test_cdna3_and_cdna4_shard_the_gate(device_facts, monkeypatch, arch):
 def test_nvidia_shards_the_gate_too(device_facts, monkeypatch):
     # Where the package departs from the specification (which shards on CDNA3/4
     # only): on every vendor, from the H200 measurement (engram/module.py,
-    # benchmarks/bench_engram_gate.py); KDA_ENGRAM_SHARD_GATE=0 restores the
+    # src/kda_engram/tools/benchmarks/bench_engram_gate.py); KDA_ENGRAM_SHARD_GATE=0 restores the
     # specification's choice on NVIDIA.
     monkeypatch.delenv(SHARD_GATE_ENV, raising=False)
     device_facts("sm_90")

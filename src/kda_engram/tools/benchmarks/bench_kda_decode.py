@@ -1,9 +1,9 @@
 """KDA decode, ours vs fla-core's ``fused_recurrent_kda``, side by side in one process.
 
-    python benchmarks/bench_kda_decode.py                 # the issue's cases + one multi-token case
-    python benchmarks/bench_kda_decode.py --sweep         # also time every (BLOCK_V, num_warps)
-    python benchmarks/bench_kda_decode.py --cases 256x32 --no-peer
-    python benchmarks/bench_kda_decode.py --no-layer      # skip the layer-decode rows
+    python -m kda_engram.tools.benchmarks.bench_kda_decode                 # the issue's cases + one multi-token case
+    python -m kda_engram.tools.benchmarks.bench_kda_decode --sweep         # also time every (BLOCK_V, num_warps)
+    python -m kda_engram.tools.benchmarks.bench_kda_decode --cases 256x32 --no-peer
+    python -m kda_engram.tools.benchmarks.bench_kda_decode --no-layer      # skip the layer-decode rows
     python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
 
 Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
@@ -52,10 +52,9 @@ from pathlib import Path
 
 import torch
 
-from common import bench_ms as bench  # first: the path setup (src/ when not installed)
-from common import copy_bandwidth
-
 from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
+from kda_engram.tools.benchmarks.common import bench_ms as bench
+from kda_engram.tools.benchmarks.common import copy_bandwidth
 
 K = V = 128
 LOWER_BOUND = -5.0

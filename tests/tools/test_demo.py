@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from kda_engram import demo
-from kda_engram.cli import main
+from kda_engram.tools import demo
+from kda_engram.tools.cli import main
 from kda_engram.layers.kda import KimiDeltaAttention
 
 # Enough to run every stage (a prompt resumed from its checkpoint at 64, one decode

@@ -1,33 +1,13 @@
-"""What the benchmark scripts share: path setup, timing, copy bandwidth and
-CUDA-graph timing.
+"""What the benchmark scripts share: timing, copy bandwidth and CUDA-graph timing.
 
-Importing it makes ``kda_engram`` importable from a source checkout that was not
-installed (``src/`` beside this folder goes on ``sys.path``) and puts this folder
-on ``sys.path`` for the sibling scripts. The scripts run as ``python
-benchmarks/NAME.py``, under ``torchrun``, or through ``kda-engram bench`` (which
-puts this folder on ``sys.path`` before loading them).
+The scripts are modules of the installed package: each runs as ``python -m
+kda_engram.tools.benchmarks.NAME`` (``bench_tp`` under ``torchrun -m`` too), and
+the ``bench_*`` ones behind ``kda-engram bench`` through their ``run``.
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-
-
-def setup_path() -> None:
-    """This folder on ``sys.path``; ``src/`` too when ``kda_engram`` is not installed."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    try:
-        import kda_engram  # noqa: F401
-    except ImportError:  # a source checkout without an install
-        sys.path.insert(0, str(HERE.parent / "src"))
-
-
-setup_path()
 
 
 def bench_ms(fn, quick: bool = False, *, return_mode: str = "median") -> float:

@@ -47,13 +47,13 @@ import time
 
 import torch
 
-from kda_engram.reporting import Checks, check_seed, pick_device
+from kda_engram.constants import KDA_CHECKPOINT_ALIGNMENT
+from kda_engram.tools.reporting import Checks, check_seed, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0
 ENGRAM_EPS = 1e-6
 KDA_LOWER_BOUND = -5.0  # the bounded (Kimi-K3 style) gate
-CHECKPOINT_ALIGNMENT = 64
 
 
 # ----------------------------------------------------------------------- configuration
@@ -148,7 +148,7 @@ BF16_BOUNDS = DemoBounds(engram=Bound(5e-2, True), kda_out=Bound(5e-2, True), kd
 
 
 class DemoChecks(Checks):
-    """:class:`kda_engram.reporting.Checks` with relative bounds and exact (integer)
+    """:class:`kda_engram.tools.reporting.Checks` with relative bounds and exact (integer)
     comparisons; failures land in the same ``failed`` list."""
 
     def __init__(self) -> None:
@@ -274,7 +274,7 @@ class _Run:
         N, D = len(lengths), cfg.decode_steps
         self.lengths, self.N, self.D = lengths, N, D
         self.slots = 2 * N + 1
-        self.checkpoints = [(L // CHECKPOINT_ALIGNMENT) * CHECKPOINT_ALIGNMENT for L in lengths]
+        self.checkpoints = [(L // KDA_CHECKPOINT_ALIGNMENT) * KDA_CHECKPOINT_ALIGNMENT for L in lengths]
         # Resume the prompt with the most tokens after its checkpoint.
         resumable = [n for n in range(N) if 0 < self.checkpoints[n] < lengths[n]]
         if not resumable:

@@ -1,6 +1,8 @@
 """``kda-engram bench``'s table (CPU: formatting only; the timings need a GPU)."""
 
-from kda_engram.bench import print_table
+import pytest
+
+from kda_engram.tools.bench import print_table
 
 
 def test_table_adds_the_cuda_graph_columns_where_a_row_has_them(capsys):
@@ -24,29 +26,36 @@ def test_table_adds_the_cuda_graph_columns_where_a_row_has_them(capsys):
 def test_every_benchmark_loads_and_takes_the_runner_arguments():
     import inspect
 
-    from kda_engram.bench import BENCHMARKS, load_benchmark
+    from kda_engram.tools.bench import BENCHMARKS, load_benchmark
 
     assert "kda-prologue" in BENCHMARKS
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
     for name in BENCHMARKS:
-        params = inspect.signature(load_benchmark(name, folder).run).parameters
+        params = inspect.signature(load_benchmark(name).run).parameters
         assert "peers" in params and "quick" in params, name
 
 
-def test_group_sweep_imports_and_refuses_without_a_gpu(monkeypatch, capsys):
-    # benchmarks/sweep_kda_groups.py (the sweep behind kda/groups.py's constants)
-    # must keep importing against the package; on a CPU machine it exits 2.
-    import importlib.util
-    from pathlib import Path
+def test_every_benchmark_script_imports_and_has_a_main():
+    # The scripts run as `python -m kda_engram.tools.benchmarks.NAME`: each must
+    # import against the package and parse its own flags (--help exits 0).
+    import importlib
 
+    from kda_engram.tools.bench import BENCHMARKS, BENCHMARKS_PACKAGE, benchmark_scripts
+
+    scripts = benchmark_scripts()
+    assert set(BENCHMARKS.values()) | {"bench_tp", "sweep_kda_groups", "sweep_engram_gate"} <= set(scripts)
+    for name in scripts:
+        module = importlib.import_module(f"{BENCHMARKS_PACKAGE}.{name}")
+        with pytest.raises(SystemExit) as exc:
+            module.main(["--help"])
+        assert exc.value.code == 0, name
+
+
+def test_group_sweep_refuses_without_a_gpu(monkeypatch, capsys):
+    # sweep_kda_groups (the sweep behind kda/groups.py's constants) exits 2 on a CPU machine.
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_kda_groups.py"
-    spec = importlib.util.spec_from_file_location("sweep_kda_groups", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    from kda_engram.tools.benchmarks import sweep_kda_groups
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert sweep.main(["--part", "groups"]) == 2
+    assert sweep_kda_groups.main(["--part", "groups"]) == 2
     assert "needs a GPU" in capsys.readouterr().err

@@ -1,6 +1,5 @@
 """The command line's errors: bad options, a device that is not there, ``bench``
-without a GPU or without its scripts -- each one line on stderr and exit status 2,
-before any work is done."""
+without a GPU -- each one line on stderr and exit status 2, before any work is done."""
 
 import os
 import subprocess
@@ -10,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kda_engram import bench, check, demo
-from kda_engram.cli import build_parser, main
+from kda_engram.tools import bench, check, demo
+from kda_engram.tools.cli import build_parser, main
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _refused(capsys, argv):
@@ -77,25 +76,12 @@ def test_bench_without_a_gpu_is_one_line_and_exit_2(capsys, monkeypatch, nothing
     assert "bench needs a GPU" in _fails(capsys, ["bench", "--quick"])
 
 
-def test_bench_without_its_scripts_is_one_line_and_exit_2(capsys, monkeypatch, nothing_runs, tmp_path):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
-    monkeypatch.chdir(tmp_path)  # no benchmarks/ here
-    err = _fails(capsys, ["bench"])
-    assert "no benchmarks in" in err and "--benchmarks DIR" in err
-    err = _fails(capsys, ["bench", "--benchmarks", str(tmp_path / "elsewhere")])
-    assert str(tmp_path / "elsewhere") in err
-
-
-def test_the_benchmarks_are_found_from_the_checkout_root_an_option_or_the_environment(monkeypatch, tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
-    monkeypatch.chdir(root)
-    assert bench.find_benchmarks() == root / "benchmarks"
+def test_bench_loads_its_benchmarks_from_the_package_not_the_working_directory(monkeypatch, tmp_path):
+    # A user who installed the package runs `kda-engram bench` from anywhere.
     monkeypatch.chdir(tmp_path)
-    assert bench.find_benchmarks(root / "benchmarks") == root / "benchmarks"
-    monkeypatch.setenv(bench.BENCH_DIR_ENV, str(root / "benchmarks"))
-    assert bench.find_benchmarks() == root / "benchmarks"
+    module = bench.load_benchmark("kda-decode")
+    assert module.__name__ == f"{bench.BENCHMARKS_PACKAGE}.bench_kda_decode"
+    assert Path(module.__file__).parent == Path(bench.__file__).parent / "benchmarks"
 
 
 def test_the_library_calls_refuse_what_the_cli_refuses():
@@ -117,7 +103,7 @@ def test_every_subcommand_has_a_description_and_bench_says_it_needs_a_gpu():
 def test_the_installed_entry_point_refuses_in_one_line():
     # Through a fresh interpreter, as a user runs it: nothing of the test process leaks in.
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run([sys.executable, "-m", "kda_engram.cli", "demo", "--device", "tpu"],
+    done = subprocess.run([sys.executable, "-m", "kda_engram.tools.cli", "demo", "--device", "tpu"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == "kda-engram demo: error: --device: expected one of cpu, cuda, got 'tpu'"

@@ -1,9 +1,9 @@
 """The fused KDA prologue alone, at the anchor shapes, against its own HBM floor.
 
-    python benchmarks/bench_kda_prologue.py                  # all anchor cases, with the fla peer
-    python benchmarks/bench_kda_prologue.py --cases 1x32k_H32 --sweep
-    python benchmarks/bench_kda_prologue.py --no-peer --json out.json
-    python benchmarks/bench_kda_prologue.py --conv state     # the serving layer's path
+    python -m kda_engram.tools.benchmarks.bench_kda_prologue                  # all anchor cases, with the fla peer
+    python -m kda_engram.tools.benchmarks.bench_kda_prologue --cases 1x32k_H32 --sweep
+    python -m kda_engram.tools.benchmarks.bench_kda_prologue --no-peer --json out.json
+    python -m kda_engram.tools.benchmarks.bench_kda_prologue --conv state     # the serving layer's path
 
 Inputs (the anchor setting): bf16 q, k, v, raw gate ``[1, T, H, 128]`` and raw
 beta ``[1, T, H]``; fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``;
@@ -44,12 +44,11 @@ from pathlib import Path
 
 import torch
 
-from common import bench_ms as bench  # first: the path setup (src/ when not installed)
-from common import copy_bandwidth
-
 from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices
 from kda_engram.kda.prologue import fused_kda_prologue
 from kda_engram.kda.reference import chunk_operands
+from kda_engram.tools.benchmarks.common import bench_ms as bench
+from kda_engram.tools.benchmarks.common import copy_bandwidth
 
 K = V = 128
 LOWER_BOUND = -5.0

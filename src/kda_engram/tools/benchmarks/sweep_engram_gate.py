@@ -11,7 +11,7 @@ competing); ``torch.compile`` of the reference up to T = 128. Rounds run the
 variants in a fresh shuffled order; each line gives the median, the fraction of
 the HBM floor and every round.
 
-    python benchmarks/sweep_engram_gate.py [--dims 5120 2560] [--tokens 64 128 ...] [--rounds 3]
+    python -m kda_engram.tools.benchmarks.sweep_engram_gate [--dims 5120 2560] [--tokens 64 128 ...] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -19,18 +19,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-import bench_engram_gate as gate_bench  # noqa: E402
-from common import cuda_graph_ms  # noqa: E402
-from kda_engram.engram.gate import engram_post_wkv, post_wkv_launch  # noqa: E402
-from kda_engram.platform import num_compute_units  # noqa: E402
+from kda_engram.engram.gate import engram_post_wkv, post_wkv_launch
+from kda_engram.platform import num_compute_units
+from kda_engram.tools.benchmarks import bench_engram_gate as gate_bench
+from kda_engram.tools.benchmarks.common import cuda_graph_ms
 
 HC = gate_bench.HC
 

@@ -1,26 +1,23 @@
-"""``kda-engram bench``: the benchmarks under ``benchmarks/`` behind one command.
+"""``kda-engram bench``: the benchmarks of :mod:`kda_engram.tools.benchmarks` behind one command.
 
 Each benchmark module there exposes ``run(cases=None, peers=True[, quick=False])``
 returning rows ``{case, ours_ms, peer_ms, ratio, hbm_floor_ms, floor_fraction,
 ...}`` measured side by side in this process. This module prints them as one
-table, writes JSON and a plot of the ratios.
-
-The benchmark scripts are not part of the installed package: they live in the
-repository's ``benchmarks/`` folder. :func:`find_benchmarks` looks for them in
-``--benchmarks DIR``, else ``$KDA_ENGRAM_BENCHMARKS``, else ``./benchmarks`` under
-the current directory, so ``kda-engram bench`` runs from a checkout's root.
+table, writes JSON and a plot of the ratios. The modules ship with the package, so
+an installed copy benchmarks without the repository; each is also a script with
+more options (``python -m kda_engram.tools.benchmarks.bench_kda_prefill --help``).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 import json
 import math
-import os
-import sys
+import pkgutil
 from pathlib import Path
 
+#: ``kda-engram bench`` names -> modules of :data:`BENCHMARKS_PACKAGE`.
 BENCHMARKS = {
     "kda-prefill": "bench_kda_prefill",
     "kda-prologue": "bench_kda_prologue",
@@ -29,8 +26,7 @@ BENCHMARKS = {
     "engram-table": "bench_engram_table",
 }
 
-#: Environment variable naming the benchmarks folder (see :func:`find_benchmarks`).
-BENCH_DIR_ENV = "KDA_ENGRAM_BENCHMARKS"
+BENCHMARKS_PACKAGE = "kda_engram.tools.benchmarks"
 
 
 class NeedsGPU(RuntimeError):
@@ -46,38 +42,16 @@ def require_gpu() -> None:
                        "meaningful on one")
 
 
-class BenchmarksNotFound(FileNotFoundError):
-    """The ``benchmarks/`` folder is not where :func:`find_benchmarks` looked (one line)."""
+def benchmark_scripts() -> list[str]:
+    """The modules of :data:`BENCHMARKS_PACKAGE` that run as scripts (all but their
+    shared ``common``), sorted."""
+    package = importlib.import_module(BENCHMARKS_PACKAGE)
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "common")
 
 
-def find_benchmarks(path: str | os.PathLike | None = None) -> Path:
-    """The benchmarks folder: ``path`` if given, else ``$KDA_ENGRAM_BENCHMARKS``, else
-    ``benchmarks/`` in the current directory. Raises :class:`BenchmarksNotFound`
-    (one line) when the folder holds no benchmark scripts."""
-    if path is None:
-        path = os.environ.get(BENCH_DIR_ENV) or "benchmarks"
-    folder = Path(path).resolve()
-    if not (folder / f"{next(iter(BENCHMARKS.values()))}.py").is_file():
-        raise BenchmarksNotFound(
-            f"no benchmarks in {folder}: the benchmark scripts are not installed with the package; run "
-            f"`kda-engram bench` from the repository's root, or pass --benchmarks DIR (or set {BENCH_DIR_ENV})"
-        )
-    return folder
-
-
-def load_benchmark(name: str, folder: str | os.PathLike | None = None):
-    """Import benchmark ``name`` (a key of :data:`BENCHMARKS`) from ``folder``
-    (default: :func:`find_benchmarks`)."""
-    folder = find_benchmarks(folder)
-    path = folder / f"{BENCHMARKS[name]}.py"
-    if not path.is_file():
-        raise BenchmarksNotFound(f"benchmark {name!r}: {path} not found")
-    if str(folder) not in sys.path:  # the scripts import their shared module, benchmarks/common.py
-        sys.path.insert(0, str(folder))
-    spec = importlib.util.spec_from_file_location(f"kda_engram_benchmarks.{BENCHMARKS[name]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_benchmark(name: str):
+    """The module of benchmark ``name`` (a key of :data:`BENCHMARKS`)."""
+    return importlib.import_module(f"{BENCHMARKS_PACKAGE}.{BENCHMARKS[name]}")
 
 
 def _fmt(x, spec=".3f") -> str:
@@ -126,12 +100,10 @@ def plot_ratios(rows: list[dict], path: str) -> None:
 
 
 def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = None, plot_path: str | None = None,
-              quick: bool = False, benchmarks: str | os.PathLike | None = None) -> int:
+              quick: bool = False) -> int:
     """Run the benchmarks and print one table; returns the exit status (1 if a
-    benchmark failed). Raises :class:`NeedsGPU` without a GPU and
-    :class:`BenchmarksNotFound` without the benchmarks folder (both one line)."""
+    benchmark failed). Raises :class:`NeedsGPU` (one line) without a GPU."""
     require_gpu()
-    folder = find_benchmarks(benchmarks)
     names = list(BENCHMARKS) if what == "all" else [what]
     try:
         from tqdm import tqdm
@@ -142,7 +114,7 @@ def run_bench(what: str = "all", *, vs: str = "fla", json_path: str | None = Non
     progress = tqdm(names, desc="benchmarks", unit="bench") if tqdm else names
     for name in progress:
         try:
-            module = load_benchmark(name, folder)
+            module = load_benchmark(name)
             kwargs = {"peers": vs != "none"}
             if "quick" in inspect.signature(module.run).parameters:
                 kwargs["quick"] = quick

@@ -31,7 +31,7 @@ Peers (PyTorch eager, in this process): ``F.embedding`` on the device table
 (the Engram reference's ``MultiHeadEmbedding``), an eager gather + dequantise
 for fp8, and ``index_select`` on the host + a blocking copy for host tables.
 
-    python benchmarks/bench_engram_table.py [--quick] [--cases device_bf16_T16384 ...] [--no-peers] [--json out.json]
+    python -m kda_engram.tools.benchmarks.bench_engram_table [--quick] [--cases device_bf16_T16384 ...] [--no-peers] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from common import bench_ms, cuda_graph_ms  # first: the path setup (src/ when not installed)
 from kda_engram.engram.hashing import ngram_hash
 from kda_engram.engram.layout import EngramLayout
 from kda_engram.engram.table import SCALE_BLOCK, EngramTable
+from kda_engram.tools.benchmarks.common import bench_ms, cuda_graph_ms
 
 N_COLS, HEAD_DIM = 24, 256
 TOKENS = {"T64": 64, "T16384": 16384}

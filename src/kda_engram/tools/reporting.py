@@ -1,7 +1,7 @@
 """What the command-line tools share: picking the device, the check rows and the
 stage timer.
 
-Kept apart from :mod:`kda_engram.cli` so that ``demo`` and ``check`` can use them
+Kept apart from :mod:`kda_engram.tools.cli` so that ``demo`` and ``check`` can use them
 without importing the command line (and the command line without importing them
 back): ``cli`` -> ``demo``/``check`` -> ``reporting``.
 """

@@ -50,16 +50,16 @@ import torch
 # flash_kda imports: time fla's own kernels (FlashKDA has its own column).
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
-from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
-from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
-from kda_engram.kda.groups import chunk_groups
-from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.folded_prologue import prepare_folded_prologue
+from kda_engram.kda.groups import chunk_groups
 from kda_engram.kda.hopper import hopper_unsupported
 from kda_engram.kda.hopper.walk import folded_walk
+from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
 from kda_engram.kda.prologue import fused_kda_prologue
+from kda_engram.tools.benchmarks.common import bench_ms as _bench
+from kda_engram.tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0

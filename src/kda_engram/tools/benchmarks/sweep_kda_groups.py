@@ -14,7 +14,7 @@ pick over long few-head shapes, with the fastest tf32x3 scan of ``--part scan``
 differences against G = 1 say little about the scan's accuracy; the GPU tests
 (``tests/kda/test_groups.py``, weak decay) bound that.
 
-    python benchmarks/sweep_kda_groups.py [--part all|scan|groups] [--config '{"BJ_scan": 64}']
+    python -m kda_engram.tools.benchmarks.sweep_kda_groups [--part all|scan|groups] [--config '{"BJ_scan": 64}']
 """
 
 from __future__ import annotations
@@ -23,17 +23,13 @@ import argparse
 import itertools
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from bench_kda_prefill import HEAD_DIM, LOWER_BOUND, _bench, kernel_times, make_inputs  # noqa: E402
-from kda_engram.kda import fused_kda_chunk, fused_kda_prologue  # noqa: E402
-from kda_engram.kda.groups import chunk_groups  # noqa: E402
-from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets  # noqa: E402
+from kda_engram.kda import fused_kda_chunk, fused_kda_prologue
+from kda_engram.kda.groups import chunk_groups
+from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from kda_engram.tools.benchmarks.bench_kda_prefill import HEAD_DIM, LOWER_BOUND, _bench, kernel_times, make_inputs
 
 SCAN_CASES = ((1, 131072, 4, 32), (1, 32768, 4, 16))  # (sequences, length, heads, forced G)
 GROUP_CASES = ((1, 32768, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 8), (2, 32768, 4), (1, 16384, 4),

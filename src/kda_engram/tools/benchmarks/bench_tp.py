@@ -1,8 +1,8 @@
 """Tensor-parallel layers over torch.distributed, each checked against the same layer on one process.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py              # NCCL on 4 GPUs, the full cases
-    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --json tp2.json
-    python benchmarks/bench_tp.py --spawn 2 --backend gloo --small  # CPU ranks (kernels under TRITON_INTERPRET=1)
+    torchrun --nproc-per-node 4 -m kda_engram.tools.benchmarks.bench_tp              # NCCL on 4 GPUs, the full cases
+    torchrun --nproc-per-node 2 -m kda_engram.tools.benchmarks.bench_tp --json tp2.json
+    python -m kda_engram.tools.benchmarks.bench_tp --spawn 2 --backend gloo --small  # CPU ranks (kernels under TRITON_INTERPRET=1)
 
 Every rank builds the layers from the same seeded full checkpoint, so each also runs
 the unsharded layer (P = 1) locally as the reference. Two parts:
@@ -34,24 +34,15 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-
-try:
-    import kda_engram  # noqa: F401
-except ImportError:  # run from a source checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, under torchrun too
-from bench_engram_gate import block_times_ms  # noqa: E402
 
 from kda_engram.engram.module import Engram
 from kda_engram.engram.sharded_gate import send_width
 from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
 from kda_engram.parallel import TensorParallelGroup
+from kda_engram.tools.benchmarks.bench_engram_gate import block_times_ms
 
 EPS = 1e-6
 HC = 4

@@ -1,5 +1,5 @@
-"""benchmarks/bench_tp.py on two gloo ranks (CPU, kernels under the interpreter):
-the tensor-parallel Engram layer (both layouts) and KimiDeltaAttention against the
+"""``python -m kda_engram.tools.benchmarks.bench_tp`` on two gloo ranks (CPU,
+kernels under the interpreter): the tensor-parallel Engram layer (both layouts) and KimiDeltaAttention against the
 same layers on one process, bit-identical across ranks; a failing check must make
 the launcher exit non-zero."""
 
@@ -11,14 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tp.py"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _run(tmp_path, *extra):
     out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--spawn", "2", "--backend", "gloo", "--small",
-                           "--json", str(out), *extra], env=env, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-m", "kda_engram.tools.benchmarks.bench_tp", "--spawn", "2",
+                           "--backend", "gloo", "--small", "--json", str(out), *extra],
+                          env=env, capture_output=True, text=True, timeout=900)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 
 

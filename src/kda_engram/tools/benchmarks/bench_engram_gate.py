@@ -22,7 +22,7 @@ T = 2048), host time falls between the timing events: the same unchanged
 An engine replays these launches from CUDA graphs.
 3. The bytes per token each TP scheme all-gathers at dim 5120, hc 4, P = 2, 4, 8.
 
-``python benchmarks/bench_engram_gate.py [--quick] [--no-peers] [--json PATH]``;
+``python -m kda_engram.tools.benchmarks.bench_engram_gate [--quick] [--no-peers] [--json PATH]``;
 ``--distributed [--nproc N]`` instead runs the whole ``Engram`` layer on N GPUs with
 NCCL (gather vs sharded gate), which is what decides whether sharding pays on a
 machine. ``run(cases=None, peers=True, quick=False)`` returns the rows for
@@ -39,11 +39,11 @@ import sys
 
 import torch
 
-from common import bench_ms as _bench  # first: the path setup (src/ when not installed)
-from common import copy_bandwidth_gbs, cuda_graph_ms
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.reference import _gate_from_sums, shard_kv_by_dim
 from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
+from kda_engram.tools.benchmarks.common import bench_ms as _bench
+from kda_engram.tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
 
 HC = 4
 EPS = 1e-6

@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from kda_engram import __version__
-from kda_engram.bench import BENCH_DIR_ENV, BENCHMARKS
-from kda_engram.reporting import MAX_SEED
+from kda_engram.tools.bench import BENCHMARKS, BENCHMARKS_PACKAGE, benchmark_scripts
+from kda_engram.tools.reporting import MAX_SEED
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,24 +37,22 @@ _examples = _int_in(1, "at least 1 case per kernel")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kda_engram.demo import run_demo
-    from kda_engram.reporting import pick_device
+    from kda_engram.tools.demo import run_demo
+    from kda_engram.tools.reporting import pick_device
 
     return run_demo(device=pick_device(args.device), seed=args.seed, small=args.small)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kda_engram.bench import find_benchmarks, require_gpu, run_bench
+    from kda_engram.tools.bench import require_gpu, run_bench
 
-    require_gpu()
-    folder = find_benchmarks(args.benchmarks)
-    return run_bench(args.what, vs=args.vs, json_path=args.json, plot_path=args.plot, quick=args.quick,
-                     benchmarks=folder)
+    require_gpu()  # before any benchmark is imported
+    return run_bench(args.what, vs=args.vs, json_path=args.json, plot_path=args.plot, quick=args.quick)
 
 
 def _check(args: argparse.Namespace) -> int:
-    from kda_engram.check import run_check
-    from kda_engram.reporting import pick_device
+    from kda_engram.tools.check import run_check
+    from kda_engram.tools.reporting import pick_device
 
     return run_check(device=pick_device(args.device), examples=args.examples, seed=args.seed)
 
@@ -84,21 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser(
-        "bench", help="time our kernels against the peers (needs a GPU; run from a checkout)",
+        "bench", help="time our kernels against the peers (needs a GPU)",
         description="Time the kernels against their peers (fla-core for KDA, torch for the Engram gate and "
         "table) in this process and print one table: eager and CUDA-graph times, the ratio, and the fraction "
-        "of the HBM floor. Needs a GPU (CUDA or ROCm); without one it exits 2. The benchmark scripts are not "
-        f"installed with the package: they are read from the repository's benchmarks/ folder, by default "
-        f"./benchmarks under the current directory (run from the checkout's root), or --benchmarks DIR, "
-        f"or ${BENCH_DIR_ENV}.",
+        "of the HBM floor. Needs a GPU (CUDA or ROCm); without one it exits 2. The benchmarks ship with the "
+        "package; each is also a script with more options (cases, sweeps, profiles): "
+        f"python -m {BENCHMARKS_PACKAGE}.MODULE --help, MODULE one of {', '.join(benchmark_scripts())} "
+        "(bench_tp: tensor parallel, also under torchrun -m).",
     )
     bench.add_argument("what", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     bench.add_argument("--vs", default="fla", choices=["fla", "none"], help="peer to compare with (default: fla)")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     bench.add_argument("--plot", metavar="FILE", help="also write a PNG plot of the ratios")
     bench.add_argument("--quick", action="store_true", help="fewer cases, for a smoke run")
-    bench.add_argument("--benchmarks", metavar="DIR", default=None,
-                       help=f"the repository's benchmarks/ folder (default: ${BENCH_DIR_ENV}, else ./benchmarks)")
     bench.set_defaults(func=_bench)
 
     check = sub.add_parser(
@@ -117,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status. Bad options, a device that is
-    not there and a missing benchmarks folder end in one line on stderr and 2."""
-    from kda_engram.bench import BenchmarksNotFound, NeedsGPU
-    from kda_engram.reporting import DeviceError
+    not there and ``bench`` without a GPU end in one line on stderr and 2."""
+    from kda_engram.tools.bench import NeedsGPU
+    from kda_engram.tools.reporting import DeviceError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
-    except (DeviceError, BenchmarksNotFound, NeedsGPU) as exc:
+    except (DeviceError, NeedsGPU) as exc:
         print(f"kda-engram {args.command}: error: {exc}", file=sys.stderr)
         return 2
 
