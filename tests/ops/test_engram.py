@@ -59,8 +59,8 @@ def test_opcheck_engram_memory_ops(device):
     slots, has = idx([4, -1, 0], device), torch.tensor([True, True, False], device=device)
     opcheck(ops.engram._engram_history_gather_op, (cache, slots, has))
     opcheck(ops.engram._engram_history_scatter_op, (cache, slots, hist))
-    opcheck(ops.engram._engram_history_checkpoint_op, (ids, cu, hist, dead, idx([2, 0, 5], device), idx([1, 2, 3], device),
-                                                cache))
+    opcheck(ops.engram._engram_history_checkpoint_op, (ids, cu, hist, dead, idx([2, 0, 5], device),
+                                                       idx([1, 2, 3], device), cache))
 
 
 def test_handles():

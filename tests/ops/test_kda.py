@@ -81,6 +81,21 @@ def test_opcheck_kda_conv_ops(device):
                                               idx([1, -1], device), conv))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kda_layer_decode_step_op(device):
+    B, C = 2, 3 * H * K
+    x = rnd(B, C + 5, seed=1, device=device)[:, :C]  # a strided band, as the layer passes it
+    g, b, g_out = rnd(B, H * K, seed=2, device=device), rnd(B, H, seed=3, device=device), rnd(B, H * K, seed=4,
+                                                                                               device=device)
+    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(3, C, 3, seed=6, device=device)
+    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
+                                                                                                    device=device)
+    cache = rnd(3, H, K, K, seed=10, device=device, scale=0.3)
+    for out_dtype in (None, torch.float32):
+        opcheck(ops.kda._kda_layer_decode_step_op, (x, g, b, g_out, w, conv, idx([2, -1], device), A, dt, norm_w,
+                                                    cache, idx([0, -1], device), None, -5.0, 1e-5, out_dtype))
+
+
 def test_wrappers_match_the_entry_points():
     T = 70
     q, k, v, g, b, A, dt = kda_raw(T, "cpu", seed=20)
