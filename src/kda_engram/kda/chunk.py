@@ -48,8 +48,8 @@ from ..validation.kda import (
     check_state_dtype_match,
     check_state_structure,
 )
-from .deprecated import deprecated_alias
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
+from .deprecated import deprecated_alias
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 from .state_dtype import STATE_DTYPES
@@ -187,8 +187,8 @@ def kda_prefill_walk(
       tokens of sequence ``n`` (0 = none; otherwise a multiple of
       :data:`KDA_CHECKPOINT_ALIGNMENT` and at most the length), written to
       ``checkpoint_state[checkpoint_state_indices[n]]`` (``[rows, H, V, K]`` in the state's dtype,
-      may be the state cache itself, which ``None`` stands for; negative row = none) or to row ``n`` of a
-      staging ``checkpoint_state`` without indices. The kernel writes only
+      may be the state cache itself, which ``None`` stands for; negative row = none)
+      or to row ``n`` of a staging ``checkpoint_state`` without indices. The kernel writes only
       snapshots it can place exactly; with ``check_inputs`` any other offset is a
       ``ValueError``, so nothing is dropped silently.
 
