@@ -242,7 +242,7 @@ def drive_state_variants() -> None:
 
     from kda_engram.kda.conv import kda_conv_decode
     from kda_engram.kda.decode import kda_decode, kda_decode_multi
-    from kda_engram.kda.fused_decode import fused_kda_decode_step
+    from kda_engram.kda.fused_decode import kda_layer_decode_step
     from kda_engram.kda.prefill import chunk_kda_prefill
 
     dt, B, H, D = torch.bfloat16, 4, 32, 128
@@ -259,7 +259,7 @@ def drive_state_variants() -> None:
                 # The fused step reads strided bands of one projection row (Kimi-Linear layout).
                 C = 3 * H * D
                 proj = torch.zeros(*lead, C + H * D + H + H * D, dtype=dt)
-                fused_kda_decode_step(
+                kda_layer_decode_step(
                     proj[..., :C], proj[..., C: C + H * D], proj[..., C + H * D: C + H * D + H],
                     proj[..., C + H * D + H:], torch.zeros(C, 4, dtype=dt),
                     torch.zeros(B * (S or 1), C, 3, dtype=dt), idx, torch.zeros(H), torch.zeros(H * D),

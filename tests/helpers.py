@@ -10,7 +10,7 @@ import socket
 
 import torch
 
-from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import naive_chunk_operands
 
@@ -72,13 +72,13 @@ def make_ops(raw, cu, lower_bound, *, dtype=torch.float32, pad_rows=True):
 
 
 def run_chunk(ops, cu, scale, out=None, **kw):
-    """``fused_kda_chunk`` on ``ops`` (a NaN-filled ``out`` unless given)."""
+    """``kda_prefill_walk`` on ``ops`` (a NaN-filled ``out`` unless given)."""
     if out is None:
         u = ops["u"]
         out = torch.full(u.shape, math.nan, dtype=u.dtype, device=u.device)
     kw.setdefault("initial_state", None)
     kw.setdefault("output_final_state", False)
-    return fused_kda_chunk(*(ops[n] for n in OPS), out, scale, cu, kw.pop("initial_state"),
+    return kda_prefill_walk(*(ops[n] for n in OPS), out, scale, cu, kw.pop("initial_state"),
                            kw.pop("output_final_state"), **kw)
 
 

@@ -1,12 +1,12 @@
 """The typed launch configuration: validation, the per-architecture picks, and
-``fused_kda_chunk(config=...)`` taking a dict or the dataclass."""
+``kda_prefill_walk(config=...)`` taking a dict or the dataclass."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
+from kda_engram.kda.chunk import chunk_config, kda_prefill_walk
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk
 from kda_engram.launch_config import (
     ARCH_FACTS,
@@ -138,7 +138,7 @@ def test_decode_and_prologue():
         PrologueWarps(4, 32)
 
 
-def test_fused_kda_chunk_takes_a_dict_or_the_dataclass():
+def test_kda_prefill_walk_takes_a_dict_or_the_dataclass():
     H, K, V, T = 1, 32, 32, 130
     gen = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -150,10 +150,10 @@ def test_fused_kda_chunk_takes_a_dict_or_the_dataclass():
     ref, _, _ = naive_chunk_walk(ops, cu_seqlens=cu, scale=0.2)
     for config in ({"BV": 16, "num_warps": 2}, ChunkConfig(BV=32, num_stages=2), None):
         out = torch.empty_like(ops["u"])
-        fused_kda_chunk(*args, out, 0.2, cu, None, False, config=config)
+        kda_prefill_walk(*args, out, 0.2, cu, None, False, config=config)
         assert (out - ref).abs().max().item() < 2e-4, config
     with pytest.raises(ValueError, match="unknown keys"):
-        fused_kda_chunk(*args, torch.empty_like(ops["u"]), 0.2, cu, None, False, config={"BV": 32, "stages": 2})
+        kda_prefill_walk(*args, torch.empty_like(ops["u"]), 0.2, cu, None, False, config={"BV": 32, "stages": 2})
     with pytest.raises(ValueError, match="BV"):
         ChunkLaunch(K=32, V=32, arch="cpu", interpret=True, BV=64, num_warps=4, num_stages=1, BV_pass1=32,
                     num_warps_pass1=4, num_stages_pass1=1, BV_scan=32, BJ_scan=32, num_warps_scan=8,

@@ -1,4 +1,4 @@
-"""fused_kda_chunk against reference.naive_chunk_walk and naive_recurrent_kda.
+"""kda_prefill_walk against reference.naive_chunk_walk and naive_recurrent_kda.
 
 CPU (interpreter): fp32 operands from ``reference.naive_chunk_operands``, small head
 dims (the kernel compiles for any power of two 16..128), plus one K = V = 128
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kda_engram.kda.chunk as chunk_mod
-from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, fused_kda_chunk
+from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, kda_prefill_walk
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
@@ -175,7 +175,7 @@ def test_strided_operands_state_and_padding():
     # Output: a strided view (half of a wider buffer).
     out_buf = torch.full((1, T, H, 2 * V), 7.0)
     out = out_buf[:, :, :, :V]
-    o, final = fused_kda_chunk(*(strided[n] for n in OPS[:-1]), strided["decay"], out, scale, cu, h0, True)
+    o, final = kda_prefill_walk(*(strided[n] for n in OPS[:-1]), strided["decay"], out, scale, cu, h0, True)
     o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=scale, initial_state=h0.contiguous())
     close(o, o_ref)
     close(final, f_ref)
@@ -311,7 +311,7 @@ def test_bad_input(case):
         change["kg_t"], change["decay"] = ops["kg_t"][:1], ops["decay"][:1]
     args.update(change)
     with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
-        fused_kda_chunk(**args)
+        kda_prefill_walk(**args)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.fused_decode import fused_kda_decode_step
+from kda_engram.kda.fused_decode import kda_layer_decode_step
 from kda_engram.kda.reference import naive_fused_kda_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -44,7 +44,7 @@ def make_case(B, H, D, *, S=None, slots=8, state_dtype=torch.float32, dtype=torc
 
 def run_both(bands, params, state, conv, idx, cidx, **kw):
     s2, c2 = state.clone(), conv.clone()
-    o = fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
+    o = kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
                               state_indices=idx, **kw)
     r = naive_fused_kda_decode(**bands, **params, conv_state=c2, conv_state_indices=cidx, state_cache=s2,
                                    state_indices=idx, **kw)
@@ -95,7 +95,7 @@ def test_speculative_tokens_match_reference_and_sequential_steps(state_dtype):
     for s in range(S):
         one = {n: t[:, s] for n, t in bands.items()}
         rows = torch.where(init >= 0, torch.arange(B), -1)
-        o_s = fused_kda_decode_step(**one, **params, conv_state=run_c, conv_state_indices=torch.arange(B),
+        o_s = kda_layer_decode_step(**one, **params, conv_state=run_c, conv_state_indices=torch.arange(B),
                                     state_cache=run_s, state_indices=rows, lower_bound=-5.0)
         assert torch.equal(o_s, o[:, s])
         for b in range(B):
@@ -108,18 +108,18 @@ def test_speculative_tokens_match_reference_and_sequential_steps(state_dtype):
 def test_output_dtype_and_bad_input():
     bands, params, state, conv = make_case(2, 2, 16, seed=3)
     out = torch.empty(2, 2 * 16, dtype=torch.float16)
-    o = fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
+    o = kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([0, 1]), out=out)
     assert o is out
     with pytest.raises(TypeError, match="state_cache: expected dtype float32 or bfloat16"):
-        fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state.half(), state_indices=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="state_indices: non-negative entries must be distinct"):
-        fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([1, 1]))
     with pytest.raises(ValueError, match=r"g_out: expected shape \[2, 32\]"):
         bad = dict(bands, g_out=bands["g_out"][:, :8])
-        fused_kda_decode_step(**bad, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
+        kda_layer_decode_step(**bad, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([0, 1]))
 
 
@@ -152,12 +152,12 @@ def test_gpu_kimi_linear_shapes_and_cuda_graph(gpu, state_dtype, S):
     conv.copy_(c0)
     out = torch.empty_like(o)
     g = torch.cuda.CUDAGraph()
-    fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
+    kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
                           state_indices=idx, lower_bound=-5.0, out=out, check_inputs=False, **kw)  # warm-up
     state.copy_(s0)
     conv.copy_(c0)
     with torch.cuda.graph(g):
-        fused_kda_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
                               state_indices=idx, lower_bound=-5.0, out=out, check_inputs=False, **kw)
     state.copy_(s0)
     conv.copy_(c0)

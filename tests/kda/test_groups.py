@@ -1,5 +1,5 @@
 """Parallel chunk groups: the heuristic, the workspace, and the grouped walk of
-``fused_kda_chunk`` against the serial walk (G = 1), ``reference.naive_chunk_walk``
+``kda_prefill_walk`` against the serial walk (G = 1), ``reference.naive_chunk_walk``
 (fp64) and ``naive_recurrent_kda``.
 
 CPU (interpreter): fp32 operands, K = V = 16 or 32, few chunks per group. The
@@ -18,7 +18,7 @@ import torch
 
 import kda_engram.kda.chunk as chunk_mod
 import kda_engram.kda.groups as groups_mod
-from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.groups import (
     MAX_GROUPS,
     MIN_GROUP_CHUNKS,

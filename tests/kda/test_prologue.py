@@ -1,4 +1,4 @@
-"""fused_kda_prologue against the reference's chunk operands and, through the
+"""kda_prefill_prologue against the reference's chunk operands and, through the
 reference chunk walk, against the token-by-token recurrence.
 
 CPU: the Triton interpreter, fp32/fp16 inputs, small head dims (the kernel takes
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_engram.kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
-from kda_engram.kda.prologue import fused_kda_prologue
+from kda_engram.kda.prologue import kda_prefill_prologue
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 RAGGED = [1, 15, 16, 17, 63, 64, 65, 1000]
@@ -52,7 +52,7 @@ def make_inputs(lengths, H, K, V=None, *, dtype=torch.float32, gate="random", se
 
 def run_prologue(x, cu, lower_bound, **kw):
     K = x["q"].shape[-1]
-    return fused_kda_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+    return kda_prefill_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
                               K ** -0.5, lower_bound, cu, **kw)
 
 
@@ -303,7 +303,7 @@ def test_conv_end_to_end_against_recurrence():
 def _bad(x, cu, **over):
     args = dict(x, scale=x["q"].shape[-1] ** -0.5, lower_bound=-5.0, cu_seqlens=cu)
     args.update(over)
-    return fused_kda_prologue(**args)
+    return kda_prefill_prologue(**args)
 
 
 @pytest.fixture

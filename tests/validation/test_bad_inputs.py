@@ -10,7 +10,7 @@ import torch
 from kda_engram import platform
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.engram.table import EngramTable
-from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.conv import kda_conv_decode
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
@@ -80,12 +80,12 @@ def test_kda_decode_scalars(kw, exc, name):
 
 
 @pytest.mark.parametrize("scale", [math.nan, math.inf, 0.0])
-def test_fused_kda_chunk_scale(scale):
+def test_kda_prefill_walk_scale(scale):
     raw = prefill_raw(8)
     cu = torch.tensor([0, 8])
     ops = naive_chunk_operands(**raw, cu_seqlens=cu)
     with pytest.raises(ValueError) as info:
-        fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], torch.zeros(1, 8, H, V),
+        kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], torch.zeros(1, 8, H, V),
                         scale, cu, None, False)
     one_line(info, "scale")
 

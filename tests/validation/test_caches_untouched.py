@@ -14,7 +14,7 @@ import torch
 
 from kda_engram.engram.hashing import next_history
 from kda_engram.engram.layout import EngramLayout
-from kda_engram.kda.chunk import fused_kda_chunk
+from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.conv import kda_conv_checkpoint, kda_conv_decode
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
@@ -105,7 +105,7 @@ def test_chunk_kda_prefill(name, bad):
     assert_same([cache, conv], before)
 
 
-def test_fused_kda_chunk():
+def test_kda_prefill_walk():
     T = 70
     raw = prefill_raw(T)
     cu = torch.tensor([0, 66, T])
@@ -117,7 +117,7 @@ def test_fused_kda_chunk():
                        "chunk_offsets")):
         before = [cache.clone(), out.clone()]
         with pytest.raises(ValueError, match=name):
-            fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, 0.25, cu,
+            kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, 0.25, cu,
                             None, False, state_cache=cache, state_indices=torch.tensor([0, 1]),
                             has_initial_state=torch.tensor([True, True]), checkpoint_state=cache,
                             checkpoint_state_indices=torch.tensor([2, 3]), **bad)

@@ -20,7 +20,7 @@ synchronisation (with groups, only the scan reads the row and only the
 sequence's last group in pass two writes it: launch order serialises them).
 
 The walk over chunks is serial per sequence. For long sequences on few heads
-(where that leaves the GPU mostly idle) :func:`fused_kda_chunk` cuts every
+(where that leaves the GPU mostly idle) :func:`kda_prefill_walk` cuts every
 sequence into parallel chunk groups joined by the exact transfer-operator scan
 (:mod:`kda_engram.kda.groups`; ``reference.naive_chunk_walk(groups=...)`` is its
 plain-PyTorch form): pass one (the same chunk step with the output switched
@@ -49,6 +49,7 @@ from ..validation.kda import (
     check_state_structure,
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
+from .deprecated import deprecated_alias
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 from .state_dtype import STATE_DTYPES
@@ -58,6 +59,7 @@ __all__ = [
     "chunk_config",
     "check_state_arguments",
     "fused_kda_chunk",
+    "kda_prefill_walk",
 ]
 
 
@@ -89,6 +91,15 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
 
 
+def checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache):
+    """Where the snapshots go: ``checkpoint_state``, or the state cache itself when
+    snapshots are asked for (``checkpoint_offsets``) without a buffer. Why the
+    ``None`` form: a custom op cannot take one buffer as two mutated arguments."""
+    if checkpoint_state is None and checkpoint_offsets is not None:
+        return state_cache
+    return checkpoint_state
+
+
 def allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets, shape,
                          device) -> torch.Tensor:
     """The returned final state ``torch.empty(shape)``: ``final_state_dtype``, else
@@ -104,7 +115,7 @@ def allocate_final_state(final_state_dtype, initial_state, checkpoint_state, che
     return final_state
 
 
-def fused_kda_chunk(
+def kda_prefill_walk(
     qg: torch.Tensor,
     w: torch.Tensor,
     u: torch.Tensor,
@@ -130,6 +141,7 @@ def fused_kda_chunk(
     min_group_chunks: int | None = None,
     group_workspace: torch.Tensor | None = None,
     final_state_dtype: torch.dtype | None = None,
+    host_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chunk recurrence and the output projection: one launch, or three
     with parallel chunk groups.
@@ -167,8 +179,8 @@ def fused_kda_chunk(
       tokens of sequence ``n`` (0 = none; otherwise a multiple of
       :data:`KDA_CHECKPOINT_ALIGNMENT` and at most the length), written to
       ``checkpoint_state[checkpoint_state_indices[n]]`` (``[rows, H, V, K]`` in the state's dtype,
-      may be the state cache itself; negative row = none) or to row ``n`` of a
-      staging ``checkpoint_state`` without indices. The kernel writes only
+      may be the state cache itself, which ``None`` stands for; negative row = none)
+      or to row ``n`` of a staging ``checkpoint_state`` without indices. The kernel writes only
       snapshots it can place exactly; with ``check_inputs`` any other offset is a
       ``ValueError``, so nothing is dropped silently.
 
@@ -215,10 +227,15 @@ def fused_kda_chunk(
     uninterrupted walk bit for bit); it needs the serial walk, so ``groups=None``
     then runs one group and a forced ``groups > 1`` is a ``ValueError``.
 
+    ``host_checked=True``: the caller has run :func:`check_state_structure` on
+    these arguments (the prefill and the op wrapper do), so it is not run twice.
+
     Returns ``(out, final_state | None)``.
     """
-    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    if not host_checked:
+        check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                              checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+    checkpoint_state = checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache)
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
     num_seqs = cu_seqlens.numel() - 1
@@ -364,6 +381,11 @@ def fused_kda_chunk(
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out, final_state
+
+
+#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
+fused_kda_chunk = deprecated_alias(kda_prefill_walk, "fused_kda_chunk",
+                                   "kda_engram.kda.chunk.kda_prefill_walk")
 
 
 def _scan_precision(ieee_operands: bool, device) -> str:

@@ -46,9 +46,10 @@ from ..platform import interpreting
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_fused_decode_arguments
 from .decode import _l2_normalize, _log_decay
+from .deprecated import deprecated_alias
 from .state_dtype import round_state
 
-__all__ = ["fused_kda_decode_step", "CONV_WIDTH"]
+__all__ = ["kda_layer_decode_step", "fused_kda_decode_step", "CONV_WIDTH"]
 
 
 @triton.jit
@@ -247,7 +248,7 @@ def _lead(t: torch.Tensor, multi: bool):
     return tuple(t.stride()) if multi else (t.stride(0), 0, t.stride(1))
 
 
-def fused_kda_decode_step(
+def kda_layer_decode_step(
     x: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
@@ -369,3 +370,8 @@ def fused_kda_decode_step(
     if checks is not None:
         checks.run()  # the one read-back
     return out
+
+
+#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
+fused_kda_decode_step = deprecated_alias(kda_layer_decode_step, "fused_kda_decode_step",
+                                         "kda_engram.kda.fused_decode.kda_layer_decode_step")

@@ -1,9 +1,9 @@
 """``chunk_kda_prefill``: the public KDA prefill, two fused stages.
 
-1. :func:`kda_engram.kda.prologue.fused_kda_prologue` turns the raw projections
+1. :func:`kda_engram.kda.prologue.kda_prefill_prologue` turns the raw projections
    into the per-chunk operands (L2 norms, gate, gate cumsum, the intra-chunk
    matrices and the WY/UT ``w``/``u``; two launches, split for register room), and
-2. :func:`kda_engram.kda.chunk.fused_kda_chunk` walks the chunks with the state
+2. :func:`kda_engram.kda.chunk.kda_prefill_walk` walks the chunks with the state
    on chip and writes the output (and the final state, the state-cache rows and
    the checkpoints).
 
@@ -26,7 +26,7 @@ from ..validation.kda import (
     check_state_arguments,
     check_state_structure,
 )
-from .chunk import _resolve_groups, fused_kda_chunk
+from .chunk import _resolve_groups, checkpoint_buffer, kda_prefill_walk
 from .hopper import hopper_kda_prefill, hopper_unsupported
 from .metadata import prepare_chunk_metadata
 from .prologue import prepare_kda_prologue
@@ -99,6 +99,7 @@ def chunk_kda_prefill(
     qk_l2norm: bool = True,
     beta_sigmoid: bool = True,
     path: str = "auto",
+    host_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
 
@@ -128,12 +129,13 @@ def chunk_kda_prefill(
     State (V-first ``[*, H, V, K]``, stored fp32 or bf16: fp32 on chip, rounded
     to bf16 with RTNE once per store; ``final_state_dtype`` defaults to
     ``initial_state``'s dtype, else fp32) and checkpoints follow
-    :func:`kda_engram.kda.chunk.fused_kda_chunk`: either ``initial_state`` /
+    :func:`kda_engram.kda.chunk.kda_prefill_walk`: either ``initial_state`` /
     ``output_final_state``, or the paged ``state_cache`` with ``state_indices``
     and ``has_initial_state`` (updated in place; the returned final state is then
     ``None``; a negative index reads and writes nothing and the sequence starts
     from zeros); ``checkpoint_offsets`` (multiples of 64, 0 = none) snapshot the
-    state after that many tokens into ``checkpoint_state``.
+    state after that many tokens into ``checkpoint_state`` (``None``: into
+    ``state_cache`` itself, at ``checkpoint_state_indices``).
 
     ``out`` (``[1, T, H, V]``) defaults to a new tensor of ``v``'s dtype; it may be
     ``v`` itself (the prologue has consumed ``v`` into ``u`` before the chunk
@@ -145,17 +147,21 @@ def chunk_kda_prefill(
     projection and ``conv_state`` ``[slots, 2HK + HV, 3]`` (the last three raw
     inputs per sequence, oldest first) is read at ``conv_state_indices[n]`` where
     ``conv_has_initial_state[n]`` and written back in place (see
-    :func:`kda_engram.kda.prologue.fused_kda_prologue`).
+    :func:`kda_engram.kda.prologue.kda_prefill_prologue`).
 
     ``groups`` (``None``: chosen by :func:`kda_engram.kda.groups.chunk_groups`;
     an int forces it) cuts long sequences into parallel chunk groups joined by an
-    exact scan, see :func:`kda_engram.kda.chunk.fused_kda_chunk`; the results
+    exact scan, see :func:`kda_engram.kda.chunk.kda_prefill_walk`; the results
     contract does not change.
 
     ``path`` picks the implementation (:func:`prefill_path`): ``"auto"`` (the
     Hopper path of :mod:`kda_engram.kda.hopper` on sm_90 where it serves the call,
     else the portable one), ``"hopper"`` or ``"portable"``. Both have this one
     results contract.
+
+    ``host_checked=True`` says the caller has run this call's host rules (the
+    argument combinations, ``lower_bound`` and the input forms; the op wrapper of
+    :mod:`kda_engram.ops` does), so they are not run twice.
 
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
@@ -173,10 +179,12 @@ def chunk_kda_prefill(
     """
     # Argument combinations are checked even with check_inputs off: they cost no
     # device read, and a wrong combination would otherwise drop state silently.
-    check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
-    check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
-    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # so do these
+    if not host_checked:
+        check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
+                              checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
+        check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
+        check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # so do these
+    checkpoint_state = checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache)
     checks = None
     if check_inputs:
         # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
@@ -239,7 +247,7 @@ def chunk_kda_prefill(
         gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
     ops = launch_prologue()
-    result = fused_kda_chunk(
+    result = kda_prefill_walk(
         ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
         initial_state, output_final_state,
         chunk_offsets=chunk_offsets,
@@ -252,6 +260,7 @@ def chunk_kda_prefill(
         groups=groups,
         final_state_dtype=final_state_dtype,
         check_inputs=False,  # validated above; the operands come from the prologue
+        host_checked=True,
     )
     if checks is not None:
         checks.run()  # the one host sync of the call

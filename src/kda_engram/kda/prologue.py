@@ -50,6 +50,7 @@ from ..platform import arch, interpreting, is_gpu
 from ..validation.common import DeviceChecks
 from ..validation.kda import check_input_forms, check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
+from .deprecated import deprecated_alias
 from .metadata import chunk_row, prepare_chunk_metadata
 
 # Largest diagonal-block shift s (log2 units) the factored path accepts: its
@@ -602,7 +603,7 @@ def intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seq
 def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
                          conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
                          *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
-    """The host half of :func:`fused_kda_prologue` (arguments as there, assumed
+    """The host half of :func:`kda_prefill_prologue` (arguments as there, assumed
     valid): chunk metadata, operand and workspace allocation, launch settings.
     Returns ``launch()``, which makes the launches (the conv's first, when on) and
     returns the operand dict. A caller that validates device values does its one
@@ -649,7 +650,7 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
     return launch
 
 
-def fused_kda_prologue(
+def kda_prefill_prologue(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -723,3 +724,8 @@ def fused_kda_prologue(
     if checks is not None:
         checks.run()  # the one read-back, before anything writes conv_state
     return launch()
+
+
+#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
+fused_kda_prologue = deprecated_alias(kda_prefill_prologue, "fused_kda_prologue",
+                                      "kda_engram.kda.prologue.kda_prefill_prologue")

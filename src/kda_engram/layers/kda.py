@@ -11,7 +11,7 @@ Per token (hidden ``x``), per head ``h`` of this rank:
 3. KDA itself and 4. the output gate ``RMSNorm(o) * o_norm.weight * sigmoid(g_out)``:
    prefill sequences through ``chunk_kda_prefill`` (conv launch, prologue, chunk
    kernel with the paged state cache and checkpoints) then the gate; decode rows
-   through one fused launch (:func:`~kda_engram.kda.fused_decode.fused_kda_decode_step`:
+   through one fused launch (:func:`~kda_engram.kda.fused_decode.kda_layer_decode_step`:
    conv step, KDA step, gate), in the same call; then the output projection
    (row-parallel: an all-reduce under tensor parallelism).
 
@@ -210,7 +210,7 @@ class KimiDeltaAttention(nn.Module):
         tp: tensor-parallel group (``None``: one process).
         dtype, device: of the projections (``A_log``, ``dt_bias`` stay fp32).
         fused_decode: run the decode rows through one launch
-            (:func:`~kda_engram.kda.fused_decode.fused_kda_decode_step`: conv, KDA
+            (:func:`~kda_engram.kda.fused_decode.kda_layer_decode_step`: conv, KDA
             step and output gate) instead of the conv launch, ``kda_decode`` and
             the PyTorch output gate. Same results up to fp32 summation order.
 
@@ -483,7 +483,7 @@ class KimiDeltaAttention(nn.Module):
         dt = self.in_proj.weight.dtype
         if B > 0 and self.fused_decode:
             # One launch: conv window update + SiLU, norms, gate, beta, state step, gated RMSNorm.
-            parts.append(ops.fused_kda_decode_step(
+            parts.append(ops.kda_layer_decode_step(
                 proj[:B, :C], raw_g[:B], raw_beta[:B], g_out[:B], self.conv_weight, conv_state,
                 batch.decode_conv_indices, self.A_log, self.dt_bias, self.o_norm_weight, state_cache,
                 batch.decode_state_indices, scale=self.scale, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
@@ -512,8 +512,8 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=batch.prefill_cu_seqlens, scale=self.scale, lower_bound=self.lower_bound,
                 state_cache=state_cache, state_indices=batch.prefill_state_indices,
                 has_initial_state=batch.prefill_has_initial_state,
-                # No separate buffer: the snapshots go to rows of the state cache itself.
-                checkpoint_state=(checkpoint_state if checkpoint_state is not None else state_cache) if ckpt else None,
+                # None: the snapshots go to rows of the state cache itself.
+                checkpoint_state=checkpoint_state if ckpt else None,
                 checkpoint_offsets=batch.checkpoint_offsets if ckpt else None,
                 checkpoint_state_indices=batch.checkpoint_indices if ckpt else None,
                 conv_weight=self.conv_weight, conv_state=conv_state, conv_state_indices=batch.prefill_conv_indices,

@@ -113,8 +113,8 @@ def check_state_structure(initial_state, output_final_state, state_cache, state_
             raise ValueError("state_cache needs state_indices and has_initial_state")
     elif state_indices is not None or has_initial_state is not None:
         raise ValueError("state_indices/has_initial_state are only meaningful with state_cache")
-    if checkpoint_offsets is not None and checkpoint_state is None:
-        raise ValueError("checkpoint_offsets needs checkpoint_state (the destination of the snapshots)")
+    if checkpoint_offsets is not None and checkpoint_state is None and state_cache is None:
+        raise ValueError("checkpoint_offsets needs checkpoint_state or state_cache (the destination of the snapshots)")
     if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
         raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
     # One storage dtype per state chain (a resumed checkpoint must equal the walk's state).

@@ -1,0 +1,338 @@
+"""The KDA entry points as custom ops: decode, the prefill and its two stages, the
+conv, the layer's decode step."""
+
+from typing import Optional
+
+import torch
+
+from ..constants import CHUNK_SIZE
+from ..kda.chunk import allocate_final_state, checkpoint_buffer
+from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
+from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
+from ..kda.conv import kda_conv_decode as _kda_conv_decode
+from ..kda.decode import kda_decode as _kda_decode
+from ..kda.decode import kda_decode_multi as _kda_decode_multi
+from ..kda.deprecated import deprecated_alias
+from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
+from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
+from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
+from ..validation.kda import (
+    check_chunk_operands,
+    check_conv_checkpoint,
+    check_conv_decode,
+    check_cu_seqlens,
+    check_decode_indices,
+    check_decode_inputs,
+    check_decode_multi_indices,
+    check_fused_decode_arguments,
+    check_input_forms,
+    check_prologue_arguments,
+    check_scale,
+    check_state_arguments,
+    check_state_structure,
+)
+from ..validation.common import INDEX_DTYPES, check_tensor
+from .common import EntryOp, kernel_op, opt_float
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "chunk_kda_prefill",
+    "kda_conv_checkpoint",
+    "kda_conv_decode",
+    "kda_decode",
+    "kda_decode_multi",
+    "kda_layer_decode_step",
+    "kda_prefill_prologue",
+    "kda_prefill_walk",
+    "fused_kda_chunk",
+    "fused_kda_decode_step",
+    "fused_kda_prologue",
+]
+
+
+def _empty_state(H: int, V: int, K: int, device) -> Tensor:
+    return torch.empty(0, H, V, K, dtype=torch.float32, device=device)
+
+
+# ------------------------------------------------------------------------- KDA decode
+
+
+@kernel_op("kda_decode", mutates_args=("state_cache",), fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype,
+                                                                                  device=a.v.device))
+def _kda_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+    state_cache: Tensor, state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float],
+) -> Tensor:
+    return _kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                       scale=scale, lower_bound=lower_bound, check_inputs=False)
+
+
+@kernel_op("kda_decode_multi", mutates_args=("state_cache",),
+           fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype, device=a.v.device))
+def _kda_decode_multi_op(
+    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+    state_cache: Tensor, state_indices: Tensor, initial_state_indices: Optional[Tensor],
+    scale: Optional[float], lower_bound: Optional[float],
+) -> Tensor:
+    return _kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                             initial_state_indices, scale=scale, lower_bound=lower_bound, check_inputs=False)
+
+
+def kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, *,
+               scale: float | None = None, lower_bound: float | None = None) -> Tensor:
+    """:func:`kda_engram.kda.decode.kda_decode` as an op (``state_cache`` mutated).
+    Host-side shape checks only; index ranges are the caller's contract."""
+    (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
+                                   lead=1)
+    check_decode_indices(state_indices, batch, state_cache, None)
+    return _kda_decode_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                          opt_float(scale), opt_float(lower_bound))
+
+
+def kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                     initial_state_indices=None, *, scale: float | None = None,
+                     lower_bound: float | None = None) -> Tensor:
+    """:func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache`` mutated)."""
+    B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
+                               lead=2)
+    check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, None)
+    return _kda_decode_multi_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                                initial_state_indices, opt_float(scale), opt_float(lower_bound))
+
+
+# ------------------------------------------------------------------------ KDA prefill
+
+PROLOGUE_OUTPUTS = ("qg", "w", "u", "kg_t", "aqk", "decay")
+
+
+def _prologue_fake(a):
+    _, T, H, K = a.q.shape
+    V = a.v.shape[3]
+    rows = a.chunk_indices.shape[0] if a.chunk_indices is not None else T // CHUNK_SIZE + a.cu_seqlens.shape[0] - 1
+    dev, dt = a.q.device, a.q.dtype
+    return (
+        torch.empty(1, T, H, K, dtype=dt, device=dev),
+        torch.empty(1, T, H, K, dtype=dt, device=dev),
+        torch.empty(1, T, H, V, dtype=dt, device=dev),
+        torch.empty(rows, H, K, CHUNK_SIZE, dtype=dt, device=dev),
+        torch.empty(1, T, H, CHUNK_SIZE, dtype=dt, device=dev),
+        torch.empty(rows, H, K, dtype=torch.float32, device=dev),
+    )
+
+
+# The op name stays the historical one (graphs and engines may hold it).
+@kernel_op("fused_kda_prologue", mutates_args=("conv_state",), fake=_prologue_fake)
+def _kda_prefill_prologue_op(
+    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
+    scale: float, lower_bound: Optional[float], cu_seqlens: Tensor,
+    conv_weight: Optional[Tensor], conv_state: Optional[Tensor], conv_state_indices: Optional[Tensor],
+    conv_has_initial_state: Optional[Tensor], chunk_indices: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    ops = _kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                check_inputs=False)
+    return tuple(ops[n] for n in PROLOGUE_OUTPUTS)
+
+
+def kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale: float, lower_bound: float | None,
+                         cu_seqlens, conv_weight=None, conv_state=None, conv_state_indices=None,
+                         conv_has_initial_state=None, chunk_indices=None) -> dict[str, Tensor]:
+    """:func:`kda_engram.kda.prologue.kda_prefill_prologue` as an op (``conv_state``
+    mutated); returns the same dict of operands."""
+    check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight,
+                             conv_state, conv_state_indices, conv_has_initial_state, chunk_indices, None)
+    out = _kda_prefill_prologue_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, float(scale), opt_float(lower_bound),
+                                   cu_seqlens, conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                                   chunk_indices)
+    return dict(zip(PROLOGUE_OUTPUTS, out))
+
+
+def _prefill_outputs_fake(a, T, H, V, K, dtype, device):
+    """``(out [1, T, H, V], final [N | 0, H, V, K])`` as the prefill and the walk
+    return them (an absent final state is ``[0, H, V, K]`` fp32)."""
+    out = torch.empty(1, T, H, V, dtype=dtype, device=device)
+    if not a.output_final_state:
+        return out, _empty_state(H, V, K, device)
+    return out, allocate_final_state(a.final_state_dtype, a.initial_state, a.checkpoint_state, a.checkpoint_offsets,
+                                     (a.cu_seqlens.shape[0] - 1, H, V, K), device)
+
+
+def _state_host_rules(a, H, K, V, device):
+    """The state rules every prefill op wrapper runs (host only: no device read)."""
+    check_state_arguments(
+        None, num_seqs=a["cu_seqlens"].numel() - 1, num_heads=H, head_v=V, head_k=K, device=device, lengths=None,
+        initial_state=a["initial_state"], state_cache=a["state_cache"], state_indices=a["state_indices"],
+        has_initial_state=a["has_initial_state"],
+        checkpoint_state=checkpoint_buffer(a["checkpoint_state"], a["checkpoint_offsets"], a["state_cache"]),
+        checkpoint_offsets=a["checkpoint_offsets"], checkpoint_state_indices=a["checkpoint_state_indices"],
+    )
+
+
+def _structure_rules(a):
+    """The argument combinations, run once per call; a checkpoint buffer that *is*
+    the state cache becomes ``None`` (its meaning there: an op cannot take one
+    buffer as two mutated arguments)."""
+    check_state_structure(a["initial_state"], a["output_final_state"], a["state_cache"], a["state_indices"],
+                          a["has_initial_state"], a["checkpoint_state"], a["checkpoint_offsets"],
+                          a["checkpoint_state_indices"])
+    if a["checkpoint_state"] is not None and a["checkpoint_state"] is a["state_cache"]:
+        a["checkpoint_state"] = None
+
+
+def _walk_impl(a):
+    T, H, V, K = a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3]
+    out = torch.empty(1, T, H, V, dtype=a.u.dtype, device=a.u.device)
+    _, final = _kda_prefill_walk(**vars(a), out=out, check_inputs=False, host_checked=True)
+    return out, (final if final is not None else _empty_state(H, V, K, a.u.device))
+
+
+#: The walk's op: every argument of :func:`kda_engram.kda.chunk.kda_prefill_walk`
+#: but ``out`` (allocated by the op: an op's output cannot alias an input),
+#: ``config`` (a Python object; tuning only) and ``group_workspace`` (allocated by
+#: the op), plus ``check_inputs`` / ``host_checked`` (the wrapper checks).
+_WALK = EntryOp(
+    "fused_kda_chunk", _kda_prefill_walk,
+    host_only=("out", "check_inputs", "config", "group_workspace", "host_checked"),
+    mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", impl=_walk_impl,
+    fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
+                                         a.u.device),
+)
+
+
+def kda_prefill_walk(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """:func:`kda_engram.kda.chunk.kda_prefill_walk` as an op (the same arguments
+    but those the op cannot take, see ``_WALK``). Returns ``(out, final_state | None)``."""
+    a = _WALK.bind(args, kwargs)
+    _structure_rules(a)
+    T, H, K, V = check_chunk_operands(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None)
+    check_scale(a["scale"], allow_none=False)
+    check_cu_seqlens(a["cu_seqlens"], T, a["qg"].device, None, covers_all=False)
+    _state_host_rules(a, H, K, V, a["qg"].device)
+    if a["chunk_offsets"] is not None:
+        check_tensor("chunk_offsets", a["chunk_offsets"], shape=[a["cu_seqlens"].numel()], dtypes=INDEX_DTYPES,
+                     device=a["qg"].device)
+    a["scale"] = float(a["scale"])
+    out, final = _WALK(a)
+    return out, (final if a["output_final_state"] else None)
+
+
+kda_prefill_walk.__signature__ = _WALK.signature
+
+
+def _prefill_impl(a):
+    H, K, V = a.q.shape[2], a.q.shape[3], a.v.shape[3]
+    out, final = _chunk_kda_prefill(**vars(a), check_inputs=False, host_checked=True)
+    return out, (final if final is not None else _empty_state(H, V, K, a.q.device))
+
+
+#: The prefill's op: every argument of :func:`kda_engram.kda.prefill.chunk_kda_prefill`
+#: but ``out`` (allocated by the op: an op's output cannot alias an input, and
+#: ``out=v`` would make a mutated argument alias another) and ``check_inputs`` /
+#: ``host_checked`` (the wrapper runs the host rules; the op reads no device value).
+_PREFILL = EntryOp(
+    "chunk_kda_prefill", _chunk_kda_prefill,
+    host_only=("out", "check_inputs", "host_checked"),
+    mutates_args=("state_cache", "checkpoint_state", "conv_state"), returns="(Tensor, Tensor)", impl=_prefill_impl,
+    fake=lambda a: _prefill_outputs_fake(a, a.q.shape[1], a.q.shape[2], a.v.shape[3], a.q.shape[3], a.v.dtype,
+                                         a.v.device),
+)
+
+
+def chunk_kda_prefill(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
+    """:func:`kda_engram.kda.prefill.chunk_kda_prefill` as an op, with its
+    signature but ``out`` and ``check_inputs`` (see ``_PREFILL``): ``state_cache``,
+    ``checkpoint_state`` and ``conv_state`` mutated, ``out`` allocated by the op.
+    The host rules run here, once (no device read: capture- and compile-safe).
+    Returns ``(out, final_state | None)``."""
+    a = _PREFILL.bind(args, kwargs)
+    _structure_rules(a)
+    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
+    _, H, K, V = check_prologue_arguments(
+        a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"], a["scale"], a["lower_bound"],
+        a["cu_seqlens"], a["conv_weight"], a["conv_state"], a["conv_state_indices"], a["conv_has_initial_state"],
+        None, None, scale_optional=True,
+    )
+    _state_host_rules(a, H, K, V, a["q"].device)
+    a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
+    out, final = _PREFILL(a)
+    return out, (final if a["output_final_state"] else None)
+
+
+chunk_kda_prefill.__signature__ = _PREFILL.signature
+
+
+# --------------------------------------------------------------------------- KDA conv
+
+
+@kernel_op("kda_conv_decode", mutates_args=("conv_state",),
+           fake=lambda a: torch.empty(a.x.shape, dtype=a.out_dtype or a.x.dtype, device=a.x.device))
+def _kda_conv_decode_op(
+    x: Tensor, conv_weight: Tensor, conv_state: Tensor, conv_state_indices: Tensor, out_dtype: Optional[torch.dtype],
+) -> Tensor:
+    return _kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out_dtype=out_dtype, check_inputs=False)
+
+
+def kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out_dtype: torch.dtype | None = None) -> Tensor:
+    """:func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state`` mutated)."""
+    check_conv_decode(x, conv_weight, conv_state, conv_state_indices, None, None)
+    return _kda_conv_decode_op(x, conv_weight, conv_state, conv_state_indices, out_dtype)
+
+
+@kernel_op("kda_conv_checkpoint", mutates_args=("conv_state",), fake=lambda a: None)
+def _kda_conv_checkpoint_op(
+    x: Tensor, cu_seqlens: Tensor, checkpoint_offsets: Tensor, checkpoint_indices: Tensor, conv_state: Tensor,
+) -> None:
+    _kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, check_inputs=False)
+
+
+def kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state) -> None:
+    """:func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state`` mutated)."""
+    check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, None)
+    _kda_conv_checkpoint_op(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state)
+
+
+# ------------------------------------------------------------ KDA layer decode step
+
+
+def _layer_decode_out(a):
+    H, V = a.state_cache.shape[1], a.state_cache.shape[2]
+    return torch.empty(*a.x.shape[:-1], H * V, dtype=a.out_dtype or a.x.dtype, device=a.x.device)
+
+
+@kernel_op("fused_kda_decode_step", mutates_args=("conv_state", "state_cache"), fake=_layer_decode_out)
+def _kda_layer_decode_step_op(
+    x: Tensor, raw_g: Tensor, raw_beta: Tensor, g_out: Tensor, conv_weight: Tensor, conv_state: Tensor,
+    conv_state_indices: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor, state_cache: Tensor,
+    state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float], norm_eps: float,
+    out_dtype: Optional[torch.dtype],
+) -> Tensor:
+    H, V = state_cache.shape[1], state_cache.shape[2]
+    out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
+    return _kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                  dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
+                                  lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=False)
+
+
+def kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
+                          o_norm_weight, state_cache, state_indices, *, scale: float | None = None,
+                          lower_bound: float | None = None, norm_eps: float = 1e-5,
+                          out_dtype: torch.dtype | None = None) -> Tensor:
+    """:func:`kda_engram.kda.fused_decode.kda_layer_decode_step` as an op (one token
+    or S tokens per sequence with the default initial rows; ``state_cache`` and
+    ``conv_state`` mutated, ``out`` allocated by the op). Host-side shape checks
+    only; index ranges are the caller's contract."""
+    check_fused_decode_arguments(None, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                 dt_bias, o_norm_weight, state_cache, state_indices, None, None, scale, lower_bound,
+                                 norm_eps, None)
+    return _kda_layer_decode_step_op(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                     dt_bias, o_norm_weight, state_cache, state_indices, opt_float(scale),
+                                     opt_float(lower_bound), float(norm_eps), out_dtype)
+
+
+#: Deprecated old names (:mod:`kda_engram.kda.deprecated`).
+fused_kda_prologue = deprecated_alias(kda_prefill_prologue, "fused_kda_prologue",
+                                      "kda_engram.ops.kda_prefill_prologue")
+fused_kda_chunk = deprecated_alias(kda_prefill_walk, "fused_kda_chunk", "kda_engram.ops.kda_prefill_walk")
+fused_kda_decode_step = deprecated_alias(kda_layer_decode_step, "fused_kda_decode_step",
+                                         "kda_engram.ops.kda_layer_decode_step")

@@ -1,0 +1,209 @@
+"""The KDA custom ops (:mod:`kda_engram.ops.kda`): ``torch.library.opcheck`` on
+every op, the Python wrappers against the kernel entry points, and the wrappers
+generated from an entry point's signature (:class:`kda_engram.ops.common.EntryOp`).
+
+CPU shapes are tiny (the opcheck utilities run each op several times under the
+Triton interpreter).
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from kda_engram import ops
+from kda_engram.kda.chunk import kda_prefill_walk as walk_direct
+from kda_engram.kda.decode import kda_decode as kda_decode_direct
+from kda_engram.kda.prefill import chunk_kda_prefill as prefill_direct
+
+from .support import DEVICES, H, K, idx, kda_raw, opcheck, rnd
+
+
+def op_args(entry, *args, **kwargs):
+    """An :class:`~kda_engram.ops.common.EntryOp`'s positional arguments, bound by name."""
+    return tuple(entry.bind(args, kwargs).values())
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kda_decode_ops(device):
+    q, k, v, g, b, A, dt = (x[0, :2] if x.dim() > 1 else x for x in kda_raw(2, device))
+    cache = rnd(3, H, K, K, seed=9, device=device, scale=0.3)
+    opcheck(ops.kda._kda_decode_op, (q, k, v, g, b, A, dt, cache, idx([2, -1], device), None, -5.0))
+    qm, km, vm, gm, bm = (x.reshape(1, 2, *x.shape[1:]) for x in (q, k, v, g, b))
+    opcheck(ops.kda._kda_decode_multi_op, (qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device),
+                                           idx([2], device), 0.2, None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kda_prefill_ops(device):
+    # Lengths 10 and 70: T // 64 + N = 3 chunk rows, all real (the prologue leaves
+    # the rows of the static bound that no chunk uses undefined, which opcheck's
+    # output comparison would trip over).
+    T = 80
+    q, k, v, g, b, A, dt = kda_raw(T, device)
+    cu = idx([0, 10, 80], device)
+    C = 3 * H * K
+    cw = rnd(C, 4, seed=11, device=device, scale=0.5)
+    conv = rnd(4, C, 3, seed=12, device=device)
+    conv_idx, has = idx([0, 3], device), torch.tensor([True, False], device=device)
+    opcheck(ops.kda._kda_prefill_prologue_op, (q, k, v, g, b, A, dt, K**-0.5, -5.0, cu, cw, conv, conv_idx, has,
+                                               None))
+    opr = ops.kda_prefill_prologue(q, k, v, g, b, A, dt, K**-0.5, -5.0, cu)
+    operands = [opr[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
+    cache = rnd(4, H, K, K, seed=13, device=device, scale=0.3)
+    state_idx, ck_off, ck_idx = idx([1, 2], device), idx([0, 64], device), idx([-1, 3], device)
+    walk = ops.kda._WALK
+    # Checkpoints into the state cache itself (checkpoint_state=None), then a final state.
+    opcheck(walk.op, op_args(walk, *operands, K**-0.5, cu, None, False, checkpoint_offsets=ck_off,
+                             checkpoint_state_indices=ck_idx, state_cache=cache, state_indices=state_idx,
+                             has_initial_state=has))
+    opcheck(walk.op, op_args(walk, *operands, K**-0.5, cu, None, True))
+    ck = torch.zeros(2, H, K, K, device=device)
+    prefill = ops.kda._PREFILL
+    opcheck(prefill.op, op_args(prefill, q, k, v, g, b, A, dt, cu_seqlens=cu, lower_bound=-5.0, state_cache=cache,
+                                state_indices=state_idx, has_initial_state=has, checkpoint_state=ck,
+                                checkpoint_offsets=ck_off, conv_weight=cw, conv_state=conv,
+                                conv_state_indices=conv_idx, conv_has_initial_state=has))
+    # A bf16 final state (the fake follows final_state_dtype) on the portable path.
+    opcheck(prefill.op, op_args(prefill, q, k, v, g, b, A, dt, cu_seqlens=cu, output_final_state=True,
+                                final_state_dtype=torch.bfloat16, path="portable"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kda_conv_ops(device):
+    C = 40
+    x = rnd(5, C + 8, seed=1, device=device)[:3, 4 : 4 + C]  # a strided column slice
+    w = rnd(C, 4, seed=2, device=device)
+    conv = rnd(4, C, 3, seed=3, device=device)
+    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), torch.float32))
+    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), None))
+    xt = rnd(130, C, seed=4, device=device)
+    opcheck(ops.kda._kda_conv_checkpoint_op, (xt, idx([0, 64, 130], device), idx([64, 64], device),
+                                              idx([1, -1], device), conv))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_kda_layer_decode_step_op(device):
+    B, C = 2, 3 * H * K
+    x = rnd(B, C + 5, seed=1, device=device)[:, :C]  # a strided band, as the layer passes it
+    g, b, g_out = rnd(B, H * K, seed=2, device=device), rnd(B, H, seed=3, device=device), rnd(B, H * K, seed=4,
+                                                                                               device=device)
+    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(3, C, 3, seed=6, device=device)
+    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
+                                                                                                    device=device)
+    cache = rnd(3, H, K, K, seed=10, device=device, scale=0.3)
+    for out_dtype in (None, torch.float32):
+        opcheck(ops.kda._kda_layer_decode_step_op, (x, g, b, g_out, w, conv, idx([2, -1], device), A, dt, norm_w,
+                                                    cache, idx([0, -1], device), None, -5.0, 1e-5, out_dtype))
+
+
+def test_wrappers_match_the_entry_points():
+    T = 70
+    q, k, v, g, b, A, dt = kda_raw(T, "cpu", seed=20)
+    cu = idx([0, 64, 70], "cpu")
+    cache0 = rnd(4, H, K, K, seed=21, scale=0.3)
+    has = torch.tensor([True, False])
+    kw = dict(lower_bound=-5.0, cu_seqlens=cu, state_indices=idx([1, 2], "cpu"), has_initial_state=has,
+              checkpoint_offsets=idx([64, 0], "cpu"), checkpoint_state_indices=idx([3, -1], "cpu"))
+    c1, c2 = cache0.clone(), cache0.clone()
+    o1, f1 = prefill_direct(q, k, v, g, b, A, dt, state_cache=c1, checkpoint_state=c1, **kw)
+    o2, f2 = ops.chunk_kda_prefill(q, k, v, g, b, A, dt, state_cache=c2, checkpoint_state=c2, **kw)  # into the cache
+    assert f1 is None and f2 is None
+    assert torch.equal(o1, o2) and torch.equal(c1, c2)
+    o3, f3 = ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=cu, lower_bound=-5.0, output_final_state=True)
+    assert f3.shape == (2, H, K, K)
+    qd, kd, vd, gd, bd = (x[0, :2] for x in (q, k, v, g, b))
+    d1, d2 = cache0.clone(), cache0.clone()
+    assert torch.equal(kda_decode_direct(qd, kd, vd, gd, bd, A, dt, d1, idx([0, 2], "cpu")),
+                       ops.kda_decode(qd, kd, vd, gd, bd, A, dt, d2, idx([0, 2], "cpu")))
+    assert torch.equal(d1, d2)
+    assert hasattr(torch.ops.kda_engram, "chunk_kda_prefill") and hasattr(torch.ops.kda_engram, "engram_lookup")
+    with pytest.raises(ValueError, match="state_cache needs"):
+        ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=cu, state_cache=c1)
+    with pytest.raises(ValueError, match="conv_state_indices"):
+        ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=cu, conv_weight=torch.zeros(48, 4),
+                              conv_state=torch.zeros(2, 48, 3))
+    with pytest.raises(ValueError, match="q: expected shape"):
+        ops.kda_decode(q, kd, vd, gd, bd, A, dt, d1, idx([0, 2], "cpu"))
+
+
+    # checkpoint_state=None with checkpoint_offsets: the snapshots go into the cache
+    # itself, in both functions (the op's form of checkpoint_state=state_cache).
+    c3, c4 = cache0.clone(), cache0.clone()
+    o3, _ = prefill_direct(q, k, v, g, b, A, dt, state_cache=c3, **kw)
+    o4, _ = ops.chunk_kda_prefill(q, k, v, g, b, A, dt, state_cache=c4, **kw)
+    assert torch.equal(o3, o1) and torch.equal(c3, c1) and torch.equal(c4, c1)
+
+
+def test_the_op_wrappers_have_their_entry_points_signatures():
+    """``ops.chunk_kda_prefill`` / ``ops.kda_prefill_walk`` take the entry point's
+    arguments by the same names, in the same order, with the same defaults, but
+    ``out``, ``check_inputs`` (and for the walk ``config``, ``group_workspace``)."""
+    for wrapper, entry, host_only in (
+        (ops.chunk_kda_prefill, prefill_direct, {"out", "check_inputs", "host_checked"}),
+        (ops.kda_prefill_walk, walk_direct, {"out", "check_inputs", "host_checked", "config", "group_workspace"}),
+    ):
+        want = [p for n, p in inspect.signature(entry).parameters.items() if n not in host_only]
+        assert list(inspect.signature(wrapper).parameters.values()) == want
+    with pytest.raises(TypeError, match="unexpected keyword argument 'out'"):
+        ops.chunk_kda_prefill(*kda_raw(64, "cpu"), cu_seqlens=idx([0, 64], "cpu"), out=torch.empty(1))
+    with pytest.raises(TypeError, match="missing required arguments: cu_seqlens"):
+        ops.chunk_kda_prefill(*kda_raw(64, "cpu"))
+
+
+def test_prefill_options_cross_the_op():
+    """``groups``, ``final_state_dtype``, the input forms and ``path`` reach the
+    kernels through the op: the results equal the entry point's."""
+    q, k, v, g, b, A, dt = kda_raw(130, "cpu", seed=30)
+    cu = idx([0, 130], "cpu")
+    kw = dict(cu_seqlens=cu, output_final_state=True, final_state_dtype=torch.bfloat16, groups=2, path="portable")
+    o1, f1 = prefill_direct(q, k, v, g, b, A, dt, **kw)
+    o2, f2 = ops.chunk_kda_prefill(q, k, v, g, b, A, dt, **kw)
+    assert f2.dtype == torch.bfloat16 and torch.equal(o1, o2) and torch.equal(f1, f2)
+    log_decay = -torch.rand(1, 130, H, K, generator=torch.Generator().manual_seed(3))
+    kw = dict(cu_seqlens=cu, output_final_state=True, gate="log_decay", beta_sigmoid=False)
+    o1, f1 = prefill_direct(q, k, v, log_decay, b.sigmoid(), None, None, **kw)
+    o2, f2 = ops.chunk_kda_prefill(q, k, v, log_decay, b.sigmoid(), None, None, **kw)
+    assert torch.equal(o1, o2) and torch.equal(f1, f2)
+    with pytest.raises(ValueError, match="gate: expected one of"):
+        ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=cu, gate="bogus")
+
+
+def test_state_structure_runs_once_per_prefill(monkeypatch):
+    """One prefill through the op checks the argument combinations once (the op
+    wrapper), not again in the entry point and the walk."""
+    import kda_engram.kda.chunk as chunk_mod
+    import kda_engram.kda.prefill as prefill_mod
+    import kda_engram.ops.kda as ops_kda
+
+    calls = []
+    real = ops_kda.check_state_structure
+
+    def counting(*args):
+        calls.append(args)
+        return real(*args)
+
+    for mod in (ops_kda, prefill_mod, chunk_mod):
+        monkeypatch.setattr(mod, "check_state_structure", counting)
+    q, k, v, g, b, A, dt = kda_raw(64, "cpu")
+    ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=idx([0, 64], "cpu"), output_final_state=True)
+    assert len(calls) == 1
+    calls.clear()
+    prefill_direct(q, k, v, g, b, A, dt, cu_seqlens=idx([0, 64], "cpu"), output_final_state=True)
+    assert len(calls) == 1
+
+
+def test_old_names_warn_and_still_work():
+    import kda_engram.kda as kda
+
+    q, k, v, g, b, A, dt = kda_raw(64, "cpu")
+    cu = idx([0, 64], "cpu")
+    for old, new in ((kda.fused_kda_prologue, kda.kda_prefill_prologue),
+                     (ops.fused_kda_prologue, ops.kda_prefill_prologue)):
+        with pytest.warns(DeprecationWarning, match="kda_prefill_prologue"):
+            got = old(q, k, v, g, b, A, dt, K**-0.5, None, cu)
+        want = new(q, k, v, g, b, A, dt, K**-0.5, None, cu)
+        assert all(torch.equal(got[n], want[n]) for n in ("qg", "w", "u", "aqk"))
+    for old, new in ((kda.fused_kda_chunk, "kda_prefill_walk"), (kda.fused_kda_decode_step, "kda_layer_decode_step"),
+                     (ops.fused_kda_chunk, "kda_prefill_walk"), (ops.fused_kda_decode_step, "kda_layer_decode_step")):
+        with pytest.warns(DeprecationWarning, match=new), pytest.raises(TypeError):
+            old()  # the alias warns, then the call fails on its missing arguments
