@@ -14,6 +14,24 @@ from kda_engram.kda.chunk import fused_kda_chunk
 from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import chunk_operands
 
+# ----------------------------------------------------------------------- refusals
+
+
+@contextlib.contextmanager
+def refused(exc, **kwargs):
+    """``pytest.raises`` for a call whose error may come from a rule on device
+    values: by default such an error is raised by the next kda_engram call
+    (:mod:`kda_engram.validation.entry`), so the block ends with
+    :func:`kda_engram.raise_pending_errors`, which raises it there."""
+    import pytest
+
+    from kda_engram import raise_pending_errors
+
+    with pytest.raises(exc, **kwargs) as info:
+        yield info
+        raise_pending_errors()
+
+
 # ----------------------------------------------------------------------- error metrics
 
 #: The chunk kernel's absolute bound in fp32 (tests/kda/test_chunk.py, test_groups.py).
