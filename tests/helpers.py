@@ -32,6 +32,24 @@ def refused(exc, **kwargs):
         raise_pending_errors()
 
 
+def with_sentinels(*shape, seed=3):
+    """A cache of random values with every other row NaN (bit patterns a stray
+    write would change)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    x[::2] = math.nan
+    return x
+
+
+def bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x
+
+
+def assert_same(after, before):
+    """Every tensor bit-identical to its copy taken before."""
+    for a, b in zip(after, before):
+        assert torch.equal(bits(a), bits(b))
+
+
 # ----------------------------------------------------------------------- error metrics
 
 #: The chunk kernel's absolute bound in fp32 (tests/kda/test_chunk.py, test_groups.py).

@@ -7,8 +7,6 @@ guarded launches write no cache; the error itself comes at the next call
 (``refused`` ends its block with ``raise_pending_errors``).
 """
 
-import math
-
 import pytest
 import torch
 
@@ -21,30 +19,10 @@ from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.prologue import fused_kda_prologue
 from kda_engram.kda.reference import chunk_operands
 
-from ..helpers import raw_kda_inputs, refused
+from ..helpers import assert_same, bits, raw_kda_inputs, refused, with_sentinels
 
 H, K, V = 1, 16, 16
 CONV_C = 2 * H * K + H * V
-
-
-def rnd(gen, *shape):
-    return torch.randn(*shape, generator=gen)
-
-
-def with_sentinels(*shape, seed=3):
-    """Random values with every other row NaN."""
-    x = rnd(torch.Generator().manual_seed(seed), *shape)
-    x[::2] = math.nan
-    return x
-
-
-def bits(x):
-    return x.view(torch.int32) if x.dtype == torch.float32 else x
-
-
-def assert_same(after, before):
-    for a, b in zip(after, before):
-        assert torch.equal(bits(a), bits(b))
 
 
 def prefill_raw(T, seed=0):

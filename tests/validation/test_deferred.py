@@ -22,8 +22,7 @@ from kda_engram.kda.conv import kda_conv_decode
 from kda_engram.kda.decode import kda_decode
 from kda_engram.kda.prefill import chunk_kda_prefill
 
-from ..helpers import raw_kda_inputs
-from .test_caches_untouched import assert_same, with_sentinels
+from ..helpers import assert_same, raw_kda_inputs, with_sentinels
 
 H, K, V = 1, 16, 16
 SUFFIX = "(from an earlier kda_decode call, which wrote no cache)"
