@@ -108,6 +108,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _no_pending_error_left():
+    """A checked call's broken verdict is raised by the next kda_engram call (see
+    kda_engram.validation.entry): a test must not leave one behind for the next
+    test to raise."""
+    yield
+    from kda_engram.validation.entry import raise_pending_errors
+
+    raise_pending_errors()
+
+
+@pytest.fixture(autouse=True)
 def _gpu_memory_budget(request):
     """Around a GPU test: its peak reserved GPU memory against its budget; the
     cached blocks go back to the driver after it, for the other workers."""

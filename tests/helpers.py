@@ -14,6 +14,42 @@ from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.metadata import max_chunks
 from kda_engram.kda.reference import naive_chunk_operands
 
+# ----------------------------------------------------------------------- refusals
+
+
+@contextlib.contextmanager
+def refused(exc, **kwargs):
+    """``pytest.raises`` for a call whose error may come from a rule on device
+    values: by default such an error is raised by the next kda_engram call
+    (:mod:`kda_engram.validation.entry`), so the block ends with
+    :func:`kda_engram.raise_pending_errors`, which raises it there."""
+    import pytest
+
+    from kda_engram import raise_pending_errors
+
+    with pytest.raises(exc, **kwargs) as info:
+        yield info
+        raise_pending_errors()
+
+
+def with_sentinels(*shape, seed=3):
+    """A cache of random values with every other row NaN (bit patterns a stray
+    write would change)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    x[::2] = math.nan
+    return x
+
+
+def bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x
+
+
+def assert_same(after, before):
+    """Every tensor bit-identical to its copy taken before."""
+    for a, b in zip(after, before):
+        assert torch.equal(bits(a), bits(b))
+
+
 # ----------------------------------------------------------------------- error metrics
 
 #: The chunk kernel's absolute bound in fp32 (tests/kda/test_chunk.py, test_groups.py).

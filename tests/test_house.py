@@ -25,10 +25,6 @@ REFERENCE_BUILDING_BLOCKS = {"compute_dtype", "kda_gate", "l2norm", "shard_kv_by
 #: Names that say "reference" in the retired spellings.
 RETIRED_REFERENCE_NAME = re.compile(r"(_ref|_reference)$")
 
-#: Modules that still import the package absolutely: the tools, which issue 37
-#: moves into kda_engram/tools (their imports change with the move).
-ABSOLUTE_IMPORTS_ALLOWED = {"check.py", "cli.py", "demo.py", "reporting.py", "bench.py"}
-
 
 def dated_lines(src: Path = SRC) -> list[str]:
     """``path:line: text`` of every line under ``src`` that holds a date."""
@@ -62,8 +58,6 @@ def reference_naming_problems(src: Path = SRC) -> list[str]:
 def absolute_package_imports(src: Path = SRC) -> list[str]:
     bad = []
     for path in sorted(src.rglob("*.py")):
-        if path.parent == src and path.name in ABSOLUTE_IMPORTS_ALLOWED:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])

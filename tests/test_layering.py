@@ -12,8 +12,7 @@ Layers, top to bottom (a module may import from its own layer and any below):
    ``launch_config``.
 
 The plain-PyTorch references (``kda/reference.py``, ``engram/reference.py``,
-``layers/reference.py``; ``engram/memory_reference.py`` holds old names until the
-tools move) sit beside what they check but are not used by it: only the tools,
+``layers/reference.py``) sit beside what they check but are not used by it: only the tools,
 the layers, the other references and a family's ``__init__`` (which re-exports
 them as public API) may import a reference. Tests may import anything.
 
@@ -43,8 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               f"{PACKAGE}.launch_config")),
 ]
 
-REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.engram.memory_reference",
-              f"{PACKAGE}.layers.reference"}
+REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.layers.reference"}
 
 # ----------------------------------------------------------------------- the graph
 

@@ -8,3 +8,15 @@ tensor-parallel form), :mod:`kda_engram.parallel` (a tensor-parallel group on
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy, so that importing the package (the CLI's --version) does not import torch.
+    if name == "raise_pending_errors":
+        from .validation.entry import raise_pending_errors
+
+        return raise_pending_errors
+    raise AttributeError(f"module 'kda_engram' has no attribute {name!r}")
+
+
+__all__ = ["raise_pending_errors"]

@@ -10,7 +10,7 @@ written beside it in a line; the measurements behind the NVIDIA defaults are in
 docs/design/ (``kda_prefill.md``, ``kda_decode.md``, ``kda_bf16_state.md``).
 
 * :class:`ChunkConfig`: a user's partial override of the chunk walk (what
-  ``fused_kda_chunk(config=...)`` takes; a dict of the same keys converts).
+  ``kda_prefill_walk(config=...)`` takes; a dict of the same keys converts).
 * :class:`ChunkLaunch`: the resolved walk / pass-one / scan launch, bound to the
   head dims and the architecture (checks that need them: divisibility and the
   Triton 3.6 miscompiles).

@@ -15,7 +15,7 @@ import kda_engram.kda.chunk as chunk_mod
 from kda_engram.kda.chunk import KDA_CHECKPOINT_ALIGNMENT, chunk_config, kda_prefill_walk
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
-from ..helpers import OPS, close, make_ops, make_raw, rel_rmse, run_chunk
+from ..helpers import OPS, close, make_ops, make_raw, refused, rel_rmse, run_chunk
 
 H, K, V = 2, 32, 32
 LENGTHS = [0, 1, 63, 64, 65, 130, 0]
@@ -310,7 +310,7 @@ def test_bad_input(case):
     if change.get("kg_t") == "short":
         change["kg_t"], change["decay"] = ops["kg_t"][:1], ops["decay"][:1]
     args.update(change)
-    with pytest.raises(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
+    with refused(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
         kda_prefill_walk(**args)
 
 
@@ -420,7 +420,7 @@ def test_single_staged_32_column_walk_refused_on_nvidia(monkeypatch):
     ops, _ = make_ops(raw, cu, -5.0)
     monkeypatch.setattr(chunk_mod, "interpreting", lambda: False)
     monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
-    with pytest.raises(ValueError, match="num_stages=1"):
+    with refused(ValueError, match="num_stages=1"):
         run_chunk(ops, cu, 0.2, config={"BV": 32, "num_stages": 1})
-    with pytest.raises(ValueError, match="BV=16"):
+    with refused(ValueError, match="BV=16"):
         run_chunk(ops, cu, 0.2, config={"BV": 16})

@@ -13,6 +13,8 @@ from kda_engram.kda.conv import (
 from kda_engram.kda.metadata import prepare_chunk_indices
 from kda_engram.kda.reference import naive_conv_checkpoint, naive_conv_decode
 
+from ..helpers import refused
+
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
@@ -112,11 +114,11 @@ def test_prefill_conv_rejects_bad_launch_geometry():
     ci = prepare_chunk_indices(cu, total_tokens=T)
     w = torch.randn(3 * H * K, 4)
     for bad in (2, 24, 128):  # below W - 1 = 3, not a power of two, past the 64-row chunk
-        with pytest.raises(ValueError, match="row_block"):
+        with refused(ValueError, match="row_block"):
             conv_prefill_bands(x, x, x, w, cu, ci, row_block=bad)
     # In-chunk offsets are 32-bit: a token stride past 2**31 / 68 is refused, not wrapped.
     huge = torch.empty_strided((1, T, H, K), (0, 2**31 // 60, K, 1), device="meta")  # no storage needed
-    with pytest.raises(ValueError, match="k: token stride"):
+    with refused(ValueError, match="k: token stride"):
         conv_prefill_bands(x, huge, x, w, cu, ci)
 
 
@@ -151,24 +153,24 @@ def test_checkpoint_matches_reference():
 
 def test_bad_input():
     x, w, s = torch.randn(2, 8), torch.randn(8, 4), torch.zeros(3, 8, 3)
-    with pytest.raises(ValueError, match="conv_weight: expected shape"):
+    with refused(ValueError, match="conv_weight: expected shape"):
         kda_conv_decode(x, torch.randn(9, 4), s, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="conv_state: expected shape"):
+    with refused(ValueError, match="conv_state: expected shape"):
         kda_conv_decode(x, w, torch.zeros(3, 8, 4), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="conv_state_indices: expected shape"):
+    with refused(ValueError, match="conv_state_indices: expected shape"):
         kda_conv_decode(x, w, s, torch.tensor([0]))
-    with pytest.raises(ValueError, match="distinct"):
+    with refused(ValueError, match="distinct"):
         kda_conv_decode(x, w, s, torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match="entries must be < 3"):
+    with refused(ValueError, match="entries must be < 3"):
         kda_conv_decode(x, w, s, torch.tensor([0, 3]))
-    with pytest.raises(TypeError, match="x: expected dtype"):
+    with refused(TypeError, match="x: expected dtype"):
         kda_conv_decode(x.double(), w, s, torch.tensor([0, 1]))
     xt, cu = torch.randn(10, 8), torch.tensor([0, 10])
-    with pytest.raises(ValueError, match="checkpoint_offsets"):
+    with refused(ValueError, match="checkpoint_offsets"):
         kda_conv_checkpoint(xt, cu, torch.tensor([11]), torch.tensor([0]), s)
-    with pytest.raises(ValueError, match="checkpoint_offsets"):
+    with refused(ValueError, match="checkpoint_offsets"):
         kda_conv_checkpoint(xt, cu, torch.tensor([2]), torch.tensor([0]), s)
-    with pytest.raises(ValueError, match="checkpoint_indices"):
+    with refused(ValueError, match="checkpoint_indices"):
         kda_conv_checkpoint(xt, cu, torch.tensor([5]), torch.tensor([3]), s)
 
 

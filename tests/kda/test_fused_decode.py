@@ -14,6 +14,8 @@ import torch
 from kda_engram.kda.fused_decode import kda_layer_decode_step
 from kda_engram.kda.reference import naive_fused_kda_decode
 
+from ..helpers import refused
+
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 BF16 = torch.bfloat16
@@ -111,13 +113,13 @@ def test_output_dtype_and_bad_input():
     o = kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([0, 1]), out=out)
     assert o is out
-    with pytest.raises(TypeError, match="state_cache: expected dtype float32 or bfloat16"):
+    with refused(TypeError, match="state_cache: expected dtype float32 or bfloat16"):
         kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state.half(), state_indices=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="state_indices: non-negative entries must be distinct"):
+    with refused(ValueError, match="state_indices: non-negative entries must be distinct"):
         kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([1, 1]))
-    with pytest.raises(ValueError, match=r"g_out: expected shape \[2, 32\]"):
+    with refused(ValueError, match=r"g_out: expected shape \[2, 32\]"):
         bad = dict(bands, g_out=bands["g_out"][:, :8])
         kda_layer_decode_step(**bad, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([0, 1]))

@@ -21,6 +21,8 @@ from kda_engram.layers.engram import (
 from kda_engram.layers.kda import KDABatch
 from kda_engram.layers.reference import naive_engram_layer
 
+from ..helpers import refused
+
 DIM, HC, EPS = 32, 2, 1e-6
 VOCAB = 30
 
@@ -178,44 +180,44 @@ def test_from_config_and_v41_fp8_weights():
 
 def test_bad_input():
     layer, w = make_layer()
-    with pytest.raises(ValueError, match="missing"):
+    with refused(ValueError, match="missing"):
         layer.load_weights({k: v for k, v in w.items() if k != "q_weight"})
-    with pytest.raises(ValueError, match="unknown"):
+    with refused(ValueError, match="unknown"):
         layer.load_weights({**w, "wkv.bias": torch.zeros(3)})
-    with pytest.raises(ValueError, match="embed.weight: expected shape"):
+    with refused(ValueError, match="embed.weight: expected shape"):
         layer.load_weights({**w, "embed.weight": torch.zeros(3, 16)})
-    with pytest.raises(ValueError, match="layer_id"):
+    with refused(ValueError, match="layer_id"):
         EngramLayer(make_layout(), 4, DIM, HC, dtype=torch.float32, device="cpu")
-    with pytest.raises(TypeError, match="layout"):
+    with refused(TypeError, match="layout"):
         EngramLayer({"engram_layer_ids": [5]}, 5, DIM, HC, dtype=torch.float32, device="cpu")
     hidden = hidden_for(4, 0)
     batch = EngramBatch.from_query_lens(torch.tensor([4]), torch.tensor([0]))
-    with pytest.raises(ValueError, match="rows: pass rows"):
+    with refused(ValueError, match="rows: pass rows"):
         layer(hidden, batch)
-    with pytest.raises(ValueError, match="rows: expected shape"):
+    with refused(ValueError, match="rows: expected shape"):
         layer(hidden, batch, rows=torch.zeros(4, 2, 3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+    with refused(ValueError, match="hidden_states: expected shape"):
         layer(hidden_for(4, 0)[:, :1], batch, rows=torch.zeros(4, 2, 4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="history_cache: expected shape"):
+    with refused(ValueError, match="history_cache: expected shape"):
         engram_hash_step(ids_for(4, 0), batch, layer.layout, torch.zeros(2, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with refused(ValueError, match="cu_seqlens"):
         batch.validate(5)
-    with pytest.raises(ValueError, match="entries must be < 1"):
+    with refused(ValueError, match="entries must be < 1"):
         EngramBatch.from_query_lens(torch.tensor([4]), torch.tensor([1])).validate(4, 1)
-    with pytest.raises(ValueError, match="give both or neither"):
+    with refused(ValueError, match="give both or neither"):
         EngramBatch(torch.tensor([0, 4]), torch.tensor([0]), torch.tensor([True]),
                     checkpoint_offsets=torch.tensor([2])).validate(4)
     # The value rules, read back together: the first broken one is named with its values.
     two = dict(cu_seqlens=torch.tensor([0, 4, 7]), slot_indices=torch.tensor([0, 1]),
                has_initial_state=torch.tensor([True, False]))
     EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([2, 0])).validate(7, 3)
-    with pytest.raises(ValueError, match=r"checkpoint_offsets\[1\]: expected 0 <= p <= the sequence length 3, got 5"):
+    with refused(ValueError, match=r"checkpoint_offsets\[1\]: expected 0 <= p <= the sequence length 3, got 5"):
         EngramBatch(**two, checkpoint_offsets=torch.tensor([0, 5]), checkpoint_indices=torch.tensor([2, 2])).validate(7)
-    with pytest.raises(ValueError, match="checkpoint_indices \\(history rows written this step\\): non-negative entries must be distinct"):
+    with refused(ValueError, match="checkpoint_indices \\(history rows written this step\\): non-negative entries must be distinct"):
         EngramBatch(**two, checkpoint_offsets=torch.tensor([4, 0]), checkpoint_indices=torch.tensor([1, 2])).validate(7, 3)
-    with pytest.raises(ValueError, match="slot_indices/checkpoint_indices .*: non-negative entries must be distinct"):
+    with refused(ValueError, match="slot_indices/checkpoint_indices .*: non-negative entries must be distinct"):
         EngramBatch(torch.tensor([0, 4, 7]), torch.tensor([1, 1]), torch.tensor([True, True])).validate(7, 3)
-    with pytest.raises(ValueError, match="batch.cu_seqlens: expected offsets from 0 to T=7, got first 0 last 6"):
+    with refused(ValueError, match="batch.cu_seqlens: expected offsets from 0 to T=7, got first 0 last 6"):
         EngramBatch(torch.tensor([0, 4, 6]), torch.tensor([0, 1]), torch.tensor([True, True])).validate(7)
 
 
@@ -243,7 +245,7 @@ def test_refused_hash_step_leaves_the_history_cache_bit_identical(name, message,
     layout = make_layout()
     cache = torch.randint(0, VOCAB, (4, 2), generator=torch.Generator().manual_seed(2))
     before = cache.clone()
-    with pytest.raises(ValueError, match=message) as info:
+    with refused(ValueError, match=message) as info:
         engram_hash_step(make_ids(), make_batch(), layout, cache)
     assert "\n" not in str(info.value)
     assert torch.equal(cache, before)

@@ -19,7 +19,7 @@ from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
 from kda_engram.layers.reference import naive_kda_layer
 from kda_engram.parallel import TensorParallelGroup
 
-from ..helpers import rel_rmse
+from ..helpers import refused, rel_rmse
 
 HID, K = 32, 16
 
@@ -206,21 +206,21 @@ def test_tp_head_sharding_sums_to_the_full_layer():
 
 
 def test_layer_construction_errors():
-    with pytest.raises(ValueError, match="num_heads"):
+    with refused(ValueError, match="num_heads"):
         KimiDeltaAttention(HID, 3, K, tp=fake_group(0, 2), dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="head_dim"):
+    with refused(ValueError, match="head_dim"):
         KimiDeltaAttention(HID, 2, 24, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="conv_size"):
+    with refused(ValueError, match="conv_size"):
         KimiDeltaAttention(HID, 2, K, conv_size=3, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="lower_bound"):
+    with refused(ValueError, match="lower_bound"):
         KimiDeltaAttention(HID, 2, K, lower_bound=1.0, dtype=torch.float32, device="cpu")
     layer, w = make_layer(2)
-    with pytest.raises(ValueError, match="missing"):
+    with refused(ValueError, match="missing"):
         layer.load_weights({k: v for k, v in w.items() if k != "A_log"})
-    with pytest.raises(ValueError, match="unknown"):
+    with refused(ValueError, match="unknown"):
         layer.load_weights({**w, "q_proj.bias": torch.zeros(2 * K)})
     bad = dict(w, **{"q_proj.weight": torch.zeros(2 * K, HID + 1)})
-    with pytest.raises(ValueError, match="q_proj.weight: expected shape"):
+    with refused(ValueError, match="q_proj.weight: expected shape"):
         layer.load_weights(bad)
     assert layer.load_weights({"blk.0." + k: v for k, v in w.items()}, prefix="blk.0.") == {
         "blk.0." + k for k in w}
@@ -231,37 +231,37 @@ def test_forward_and_batch_errors():
     sc, cs = layer.allocate_cache(4)
     x = torch.randn(6, HID)
     ok = KDABatch.from_query_lens(torch.tensor([1, 5]), torch.tensor([0, 1]), num_decode=1)
-    with pytest.raises(ValueError, match="hidden_states: expected shape"):
+    with refused(ValueError, match="hidden_states: expected shape"):
         layer(torch.randn(6, HID + 1), ok, sc, cs)
-    with pytest.raises(TypeError, match="hidden_states: expected dtype"):
+    with refused(TypeError, match="hidden_states: expected dtype"):
         layer(x.double(), ok, sc, cs)
-    with pytest.raises(ValueError, match="state_cache: expected shape"):
+    with refused(ValueError, match="state_cache: expected shape"):
         layer(x, ok, sc[:, :1], cs)
-    with pytest.raises(ValueError, match="conv_state: expected shape"):
+    with refused(ValueError, match="conv_state: expected shape"):
         layer(x, ok, sc, cs[:, :, :2])
-    with pytest.raises(TypeError, match="batch: expected a KDABatch"):
+    with refused(TypeError, match="batch: expected a KDABatch"):
         layer(x, {"num_decode": 1}, sc, cs)
-    with pytest.raises(ValueError, match="do not match num_decode"):
+    with refused(ValueError, match="do not match num_decode"):
         layer(x, KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([0]), num_decode=1), sc, cs)
-    with pytest.raises(ValueError, match="num_decode"):
+    with refused(ValueError, match="num_decode"):
         KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([0]), num_decode=2)
-    with pytest.raises(ValueError, match="give both or neither"):
+    with refused(ValueError, match="give both or neither"):
         KDABatch.from_query_lens(torch.tensor([5]), torch.tensor([0]), num_decode=0, checkpoint_offsets=torch.tensor([0]))
     # validate(): the syncing checks
-    with pytest.raises(ValueError, match="prefill_cu_seqlens"):
+    with refused(ValueError, match="prefill_cu_seqlens"):
         ok.validate(7)
     ck = KDABatch.from_query_lens(torch.tensor([70]), torch.tensor([0]), num_decode=0,
                                   checkpoint_offsets=torch.tensor([32]), checkpoint_indices=torch.tensor([1]))
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with refused(ValueError, match="multiple of 64"):
         ck.validate(70)
     dup = KDABatch.from_query_lens(torch.tensor([1, 5]), torch.tensor([1, 1]), num_decode=1)
-    with pytest.raises(ValueError, match="distinct"):
+    with refused(ValueError, match="distinct"):
         dup.validate(6, 4, 4)
     clash = KDABatch.from_query_lens(torch.tensor([1, 70]), torch.tensor([1, 0]), num_decode=1,
                                      checkpoint_offsets=torch.tensor([0, 64]), checkpoint_indices=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="distinct"):
+    with refused(ValueError, match="distinct"):
         clash.validate(71, 4, 4)
-    with pytest.raises(ValueError, match="entries must be < 4"):
+    with refused(ValueError, match="entries must be < 4"):
         KDABatch.from_query_lens(torch.tensor([1]), torch.tensor([4]), num_decode=1).validate(1, 4, 4)
 
 
@@ -312,7 +312,7 @@ def test_refused_mixed_step_leaves_every_cache_bit_identical(name, error, messag
     cs.copy_(torch.randn(cs.shape, generator=gen))
     sc[::2] = math.nan  # NaN sentinels: compared bit for bit
     sc0, cs0 = sc.clone(), cs.clone()
-    with pytest.raises(error, match=message) as info:
+    with refused(error, match=message) as info:
         layer(torch.randn(tokens, HID, generator=gen), make_batch(), sc, cs)
     assert "\n" not in str(info.value)
     assert torch.equal(sc.view(torch.int32), sc0.view(torch.int32))
@@ -452,5 +452,5 @@ def test_allocate_cache_state_dtype():
     assert sc.dtype == torch.float32
     sc, _ = layer.allocate_cache(2, state_dtype=torch.bfloat16)
     assert sc.dtype == torch.bfloat16
-    with pytest.raises(TypeError, match="state_dtype: expected float32 or bfloat16, got torch.float16"):
+    with refused(TypeError, match="state_dtype: expected float32 or bfloat16, got torch.float16"):
         layer.allocate_cache(2, state_dtype=torch.float16)

@@ -1,49 +1,28 @@
 """A call that raises on bad input leaves every cache bit-identical.
 
 The caches hold NaN sentinels and real values; each call is refused by a rule on
-device values. Where the entry point launches before its one read-back
-(``chunk_kda_prefill``, ``kda_decode``, ``kda_decode_multi``, the fused decode
-step: guarded indices) this pins that the guarded launches write no cache; for
-the others, that nothing writes one before the read-back.
+device values. Every entry point launches before its verdict is read (guarded
+indices: rows -1, sequences empty, offsets 0, token ids 0), so this pins that the
+guarded launches write no cache; the error itself comes at the next call
+(``refused`` ends its block with ``raise_pending_errors``).
 """
-
-import math
 
 import pytest
 import torch
 
-from kda_engram.engram.hashing import next_history
+from kda_engram.engram.hashing import next_history, ngram_hash
 from kda_engram.engram.layout import EngramLayout
 from kda_engram.kda.chunk import kda_prefill_walk
 from kda_engram.kda.conv import kda_conv_checkpoint, kda_conv_decode
 from kda_engram.kda.decode import kda_decode, kda_decode_multi
 from kda_engram.kda.prefill import chunk_kda_prefill
+from kda_engram.kda.prologue import kda_prefill_prologue
 from kda_engram.kda.reference import naive_chunk_operands
 
-from ..helpers import raw_kda_inputs
+from ..helpers import assert_same, bits, raw_kda_inputs, refused, with_sentinels
 
 H, K, V = 1, 16, 16
 CONV_C = 2 * H * K + H * V
-
-
-def rnd(gen, *shape):
-    return torch.randn(*shape, generator=gen)
-
-
-def with_sentinels(*shape, seed=3):
-    """Random values with every other row NaN."""
-    x = rnd(torch.Generator().manual_seed(seed), *shape)
-    x[::2] = math.nan
-    return x
-
-
-def bits(x):
-    return x.view(torch.int32) if x.dtype == torch.float32 else x
-
-
-def assert_same(after, before):
-    for a, b in zip(after, before):
-        assert torch.equal(bits(a), bits(b))
 
 
 def prefill_raw(T, seed=0):
@@ -58,7 +37,7 @@ def decode_raw(B, S=None, seed=0):
 def test_kda_decode(indices):
     cache = with_sentinels(6, H, V, K)
     before = cache.clone()
-    with pytest.raises(ValueError, match="state_indices"):
+    with refused(ValueError, match="state_indices"):
         kda_decode(**decode_raw(2), state_cache=cache, state_indices=torch.tensor(indices))
     assert_same([cache], [before])
 
@@ -66,7 +45,7 @@ def test_kda_decode(indices):
 def test_kda_decode_multi():
     cache = with_sentinels(6, H, V, K)
     before = cache.clone()
-    with pytest.raises(ValueError, match="initial_state_indices"):
+    with refused(ValueError, match="initial_state_indices"):
         kda_decode_multi(**decode_raw(2, 2), state_cache=cache, state_indices=torch.tensor([[0, 1], [2, 3]]),
                          initial_state_indices=torch.tensor([2, 4]))
     assert_same([cache], [before])
@@ -100,7 +79,7 @@ def test_chunk_kda_prefill(name, bad):
         chunk_kda_prefill(**prefill_raw(T), **kw)
         assert not torch.equal(bits(cache), bits(before[0])) and not torch.equal(bits(conv), bits(before[1]))
         return
-    with pytest.raises(ValueError, match=name):
+    with refused(ValueError, match=name):
         chunk_kda_prefill(**prefill_raw(T), **kw)
     assert_same([cache, conv], before)
 
@@ -116,7 +95,7 @@ def test_kda_prefill_walk():
                       (dict(checkpoint_offsets=torch.tensor([64, 0]), chunk_offsets=torch.tensor([0, 1, 3])),
                        "chunk_offsets")):
         before = [cache.clone(), out.clone()]
-        with pytest.raises(ValueError, match=name):
+        with refused(ValueError, match=name):
             kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, 0.25, cu,
                             None, False, state_cache=cache, state_indices=torch.tensor([0, 1]),
                             has_initial_state=torch.tensor([True, True]), checkpoint_state=cache,
@@ -124,10 +103,58 @@ def test_kda_prefill_walk():
         assert_same([cache, out], before)
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_fused_kda_chunk_bad_cu_seqlens(groups):
+    """A decreasing cu_seqlens (the chunk offsets then index garbage): the guarded
+    launches, serial or grouped, write no cache row and no output row."""
+    T = 140
+    raw = prefill_raw(T)
+    ops = naive_chunk_operands(**raw, cu_seqlens=torch.tensor([0, 130, T]))
+    cache = with_sentinels(4, H, V, K)
+    out = with_sentinels(1, T, H, V, seed=5)
+    before = [cache.clone(), out.clone()]
+    with refused(ValueError, match="cu_seqlens"):
+        kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, 0.25,
+                        torch.tensor([0, 130, 100]), None, False, state_cache=cache,
+                        state_indices=torch.tensor([0, 1]), has_initial_state=torch.tensor([True, True]),
+                        groups=groups)
+    assert_same([cache, out], before)
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("conv_state_indices", dict(conv_state_indices=torch.tensor([0, 5]))),
+    ("conv_state_indices", dict(conv_state_indices=torch.tensor([2, 2]))),
+    ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 80, 70]))),
+    ("chunk_indices", dict(chunk_indices=torch.tensor([[0, 0], [0, 1], [1, 3]]))),
+])
+def test_fused_kda_prologue(name, bad):
+    T = 70
+    raw = prefill_raw(T)
+    conv = with_sentinels(3, CONV_C, 3, seed=4)
+    kw = dict(cu_seqlens=torch.tensor([0, 66, T]), conv_weight=torch.randn(CONV_C, 4), conv_state=conv,
+              conv_state_indices=torch.tensor([1, 2]), conv_has_initial_state=torch.tensor([True, False]))
+    kw.update(bad)
+    before = conv.clone()
+    with refused(ValueError, match=name):
+        kda_prefill_prologue(raw["q"], raw["k"], raw["v"], raw["raw_g"], raw["raw_beta"], raw["A_log"],
+                           raw["dt_bias"], 0.25, None, **kw)
+    assert_same([conv], [before])
+
+
+def test_ngram_hash_ids_past_the_map():
+    """A token id past ``token_map``: the guarded launch reads no id out of range,
+    the error names it."""
+    layout = EngramLayout.build(layer_ids=[1], max_ngram=3, n_heads=2, head_dim=8, vocab_size=[101, 203],
+                                compressed_vocab_size=50, pad_id=2)
+    token_map = torch.arange(60) % 50
+    with refused(ValueError, match="token_ids"):
+        ngram_hash(torch.tensor([1, 2, 10**6, 4]), torch.tensor([0, 4]), layout, token_map=token_map)
+
+
 def test_kda_conv_decode():
     conv = with_sentinels(4, 8, 3)
     before = conv.clone()
-    with pytest.raises(ValueError, match="conv_state_indices"):
+    with refused(ValueError, match="conv_state_indices"):
         kda_conv_decode(torch.randn(2, 8), torch.randn(8, 4), conv, torch.tensor([2, 2]))
     assert_same([conv], [before])
 
@@ -137,7 +164,7 @@ def test_kda_conv_checkpoint():
     before = conv.clone()
     x = torch.randn(20, 8)
     for offs, idx, name in (([5, 30], [0, 1], "checkpoint_offsets"), ([5, 6], [1, 1], "checkpoint_indices")):
-        with pytest.raises(ValueError, match=name):
+        with refused(ValueError, match=name):
             kda_conv_checkpoint(x, torch.tensor([0, 10, 20]), torch.tensor(offs), torch.tensor(idx), conv)
         assert_same([conv], [before])
 
@@ -147,7 +174,7 @@ def test_next_history_into_itself():
                                 compressed_vocab_size=50, pad_id=2)
     history = torch.tensor([[4, 5], [-1, 7]])
     before = history.clone()
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with refused(ValueError, match="cu_seqlens"):
         next_history(torch.arange(6), torch.tensor([0, 4, 3]), layout, history=history, out=history)
     assert_same([history], [before])
 
@@ -159,7 +186,7 @@ def test_guarded_launches_on_the_gpu(gpu):
     cache = with_sentinels(8, 4, 128, 128).to(gpu)
     before = cache.clone()
     x = {n: t.to(gpu) for n, t in raw_kda_inputs((4,), 4, 128, 128, 0).items()}
-    with pytest.raises(ValueError, match="state_indices"):
+    with refused(ValueError, match="state_indices"):
         kda_decode(**x, state_cache=cache, state_indices=torch.tensor([0, 2, 9, 3], device=gpu))
     torch.cuda.synchronize()
     assert_same([cache], [before])
@@ -171,7 +198,7 @@ def test_guarded_launches_on_the_gpu(gpu):
                   state_indices=torch.tensor([1, 3, 5], device=gpu),
                   has_initial_state=torch.tensor([True, True, False], device=gpu))
         kw.update(bad)
-        with pytest.raises(ValueError, match=next(iter(bad))):
+        with refused(ValueError, match=next(iter(bad))):
             chunk_kda_prefill(**x, **kw)
         torch.cuda.synchronize()
         assert_same([cache], [before])
@@ -186,6 +213,6 @@ def test_kda_decode_past_the_one_program_rules(indices, monkeypatch):
     monkeypatch.setattr(rules, "MAX_ONE_PROGRAM_INDICES", 2)
     cache = with_sentinels(6, H, V, K)
     before = cache.clone()
-    with pytest.raises(ValueError, match="state_indices"):
+    with refused(ValueError, match="state_indices"):
         kda_decode(**decode_raw(3), state_cache=cache, state_indices=torch.tensor(indices))
     assert_same([cache], [before])

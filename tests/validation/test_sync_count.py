@@ -1,5 +1,7 @@
-"""Host syncs per call on the GPU: at most one with the defaults, none with
-``check_inputs=False`` (counted by torch's CUDA sync debug mode)."""
+"""Host syncs per call on the GPU (counted by torch's CUDA sync debug mode and
+event waits): none with the defaults once the previous call's verdict has landed
+(it is raised one call later, :mod:`kda_engram.validation.entry`), one with
+``check_inputs="sync"``, none with ``check_inputs=False``."""
 
 import warnings
 
@@ -52,7 +54,8 @@ def prefill_args(gpu, N=4, L=200, H=4, K=128, V=128, slots=8):
 @pytest.mark.gpu
 def test_prefill_one_sync_by_default(gpu, monkeypatch):
     args = prefill_args(gpu)
-    assert count_syncs(lambda: chunk_kda_prefill(**args), monkeypatch) == 1
+    assert count_syncs(lambda: chunk_kda_prefill(**args), monkeypatch) == 0
+    assert count_syncs(lambda: chunk_kda_prefill(**args, check_inputs="sync"), monkeypatch) == 1
     assert count_syncs(lambda: chunk_kda_prefill(**args, check_inputs=False), monkeypatch) == 0
 
 
@@ -65,7 +68,8 @@ def test_decode_one_sync_by_default(gpu, monkeypatch):
                 raw_g=r(B, H, K).bfloat16(), raw_beta=r(B, H).bfloat16(), A_log=r(H), dt_bias=r(H * K),
                 state_cache=torch.zeros(B, H, V, K, device=gpu),
                 state_indices=torch.arange(B, device=gpu, dtype=torch.int32))
-    assert count_syncs(lambda: kda_decode(**args), monkeypatch) == 1
+    assert count_syncs(lambda: kda_decode(**args), monkeypatch) == 0
+    assert count_syncs(lambda: kda_decode(**args, check_inputs="sync"), monkeypatch) == 1
     assert count_syncs(lambda: kda_decode(**args, check_inputs=False), monkeypatch) == 0
 
 

@@ -42,6 +42,7 @@ from ..launch_config import GateGeometry
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
 from ..validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
+from ..validation.entry import settle_pending
 
 # Up to this dim the row stays in registers at warps_for(row lanes) warps and a
 # program may walk several tokens.
@@ -485,6 +486,7 @@ def engram_post_wkv(
     Returns:
         ``out`` ``[T, hc, dim]`` in hidden's dtype. All math is fp32.
     """
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, token_mask, out)
         check_tensor("kv", kv, shape=(None, (hc + 1) * dim), dtypes=FLOAT_DTYPES, device=hidden_states.device)

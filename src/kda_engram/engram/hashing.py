@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..validation.common import DeviceChecks, check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.engram import check_hash_arguments
 from .layout import EngramLayout
 
@@ -193,14 +194,13 @@ def _dead_view(dead_mask):
     return dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask
 
 
-def _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask, check_ids=True) -> DeviceChecks:
-    """Host rules at once; the value rules queued on the returned checks."""
+def _check_common(checks: DeviceChecks, token_ids, cu_seqlens, layout, token_map, history, dead_mask,
+                  check_ids=True) -> None:
+    """Host rules at once; the value rules queued on ``checks``."""
     if not isinstance(layout, EngramLayout):
         raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-    checks = DeviceChecks()
     check_hash_arguments(token_ids, cu_seqlens, layout.max_ngram, layout.compressed_vocab_size, token_map, history,
                          dead_mask, checks, check_ids=check_ids)
-    return checks
 
 
 def ngram_hash(
@@ -244,9 +244,9 @@ def ngram_hash(
         for order ``n``, head ``j``; ``out[:, l, :]`` is what
         :meth:`kda_engram.engram.table.EngramTable.lookup` takes.
     """
-    checks = None
-    if check_inputs:
-        checks = _check_common(token_ids, cu_seqlens, layout, token_map, history, dead_mask)
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
+        _check_common(checks, token_ids, cu_seqlens, layout, token_map, history, dead_mask)
         if layout.total_rows(global_rows=global_rows) >= 2**31:
             raise ValueError(f"layout: {layout.total_rows(global_rows=global_rows)} rows do not fit the int32 output")
     num_tokens = token_ids.shape[0]
@@ -255,14 +255,16 @@ def ngram_hash(
     device = token_ids.device
     if out is None:
         out = torch.empty((num_tokens, L, C), dtype=torch.int32, device=device)
-    elif check_inputs:
+    elif checks.on:
         check_tensor("out", out, shape=[num_tokens, L, C], dtypes=(torch.int32,), device=device)
-    if checks is not None:
-        checks.run()  # the one read-back, before anything writes out
-    if num_tokens == 0:
-        return out
-    if num_seqs == 0:
-        return out.fill_(-1)
+    if num_tokens == 0 or num_seqs == 0:
+        checks.run()
+        return out if num_tokens == 0 else out.fill_(-1)
+    # Launch, then read back: a broken rule makes every sequence empty (every
+    # token's rows -1), every id 0 and the history "none", so no id reaches a
+    # gather out of its range.
+    token_ids, cu_seqlens = checks.guard(token_ids, 0), checks.guard(cu_seqlens, 0)
+    history = checks.guard(history, -1)
     primes, offsets, mults = layout.device_arrays(device, global_rows=global_rows)
     dead = _dead_view(dead_mask) if dead_mask is not None else None
     steps = max(0, (num_seqs - 1).bit_length())
@@ -298,6 +300,7 @@ def ngram_hash(
         BLOCK=BLOCK_T,
         num_warps=4,
     )
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 
@@ -319,20 +322,22 @@ def next_history(
     was dead. ``out`` may be ``history`` itself (each program reads its row
     before writing it), so an engine can keep one persistent buffer per slot.
     """
-    checks = None
-    if check_inputs:
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         # Ids are only copied here, in whatever id space the caller hashes them.
-        checks = _check_common(token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
+        _check_common(checks, token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
     num_seqs = cu_seqlens.numel() - 1
     hist_len = layout.max_ngram - 1
     if out is None:
         out = torch.empty((num_seqs, hist_len), dtype=token_ids.dtype, device=token_ids.device)
-    elif check_inputs:
+    elif checks.on:
         _check_history(out, num_seqs, hist_len, token_ids.device)
-    if checks is not None:
-        checks.run()  # the one read-back, before anything writes out (which may be history)
     if num_seqs == 0:
+        checks.run()
         return out
+    # Launch, then read back: a broken rule makes every sequence empty, whose next
+    # history is its history unchanged (so ``out`` = ``history`` keeps its bits).
+    cu_seqlens = checks.guard(cu_seqlens, 0)
     dead = _dead_view(dead_mask) if dead_mask is not None else None
     _next_history_kernel[(num_seqs,)](
         token_ids,
@@ -353,6 +358,7 @@ def next_history(
         HAS_DEAD=dead is not None,
         num_warps=1,
     )
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..validation.common import INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.entry import settle_pending
 
 __all__ = ["gather_history", "scatter_history", "checkpoint_history"]
 
@@ -115,6 +116,7 @@ def gather_history(cache: torch.Tensor, slot_indices: torch.Tensor, has_initial_
     starts fresh) where the index is negative or ``has_initial_state[n]`` is false --
     a new sequence never reads a stale row. One launch, no host sync. Returns a new
     tensor in ``cache``'s dtype."""
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         _check_history_cache(cache, slot_indices)
         check_index_range("slot_indices", slot_indices, cache.shape[0])
@@ -142,6 +144,7 @@ def scatter_history(cache: torch.Tensor, slot_indices: torch.Tensor, history: to
                     check_inputs: bool = True) -> torch.Tensor:
     """Write ``history [N, H]`` to rows ``slot_indices`` of ``cache`` in place (negative:
     not written; rows no index names are never touched). Returns ``cache``."""
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         _check_history_cache(cache, slot_indices)
         check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
@@ -171,6 +174,7 @@ def checkpoint_history(token_ids: torch.Tensor, cu_seqlens: torch.Tensor, histor
     sequence ``n`` of this call (``history`` is what came before the call, as given
     to ``ngram_hash``), for ``0 < p <= length``; ``p = 0`` or a negative row: nothing.
     Returns ``cache``."""
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
         dev = token_ids.device

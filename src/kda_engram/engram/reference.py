@@ -315,9 +315,3 @@ def naive_engram_gate_sharded(
     value = torch.cat(value_slices, dim=1)
     gate = _gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask)
     return (hidden + gate[..., None] * value[:, None, :]).to(hidden_states.dtype)
-
-
-# Old names, kept only for the tools (check.py, demo.py) until they move into
-# kda_engram/tools: remove then.
-engram_post_wkv_ref = naive_engram_post_wkv
-engram_gate_sharded_ref = naive_engram_gate_sharded

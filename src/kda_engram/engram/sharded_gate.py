@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
 from ..validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
+from ..validation.entry import settle_pending
 from .gate import (
     _check_num_warps,
     _load_qk,
@@ -264,6 +265,7 @@ def engram_gate_partials(
         bit for bit), then per stream the fp32 pair ``(sum key^2, sum hidden*q*k*key)``
         over the slice, ``pair_elems = 8 // kv.element_size()``.
     """
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, None, None)
         check_tp_rank(rank, tp_size)
@@ -338,6 +340,7 @@ def engram_gate_finish(
         ``out [T, hc, dim]``; partials are summed in rank order, so ranks holding the
         same ``hidden_states`` and ``gathered`` get the same bits.
     """
+    settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
         T, hc, dim = check_gate_common(hidden_states, None, None, token_mask, out, with_weights=False)
         check_gate_scalars(eps, clamp_value)

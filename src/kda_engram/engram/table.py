@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ..validation.common import DeviceChecks, check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.engram import check_column_sizes, check_finite_weight, check_table_rows
 from .layout import EngramLayout
 from ..platform import interpreting, is_amd, num_compute_units
@@ -394,11 +395,9 @@ class EngramTable:
             self._col_bounds[key] = got
         return got
 
-    def _check_rows(self, rows: torch.Tensor) -> None:
+    def _check_rows(self, rows: torch.Tensor, checks: DeviceChecks) -> None:
         allowed = {self.device, torch.device("cpu")} if self.host_mode == "staged" else {self.device}
-        checks = DeviceChecks()
         check_table_rows(rows, self.n_cols, allowed, self._bounds, checks)
-        checks.run()  # one read-back
 
     def _check_out(self, out: torch.Tensor, shape) -> None:
         check_tensor("out", out, shape=shape, dtypes=(self.out_dtype,), device=self.device, last_dim_contiguous=True)
@@ -480,26 +479,34 @@ class EngramTable:
         columns other ranks own, and negative rows, are zeros (so the rank
         outputs of a sharded table sum to the full lookup).
         """
-        if check_inputs:
-            self._check_rows(rows)
+        checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+        if checks.on:
+            self._check_rows(rows, checks)
         T = rows.shape[0]
         if out is None:
             out = torch.empty((T, self.n_cols, self.head_dim), dtype=self.out_dtype, device=self.device)
-        elif check_inputs:
+        elif checks.on:
             self._check_out(out, [T, self.n_cols, self.head_dim])
-        return self._gather(rows, out, self.n_cols, 0, self.col_start, self.col_end)
+        # Launch, then read back: a broken rule makes every row -1 (zeros out).
+        out = self._gather(checks.guard(rows, -1), out, self.n_cols, 0, self.col_start, self.col_end)
+        checks.run()  # the verdict (deferred by default: validation.entry)
+        return out
 
     def lookup_local(self, rows: torch.Tensor, *, out: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
         """This rank's hash columns only: ``rows [T, n_cols]`` (all columns, as the hash
         writes them) -> ``[T, n_local_cols, head_dim]``, columns ``col_start..col_end``."""
-        if check_inputs:
-            self._check_rows(rows)
+        checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+        if checks.on:
+            self._check_rows(rows, checks)
         T, width = rows.shape[0], self.n_local_cols
         if out is None:
             out = torch.empty((T, width, self.head_dim), dtype=self.out_dtype, device=self.device)
-        elif check_inputs:
+        elif checks.on:
             self._check_out(out, [T, width, self.head_dim])
-        return self._gather(rows, out, width, self.col_start, 0, width)
+        # Launch, then read back: a broken rule makes every row -1 (zeros out).
+        out = self._gather(checks.guard(rows, -1), out, width, self.col_start, 0, width)
+        checks.run()  # the verdict (deferred by default: validation.entry)
+        return out
 
     def lookup_gathered(self, rows: torch.Tensor, group=None, *, check_inputs: bool = True) -> torch.Tensor:
         """Full ``[T, n_cols, head_dim]`` on every rank: :meth:`lookup_local`, then

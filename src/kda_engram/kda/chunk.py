@@ -38,7 +38,8 @@ import torch
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
 from ..launch_config import ChunkConfig, chunk_launch, scan_precision_for, walk_tile
 from ..platform import arch, interpreting, num_compute_units
-from ..validation.common import DeviceChecks, check_tensor
+from ..validation.common import check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.kda import (
     check_chunk_offsets,
     check_chunk_operands,
@@ -185,8 +186,10 @@ def kda_prefill_walk(
       ``ValueError``, so nothing is dropped silently.
 
     ``check_inputs=True`` validates everything; the rules on ``cu_seqlens``, the
-    indices and offsets are vectorised and read back in one transfer (one host
-    sync) right before the first launch; with ``False`` the call launches one
+    indices and offsets are vectorised, the launches run on guarded indices (a
+    broken rule writes nothing) and the verdict is raised by the next call into
+    the library (``"sync"``: at once; :mod:`kda_engram.validation.entry`); with
+    ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
     :func:`chunk_config` (a dict or a :class:`~kda_engram.launch_config.ChunkConfig`
@@ -239,11 +242,10 @@ def kda_prefill_walk(
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
     num_seqs = cu_seqlens.numel() - 1
-    checks = None
-    if check_inputs:
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
         check_scale(scale, allow_none=False)
-        checks = DeviceChecks()
         lengths = check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False,
                                    return_lengths=checkpoint_offsets is not None)
         expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
@@ -256,14 +258,20 @@ def kda_prefill_walk(
         )
     if chunk_offsets is None:
         # The checks have built it already; otherwise one launch, no host sync.
-        chunk_offsets = expected if check_inputs else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+        chunk_offsets = expected if checks.on else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+    # Launch, then read back: a broken rule turns the batch into empty sequences
+    # (cu_seqlens and chunk_offsets zeros) whose rows are all "none" and offsets
+    # 0, so the launches below touch no cache, checkpoint or output row.
+    cu_seqlens, chunk_offsets = checks.guard(cu_seqlens, 0), checks.guard(chunk_offsets, 0)
+    state_indices = checks.guard(state_indices, -1)
+    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
+    checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
     final_state = None
     if output_final_state:
         final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
                                            (num_seqs, H, V, K), device)
     if num_seqs == 0 or H == 0:
-        if checks is not None:
-            checks.run()
+        checks.run()
         return out, final_state
     if num_seqs > MAX_GRID_DIM or H > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
@@ -328,8 +336,6 @@ def kda_prefill_walk(
     if n_groups > 1:
         h_ws, m_ws, s_ws = parts["h"], parts["m"], parts["s"]
         # Pass one: V state rows + K operator rows per (sequence, head, group).
-        if checks is not None:
-            checks.run()  # the one read-back, right before the first launch
         bv1, bvs, bj = launch.BV_pass1, launch.BV_scan, launch.BJ_scan
         _kda_group_pass_one_kernel[((V + K) // bv1, H, num_seqs * (n_groups - 1))](
             w, u, kg_t, decay, cu_seqlens, chunk_offsets, h_ws, m_ws,
@@ -358,8 +364,6 @@ def kda_prefill_walk(
 
     bv = launch.BV
     grid = (V // bv, H, num_seqs * n_groups)
-    if checks is not None:
-        checks.run()  # the one read-back (a no-op if the grouped path ran it)
     _kda_chunk_walk_kernel[grid](
         qg, w, u, kg_t, aqk, decay, out,
         cu_seqlens, chunk_offsets,
@@ -380,6 +384,7 @@ def kda_prefill_walk(
         CKPT_BF16=ckpt_bf16, OUT_BF16=s_out is not None and s_out.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return out, final_state
 
 

@@ -5,7 +5,7 @@ raw q, k and v bands of its input projection. Three kernels serve it:
 
 * :func:`conv_prefill_bands` -- the prefill: every token of a varlen batch,
   starting each sequence from its conv-state row and writing the row back.
-  :func:`kda_engram.kda.prologue.fused_kda_prologue` runs it first when given a
+  :func:`kda_engram.kda.prologue.kda_prefill_prologue` runs it first when given a
   conv weight (it validates the arguments; this function does not).
 * :func:`kda_conv_decode` -- one decode step: channel ``c`` of sequence ``b``
   computes ``y = silu(sum_{w<W-1} weight[c, w] * window[w] + weight[c, W-1] * x)``
@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE
-from ..validation.common import DeviceChecks
+from ..validation.entry import EntryChecks
 from ..validation.kda import check_conv_checkpoint, check_conv_decode
 from .metadata import chunk_row
 
@@ -189,7 +189,7 @@ def conv_prefill_bands(
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal depthwise conv + SiLU of a varlen prefill, one launch; no input checks
-    (the caller, :func:`~kda_engram.kda.prologue.fused_kda_prologue`, validates).
+    (the caller, :func:`~kda_engram.kda.prologue.kda_prefill_prologue`, validates).
 
     Args:
         q, k: ``[1, T, H, K]`` raw bands, v: ``[1, T, H, V]``, one float dtype, any
@@ -354,18 +354,18 @@ def kda_conv_decode(
     Returns ``out [B, C]``: ``silu(sum_w weight[c, w] * [window | x][w])`` in fp32
     arithmetic.
     """
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks)
     B, C = x.shape
     W = conv_weight.shape[1]
     if out is None:
         out = torch.empty(B, C, dtype=out_dtype or x.dtype, device=x.device)
     if B == 0 or C == 0:
+        checks.run()
         return out
-    if checks is not None:
-        checks.run()  # the one read-back, then the launch
+    # Launch, then read back: a broken rule makes every row "none" (no conv_state row touched).
+    conv_state_indices = checks.guard(conv_state_indices, -1)
     grid = (B, triton.cdiv(C, BLOCK_C))
     _conv_decode_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -377,6 +377,7 @@ def kda_conv_decode(
         W=W, WP=triton.next_power_of_2(W), BLOCK=BLOCK_C,
         num_warps=4,
     )
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 
@@ -411,16 +412,19 @@ def kda_conv_checkpoint(
     Returns ``conv_state``.
     """
     W = conv_state.shape[2] + 1 if conv_state.dim() == 3 else 0
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, checks)
     N = cu_seqlens.numel() - 1
     C = x.shape[1]
-    if checks is not None:
-        checks.run()  # the one read-back, then the launch
     if N <= 0 or C == 0:
+        checks.run()
         return conv_state
+    # Launch, then read back: a broken rule makes every offset 0 and every row
+    # "none" (no conv_state row touched).
+    cu_seqlens = checks.guard(cu_seqlens, 0)
+    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
+    checkpoint_indices = checks.guard(checkpoint_indices, -1)
     grid = (N, triton.cdiv(C, BLOCK_C))
     _conv_checkpoint_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -432,4 +436,5 @@ def kda_conv_checkpoint(
         W=W, WP=triton.next_power_of_2(W), BLOCK=BLOCK_C,
         num_warps=4,
     )
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return conv_state

@@ -45,7 +45,7 @@ import triton.language as tl
 from ..constants import L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch, is_pow2
 from ..platform import interpreting
-from ..validation.common import DeviceChecks
+from ..validation.entry import EntryChecks
 from ..validation.kda import (
     check_decode_inputs,
     check_decode_multi_indices,
@@ -320,9 +320,8 @@ def kda_decode(
     the L2 norms, gate, beta sigmoid, state update and output; all math in fp32.
     """
     check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
         # Launch, then read back: a broken rule turns every row into "none" (the
@@ -335,8 +334,7 @@ def kda_decode(
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
-    if checks is not None:
-        checks.run()  # the one read-back (index range and distinctness)
+    checks.run()  # the verdict (index range and distinctness): deferred, see validation.entry
     return out
 
 
@@ -391,20 +389,19 @@ def kda_decode_multi(
     Returns ``out``: ``[B, S, H, V]``.
     """
     check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
                                    lead=2)
         check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:
+        checks.run()
         return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
-    if checks is not None:
-        # Launch, then read back (see kda_decode): broken rules make every row "none".
-        state_indices = checks.guard(state_indices, -1)
-        initial_state_indices = checks.guard(initial_state_indices, -1)
+    # Launch, then read back (see kda_decode): broken rules make every row "none".
+    state_indices = checks.guard(state_indices, -1)
+    initial_state_indices = checks.guard(initial_state_indices, -1)
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
     _launch(
@@ -412,6 +409,5 @@ def kda_decode_multi(
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
         idx_strides=state_indices.stride(), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
-    if checks is not None:
-        checks.run()  # the one read-back
+    checks.run()  # the verdict, after the launch
     return out

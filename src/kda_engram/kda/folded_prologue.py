@@ -161,7 +161,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
                             conv_has_initial_state=None, *, num_warps=None, gate="raw", qk_l2norm=True,
                             beta_sigmoid=True):
     """The host half of the folded prologue (arguments as
-    :func:`kda_engram.kda.prologue.fused_kda_prologue`, assumed valid). Returns
+    :func:`kda_engram.kda.prologue.kda_prefill_prologue`, assumed valid). Returns
     ``launch()``, which makes the launches (the conv's first, when on) and returns
     ``dict(qg, kd, t_fold, a_fold, decay, v)``: ``v`` is the value band the walk
     must read (the conv's output when the conv is on, else ``v`` itself). ``gate``,

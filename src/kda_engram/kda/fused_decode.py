@@ -43,7 +43,7 @@ import triton.language as tl
 from ..constants import CONV_WIDTH, L2NORM_EPS
 from ..launch_config import device_arch, fused_decode_tiling_for
 from ..platform import interpreting
-from ..validation.common import DeviceChecks
+from ..validation.entry import EntryChecks
 from ..validation.kda import check_fused_decode_arguments
 from .decode import _l2_normalize, _log_decay
 from .deprecated import deprecated_alias
@@ -305,9 +305,8 @@ def kda_layer_decode_step(
     """
     multi = x.dim() == 3
     _, H, V, K = state_cache.shape
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         check_fused_decode_arguments(
             checks, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
             o_norm_weight, state_cache, state_indices, initial_state_indices, initial_conv_indices, scale,
@@ -317,16 +316,14 @@ def kda_layer_decode_step(
     B = x.shape[0]
     S = x.shape[1] if multi else 1
     if B == 0 or S == 0:
-        if checks is not None:
-            checks.run()
+        checks.run()
         return out
-    if checks is not None:
-        # Launch, then read back: a broken rule makes every row "none", so the
-        # launch touches neither cache, and the error is raised after it. The
-        # default initial rows are views of the guarded ones (derived below).
-        state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
-        initial_state_indices = checks.guard(initial_state_indices, -1)
-        initial_conv_indices = checks.guard(initial_conv_indices, -1)
+    # Launch, then read back: a broken rule makes every row "none", so the launch
+    # touches neither cache. The default initial rows are views of the guarded
+    # ones (derived below).
+    state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
+    initial_state_indices = checks.guard(initial_state_indices, -1)
+    initial_conv_indices = checks.guard(initial_conv_indices, -1)
     if multi:
         init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
@@ -367,8 +364,7 @@ def kda_layer_decode_step(
         NATIVE_ROUND=not interpreting(),
         num_warps=num_warps,
     )
-    if checks is not None:
-        checks.run()  # the one read-back
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 

@@ -1,6 +1,6 @@
 """Parallel chunk groups for the KDA chunk walk: how many, and their workspace.
 
-The chunk walk of :func:`kda_engram.kda.chunk.fused_kda_chunk` is serial per
+The chunk walk of :func:`kda_engram.kda.chunk.kda_prefill_walk` is serial per
 sequence: one program per (sequence, head, V-tile) steps through every 64-token
 chunk, so a long prompt on the few heads that tensor parallelism leaves on a GPU
 (4-8) occupies a handful of the compute units and the launch is latency-bound
@@ -168,7 +168,7 @@ def chunk_groups(
       :data:`MIN_GROUP_CHUNKS` chunks.
 
     ``chunks_per_seq`` is a static proxy, ``(T // 64) // N`` in
-    :func:`~kda_engram.kda.chunk.fused_kda_chunk` (``cu_seqlens`` is never read on
+    :func:`~kda_engram.kda.chunk.kda_prefill_walk` (``cu_seqlens`` is never read on
     the host); the kernels apply the minimum group length per sequence, so in a
     ragged batch only the sequences long enough are split.
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK_SIZE
-from ..validation.common import FLOAT_DTYPES, DeviceChecks, check_tensor
+from ..validation.common import FLOAT_DTYPES, check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.kda import (
     check_input_forms,
     check_lower_bound,
@@ -185,11 +186,11 @@ def chunk_kda_prefill(
         check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
         check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # so do these
     checkpoint_state = checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache)
-    checks = None
-    if check_inputs:
-        # Host rules raise at once; the value rules (cu_seqlens, indices, offsets)
-        # are queued and read back once, after the guarded launches (below).
-        checks = DeviceChecks()
+    # Raises an earlier call's pending error first. Host rules raise at once; the
+    # value rules (cu_seqlens, indices, offsets) are queued, their verdict taken
+    # after the guarded launches (below).
+    checks = EntryChecks(check_inputs)
+    if checks.on:
         T, H, K, V = check_prologue_arguments(
             q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight, conv_state,
             conv_state_indices, conv_has_initial_state, None, checks, scale_optional=True,
@@ -210,16 +211,14 @@ def chunk_kda_prefill(
     if scale is None:
         scale = K**-0.5
     chosen = prefill_path(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight, path=path)
-    if checks is not None:
-        # Launch, then read back: a broken rule turns the batch into empty
-        # sequences whose rows are all "none", so the launches below touch no
-        # cache, no checkpoint row and no conv row, and the error is raised after
-        # them. The read-back waits only for the flags, not for the launches.
-        cu_seqlens = checks.guard(cu_seqlens, 0)
-        state_indices = checks.guard(state_indices, -1)
-        checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
-        checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
-        conv_state_indices = checks.guard(conv_state_indices, -1)
+    # Launch, then read back: a broken rule turns the batch into empty sequences
+    # whose rows are all "none", so the launches below touch no cache, no
+    # checkpoint row and no conv row. (No-ops without queued rules.)
+    cu_seqlens = checks.guard(cu_seqlens, 0)
+    state_indices = checks.guard(state_indices, -1)
+    checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
+    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
+    conv_state_indices = checks.guard(conv_state_indices, -1)
 
     # Chunk metadata on the device, sized from static shapes: one launch, no host
     # sync, writing only its own new tensors.
@@ -237,8 +236,7 @@ def chunk_kda_prefill(
             conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
             gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
         )
-        if checks is not None:
-            checks.run()
+        checks.run()
         return result
     launch_prologue = prepare_kda_prologue(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
@@ -262,6 +260,5 @@ def chunk_kda_prefill(
         check_inputs=False,  # validated above; the operands come from the prologue
         host_checked=True,
     )
-    if checks is not None:
-        checks.run()  # the one host sync of the call
+    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return result

@@ -47,7 +47,7 @@ import triton.language as tl
 from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
-from ..validation.common import DeviceChecks
+from ..validation.entry import EntryChecks
 from ..validation.kda import check_input_forms, check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
 from .deprecated import deprecated_alias
@@ -712,18 +712,22 @@ def kda_prefill_prologue(
     """
     check_lower_bound(lower_bound)
     check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
-    checks = None
-    if check_inputs:
-        checks = DeviceChecks()
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
         check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                                  checks)
+    # Launch, then read back: a broken rule makes every sequence empty, every
+    # chunk row padding (sequence -1) and every conv row "none", so the launches
+    # write no conv_state row.
+    cu_seqlens, conv_state_indices = checks.guard(cu_seqlens, 0), checks.guard(conv_state_indices, -1)
+    chunk_indices = checks.guard(chunk_indices, -1)
     launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
                                   conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                                   num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
-    if checks is not None:
-        checks.run()  # the one read-back, before anything writes conv_state
-    return launch()
+    operands = launch()
+    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
+    return operands
 
 
 #: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).

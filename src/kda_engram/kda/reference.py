@@ -483,7 +483,7 @@ def naive_fused_kda_decode(
     state_cache, state_indices, *, initial_state_indices=None, initial_conv_indices=None, scale=None,
     lower_bound=None, norm_eps=1e-5, out_dtype=None,
 ):
-    """:func:`fused_kda_decode_step` in plain PyTorch (fp32 math, caches updated in
+    """:func:`kda_layer_decode_step` in plain PyTorch (fp32 math, caches updated in
     place with the same store points and bf16 rounding). Returns ``out``."""
     multi = x.dim() == 3
     if not multi:
@@ -563,7 +563,3 @@ def naive_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices,
         s = cu[n] + p - (W - 1)
         new_state[row] = x[s : s + W - 1].t().to(new_state.dtype)
     return new_state
-
-
-# Old names, kept only for benchmarks/ (bench_kda_prologue.py) until it moves into the package.
-chunk_operands = naive_chunk_operands

@@ -52,6 +52,7 @@ from torch import nn
 
 from .. import ops
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.engram import check_engram_batch, check_hash_arguments
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
@@ -203,16 +204,18 @@ def engram_hash_step(
 
     Returns int32 ``[T, n_layers, n_hash_cols]`` table rows.
     """
-    checks = None
+    # Raises an earlier call's pending error first. While a CUDA graph is captured
+    # or torch.compile traces (no read-back there): host rules only, and the
+    # kernels' entry points raise a pending error when they run.
+    eager = can_read_back()
+    checks = EntryChecks(check_inputs) if eager else None
     if check_inputs:
         check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
         if not isinstance(batch, EngramBatch):
             raise TypeError(f"batch: expected an EngramBatch, got {type(batch).__name__}")
-        eager = can_read_back()
         # A handle is resolved only eagerly (a registry lookup breaks a Dynamo graph).
         lay = ops.resolve(layout, EngramLayout) if isinstance(layout, int) and eager else layout
         known = isinstance(lay, EngramLayout)
-        checks = DeviceChecks() if eager else None
         check_tensor("history_cache", history_cache, shape=[None, lay.max_ngram - 1 if known else None],
                      dtypes=INDEX_DTYPES, device=token_ids.device)
         check_engram_batch(batch, token_ids.shape[0], token_ids.device, checks, history_slots=history_cache.shape[0])
@@ -234,7 +237,7 @@ def engram_hash_step(
                                       batch.checkpoint_indices, history_cache)
     ops.engram_history_scatter(history_cache, batch.slot_indices, new)
     if checks is not None:
-        checks.run()  # the one read-back, after the guarded launches
+        checks.run()  # the verdict, after the guarded launches (deferred by default)
     return rows
 
 
@@ -446,7 +449,3 @@ class EngramLayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"layer_id={self.layer_id}, n_hash_cols={self.layout.n_hash_cols}, head_dim={self.layout.head_dim}, "
                 f"storage={self.table.storage}, tp_size={self.tp.world_size}")
-
-
-# The old name, kept only for demo.py until the tools move into kda_engram/tools.
-from .reference import naive_engram_layer as engram_layer_reference  # noqa: E402, F401

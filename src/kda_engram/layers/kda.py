@@ -51,6 +51,7 @@ from .. import ops
 from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.entry import EntryChecks
 from ..validation.kda import check_kda_batch, check_kda_layer_inputs
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
@@ -450,7 +451,10 @@ class KimiDeltaAttention(nn.Module):
 
         Under tensor parallelism the result is all-reduced over the group.
         """
-        checks = None
+        # Raises an earlier call's pending error first. While a CUDA graph is captured
+        # or torch.compile traces (no read-back there): host rules only, and the
+        # kernels' entry points raise a pending error when they run.
+        checks = EntryChecks(check_inputs) if can_read_back() else None
         if check_inputs:
             wt = self.in_proj.weight
             check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
@@ -458,7 +462,6 @@ class KimiDeltaAttention(nn.Module):
                                    conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
             if not isinstance(batch, KDABatch):
                 raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
-            checks = DeviceChecks() if can_read_back() else None
             check_kda_batch(
                 batch, hidden_states.shape[0], wt.device, checks, state_slots=state_cache.shape[0],
                 conv_slots=conv_state.shape[0],
@@ -525,7 +528,7 @@ class KimiDeltaAttention(nn.Module):
                                         checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
             parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
         if checks is not None:
-            checks.run()  # the one read-back, after every launch that writes a cache
+            checks.run()  # the verdict, after every launch that writes a cache (deferred by default)
         # Decode rows then prefill tokens: together exactly the T rows (checked above).
         z = parts[0] if len(parts) == 1 else (torch.cat(parts) if parts else proj.new_zeros(T, H * V))
         y = self.o_proj(z)
@@ -554,7 +557,3 @@ class KimiDeltaAttention(nn.Module):
                 f"head_dim={self.head_dim}, gate_low_rank_dim={self.gate_low_rank_dim}, "
                 f"output_gate_low_rank_dim={self.output_gate_low_rank_dim}, lower_bound={self.lower_bound}, "
                 f"tp_size={self.tp.world_size}")
-
-
-# The old name, kept only for demo.py until the tools move into kda_engram/tools.
-from .reference import naive_kda_layer as kda_layer_reference  # noqa: E402, F401

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from kda_engram.tools.reporting import Checks, Stage, pick_device
+from ..tools.reporting import Checks, Stage, pick_device
 
 
 def _kda_inputs(rng: random.Random, lengths, H, dtype, device, gen):
@@ -34,8 +34,8 @@ def _kda_inputs(rng: random.Random, lengths, H, dtype, device, gen):
 
 
 def _case_prefill(rng, device, dtype, gen, checks):
-    from kda_engram.kda.prefill import chunk_kda_prefill
-    from kda_engram.kda.reference import naive_recurrent_kda
+    from ..kda.prefill import chunk_kda_prefill
+    from ..kda.reference import naive_recurrent_kda
 
     small = device.type == "cpu"
     n = rng.randint(1, 3 if small else 6)
@@ -55,8 +55,8 @@ def _case_prefill(rng, device, dtype, gen, checks):
 
 
 def _case_decode(rng, device, dtype, gen, checks):
-    from kda_engram.kda.decode import kda_decode
-    from kda_engram.kda.reference import naive_recurrent_kda
+    from ..kda.decode import kda_decode
+    from ..kda.reference import naive_recurrent_kda
 
     B = rng.randint(1, 8 if device.type == "cpu" else 256)
     H = rng.randint(1, 4 if device.type == "cpu" else 32)
@@ -77,9 +77,9 @@ def _case_decode(rng, device, dtype, gen, checks):
 
 
 def _case_engram(rng, device, dtype, gen, checks):
-    from kda_engram.engram.gate import engram_post_wkv
-    from kda_engram.engram.reference import engram_gate_sharded_ref, engram_post_wkv_ref, shard_kv_by_dim
-    from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials
+    from ..engram.gate import engram_post_wkv
+    from ..engram.reference import naive_engram_gate_sharded, naive_engram_post_wkv, shard_kv_by_dim
+    from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
 
     T = rng.randint(0, 24 if device.type == "cpu" else 4096)
     hc = rng.choice([1, 2, 4])
@@ -90,7 +90,7 @@ def _case_engram(rng, device, dtype, gen, checks):
     qw, kw = rnd(hc, dim), rnd(hc, dim)
     mask = torch.rand(T, generator=gen, device=device) > 0.2
     bound = 1e-4 if dtype == torch.float32 else 3e-2
-    want = engram_post_wkv_ref(hidden, kv, qw, kw, eps=1e-6, token_mask=mask).float()
+    want = naive_engram_post_wkv(hidden, kv, qw, kw, eps=1e-6, token_mask=mask).float()
     got = engram_post_wkv(hidden, kv, qw, kw, eps=1e-6, token_mask=mask)
     checks.error(f"engram gate T={T} hc={hc} dim={dim}", got.float(), want, bound)
     sends = [
@@ -98,7 +98,7 @@ def _case_engram(rng, device, dtype, gen, checks):
     ]
     gathered = torch.cat(sends, dim=0)
     sharded = engram_gate_finish(hidden, gathered, tp_size=P, eps=1e-6, token_mask=mask)
-    want_sharded = engram_gate_sharded_ref(hidden, kv, qw, kw, tp_size=P, eps=1e-6, token_mask=mask).float()
+    want_sharded = naive_engram_gate_sharded(hidden, kv, qw, kw, tp_size=P, eps=1e-6, token_mask=mask).float()
     checks.error(f"engram sharded gate T={T} hc={hc} dim={dim} P={P}", sharded.float(), want_sharded, bound)
 
 

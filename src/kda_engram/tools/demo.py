@@ -47,8 +47,8 @@ import time
 
 import torch
 
-from kda_engram.constants import KDA_CHECKPOINT_ALIGNMENT
-from kda_engram.tools.reporting import Checks, check_seed, pick_device
+from ..constants import KDA_CHECKPOINT_ALIGNMENT
+from ..tools.reporting import Checks, check_seed, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0
@@ -250,8 +250,8 @@ class _Run:
     resumed copy in slot ``2N``."""
 
     def __init__(self, cfg: DemoConfig, device: torch.device, dtype: torch.dtype, seed: int):
-        from kda_engram.engram.layout import EngramLayout
-        from kda_engram.layers import EngramBatch, EngramLayer, KDABatch, KimiDeltaAttention
+        from ..engram.layout import EngramLayout
+        from ..layers import EngramBatch, EngramLayer, KDABatch, KimiDeltaAttention
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
         gen = torch.Generator().manual_seed(seed)
@@ -370,9 +370,9 @@ class _GateCheck:
         self.mask = (torch.rand(T, generator=gen) > 0.2).to(device)
 
     def kernels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from kda_engram.engram.gate import engram_post_wkv
-        from kda_engram.engram.reference import shard_kv_by_dim
-        from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials
+        from ..engram.gate import engram_post_wkv
+        from ..engram.reference import shard_kv_by_dim
+        from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
 
         args = (self.hidden, self.kv, self.q_weight, self.k_weight)
         fused = engram_post_wkv(*args, eps=ENGRAM_EPS, token_mask=self.mask)
@@ -384,12 +384,12 @@ class _GateCheck:
         return fused, sharded
 
     def references(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from kda_engram.engram.reference import engram_gate_sharded_ref, engram_post_wkv_ref
+        from ..engram.reference import naive_engram_gate_sharded, naive_engram_post_wkv
 
         host = [t.float().cpu() for t in (self.hidden, self.kv, self.q_weight, self.k_weight)]
         mask = self.mask.cpu()
-        return (engram_post_wkv_ref(*host, eps=ENGRAM_EPS, token_mask=mask),
-                engram_gate_sharded_ref(*host, tp_size=self.RANKS, eps=ENGRAM_EPS, token_mask=mask))
+        return (naive_engram_post_wkv(*host, eps=ENGRAM_EPS, token_mask=mask),
+                naive_engram_gate_sharded(*host, tp_size=self.RANKS, eps=ENGRAM_EPS, token_mask=mask))
 
 
 def _check_resume(run: _Run, pre: _StepOut, res: _StepOut, bounds: DemoBounds, checks: DemoChecks) -> None:
@@ -420,20 +420,20 @@ def _references(run: _Run, mixer_in: torch.Tensor, ref_dtype: torch.dtype) -> di
     """Both layers in plain PyTorch over every sequence's whole token stream, each
     given what its kernel counterpart was given: the block's (rounded) input for
     Engram, the kernels' Engram output mean for KDA."""
-    from kda_engram.engram.memory_reference import next_history_ref, ngram_hash_ref
-    from kda_engram.layers.engram import engram_layer_reference
-    from kda_engram.layers.kda import kda_layer_reference
+    from ..engram.reference import naive_next_history, naive_ngram_hash
+    from ..layers.reference import naive_engram_layer
+    from ..layers.reference import naive_kda_layer
 
     ids, cu, kda = torch.cat(run.ids), run.full_cu, run.block.kda
     hidden_given = torch.cat([h.to(run.dtype) for h in run.hidden])
-    engram = engram_layer_reference(run.layout, ENGRAM_LAYER_ID, run.engram_weights, hidden_given, ids, cu,
+    engram = naive_engram_layer(run.layout, ENGRAM_LAYER_ID, run.engram_weights, hidden_given, ids, cu,
                                     eps=ENGRAM_EPS)
-    y, state, conv = kda_layer_reference(run.kda_weights, mixer_in.float(), cu, num_heads=kda.num_heads,
+    y, state, conv = naive_kda_layer(run.kda_weights, mixer_in.float(), cu, num_heads=kda.num_heads,
                                          head_dim=kda.head_dim, lower_bound=kda.lower_bound, norm_eps=kda.norm_eps,
                                          dtype=ref_dtype)
-    return {"rows": torch.as_tensor(ngram_hash_ref(ids, cu, run.layout)), "engram_out": engram, "mixer_out": y,
+    return {"rows": torch.as_tensor(naive_ngram_hash(ids, cu, run.layout)), "engram_out": engram, "mixer_out": y,
             "out": engram.double() + y.double()[:, None, :], "state": state, "conv": conv,
-            "history": torch.as_tensor(next_history_ref(ids, cu, run.layout))}
+            "history": torch.as_tensor(naive_next_history(ids, cu, run.layout))}
 
 
 def _check_references(run: _Run, got: dict, ref: dict, bounds: DemoBounds, checks: DemoChecks) -> None:
@@ -460,7 +460,7 @@ def run_demo(device: str | None = None, seed: int = 0, small: bool = False, conf
     dev = pick_device(device)
     # Kernel modules are imported only from here on, after pick_device has set up
     # the interpreter for a CPU run.
-    from kda_engram.platform import interpreting
+    from ..platform import interpreting
 
     on_gpu = dev.type == "cuda"
     # Under the interpreter (always on the CPU; on a GPU only if TRITON_INTERPRET

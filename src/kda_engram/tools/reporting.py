@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from kda_engram.platform import interpreting
+from ..platform import interpreting
 
 #: The largest seed torch's generators take (a signed 64-bit integer).
 MAX_SEED = 2**63 - 1

@@ -3,6 +3,8 @@
 * :mod:`.common`: tensor, dtype, shape, device and scalar primitives and
   :class:`~.common.DeviceChecks`, which reads every device-side rule of a call
   back in one transfer;
+* :mod:`.entry`: :class:`~.entry.EntryChecks`, the helper every entry point runs
+  its checks with, and the deferred verdicts (:func:`~.entry.raise_pending_errors`);
 * :mod:`.kda`: the KDA rules (raw projections, ``cu_seqlens``, state, checkpoints,
   conv, decode indices, scale, lower_bound);
 * :mod:`.engram`: the Engram rules (gate tensors and scalars, table, hashing).
@@ -24,11 +26,13 @@ from .common import (
     check_same_dtype,
     check_tensor,
 )
+from .entry import EntryChecks, raise_pending_errors
 
 __all__ = [
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
     "DeviceChecks",
+    "EntryChecks",
     "check_bool",
     "check_index_range",
     "check_index_values",
@@ -37,4 +41,5 @@ __all__ = [
     "check_real",
     "check_same_dtype",
     "check_tensor",
+    "raise_pending_errors",
 ]

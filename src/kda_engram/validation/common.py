@@ -256,17 +256,32 @@ class DeviceChecks:
             return x
         return torch.where(self.any_bad(), none_value, x)
 
+    def _take(self):
+        """Gather the queued rules and empty this object for reuse: ``(rules,
+        positions, values, ready)``."""
+        self._finish()
+        taken = self._rules, self._positions, self._values, self._ready
+        self._rules, self._packed, self._values, self._bad, self._ready = [], [], None, None, None
+        return taken
+
     def run(self) -> None:
+        """Read every queued rule back now (the one host sync) and raise the first
+        broken one."""
         if not self._rules:
             return
-        self._finish()
-        rules, positions, values, ready = self._rules, self._positions, self._values, self._ready
-        self._rules, self._packed, self._values, self._bad, self._ready = [], [], None, None, None
-        got = read_back(values, ready)  # the one host sync
-        for rule, (flag, details) in zip(rules, positions):
-            if got[flag]:
-                message = rule[2] if rule[0] == "flag" else rule[3]
-                raise ValueError(message.format(*(got[d] for d in details)))
+        rules, positions, values, ready = self._take()
+        message = _broken(rules, positions, read_back(values, ready))
+        if message is not None:
+            raise ValueError(message)
+
+
+def _broken(rules, positions, got: list[int]) -> str | None:
+    """The message of the first broken rule of a read-back verdict, else None."""
+    for rule, (flag, details) in zip(rules, positions):
+        if got[flag]:
+            message = rule[2] if rule[0] == "flag" else rule[3]
+            return message.format(*(got[d] for d in details))
+    return None
 
 
 def can_read_back() -> bool:
@@ -290,10 +305,28 @@ class _SideSlot:
         self.done = torch.cuda.Event()
         self.device = device
 
+        self.one = None  # a device int64 [1] = 1: the marker a deferred verdict's copy ends with
+        self.free: list = []  # pinned buffers (tensor, numpy view, event) of resolved deferred verdicts
+
     def mark_ready(self):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def take_buffer(self, n: int):
+        """A pinned int64 buffer of at least ``n`` words, its numpy view and an event,
+        owned by one deferred verdict until :meth:`give_back` (a ring: a buffer is
+        never reused while a copy into it may be in flight)."""
+        if self.one is None:
+            self.one = torch.ones(1, dtype=torch.int64, device=self.device)
+        for i, entry in enumerate(self.free):
+            if entry[0].numel() >= n:
+                return self.free.pop(i)
+        host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        return host, host.numpy(), torch.cuda.Event()
+
+    def give_back(self, entry) -> None:
+        self.free.append(entry)
 
 
 _SIDE = threading.local()

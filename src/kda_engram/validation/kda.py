@@ -235,7 +235,7 @@ def check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_i
 def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                              conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                              checks: DeviceChecks | None, *, scale_optional: bool = False):
-    """Every rule of :func:`fused_kda_prologue` (and of the prefill's raw inputs):
+    """Every rule of :func:`kda_prefill_prologue` (and of the prefill's raw inputs):
     host rules at once, value rules queued on ``checks`` (None: host rules only).
     ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
     Returns ``(T, H, K, V)``."""
@@ -521,7 +521,7 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
                                  conv_state_indices, A_log, dt_bias, o_norm_weight, state_cache, state_indices,
                                  initial_state_indices, initial_conv_indices, scale, lower_bound, norm_eps,
                                  out) -> None:
-    """``fused_kda_decode_step``: host rules raise at once; the index rules (rows
+    """``kda_layer_decode_step``: host rules raise at once; the index rules (rows
     in range, distinct, no sequence starting from a row another one writes) are
     queued on ``checks`` for the caller's one read-back (``None``: host rules only)."""
     check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)

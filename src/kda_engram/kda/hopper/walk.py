@@ -20,7 +20,7 @@ batch hold the next sequence's tokens, so ``R``'s columns ``>= L`` are zeroed in
 registers and ``t_fold`` rows / ``a_fold`` columns ``>= L`` in shared memory
 before they are read (a NaN or inf of a neighbour cannot reach ``o`` or ``S``).
 
-State contract (as :func:`kda_engram.kda.chunk.fused_kda_chunk`): the start state
+State contract (as :func:`kda_engram.kda.chunk.kda_prefill_walk`): the start state
 is zeros, ``initial_state[n]``, or cache row ``state_indices[n]`` where
 ``has_initial_state[n]`` (a negative row reads nothing); the final state goes to
 ``final_state[n]`` or back to the cache row (a negative row writes nothing);

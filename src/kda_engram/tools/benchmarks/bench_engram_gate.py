@@ -39,11 +39,11 @@ import sys
 
 import torch
 
-from kda_engram.engram.gate import engram_post_wkv
-from kda_engram.engram.reference import _gate_from_sums, shard_kv_by_dim
-from kda_engram.engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
-from kda_engram.tools.benchmarks.common import bench_ms as _bench
-from kda_engram.tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
+from ...engram.gate import engram_post_wkv
+from ...engram.reference import _gate_from_sums, shard_kv_by_dim
+from ...engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
+from ...tools.benchmarks.common import bench_ms as _bench
+from ...tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
 
 HC = 4
 EPS = 1e-6
@@ -98,7 +98,7 @@ def _inputs(T, dim, device, seed=0):
 
 
 def reference_math(hidden, kv, q, k):
-    """engram_post_wkv_ref's math for ``kv`` with exactly T rows: the reference's
+    """naive_engram_post_wkv's math for ``kv`` with exactly T rows: the reference's
     zero-padding of missing rows (a ``zeros`` + slice copy of the whole projection)
     is left out, so torch.compile sees one streaming reduction, as in the anchor measurement."""
     T, hc, dim = hidden.shape
@@ -306,8 +306,8 @@ def _distributed_worker(rank, world_size, port, cases, in_dim, backend, results_
 
     import torch.distributed as dist
 
-    from kda_engram.engram.module import Engram
-    from kda_engram.parallel import TensorParallelGroup
+    from ...engram.module import Engram
+    from ...parallel import TensorParallelGroup
 
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from kda_engram.engram.hashing import ngram_hash
-from kda_engram.engram.layout import EngramLayout
-from kda_engram.engram.table import SCALE_BLOCK, EngramTable
-from kda_engram.tools.benchmarks.common import bench_ms, cuda_graph_ms
+from ...engram.hashing import ngram_hash
+from ...engram.layout import EngramLayout
+from ...engram.table import SCALE_BLOCK, EngramTable
+from ...tools.benchmarks.common import bench_ms, cuda_graph_ms
 
 N_COLS, HEAD_DIM = 24, 256
 TOKENS = {"T64": 64, "T16384": 16384}

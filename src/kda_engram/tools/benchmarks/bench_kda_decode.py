@@ -27,9 +27,12 @@ The peer is timed two ways and the faster one counts (``peer_ms``):
 Ours runs with ``check_inputs=False`` (as an engine does inside a CUDA graph),
 with an fp32 state cache (``ours_ms``) and a bf16 one (``ours_bf16_ms``); fla's
 in-place path is also offered a bf16 cache (``fla_inplace_bf16_ms``, or the
-reason it was skipped in ``peer_note``). At B256_H32 the default
-``check_inputs=True`` call is timed too (``checked_ms``: host checks and their
-device syncs included). HBM floor = (state read + state write(s) + inputs +
+reason it was skipped in ``peer_note``). Every row also times the default
+``check_inputs=True`` call, the same way in the same process: ``checked_ms``
+(fp32 state) and ``checked_bf16_ms`` (bf16 state), each with
+``within_check_bound`` / ``within_check_bound_bf16``: the default call costs at
+most the no-check call + max(0.02 ms, 3%). The one-token cases call
+``kda_decode``, the ``_S*`` case ``kda_decode_multi``. HBM floor = (state read + state write(s) + inputs +
 outputs) / copy bandwidth, each row against its own floor (a bf16 state moves
 half the state bytes), the bandwidth measured here with a 1 GiB device-to-device
 copy (read + write counted).
@@ -39,7 +42,9 @@ projection output to the ``o_proj`` input at Kimi-Linear sizes (hidden 2304, 32
 heads of 128, low-rank gates of rank 128, conv 4, bf16, fp32 state): the fused
 one-launch step (``ours_ms``) against the current multi-launch step (conv launch,
 ``kda_decode``, PyTorch gated RMSNorm; ``peer_ms``), and the whole layer forward
-both ways (``layer_fused_ms`` / ``layer_unfused_ms``, projections included).
+both ways (``layer_fused_ms`` / ``layer_unfused_ms``, projections included). The
+fused step's default call is ``checked_ms`` (bound as above), the layer forward's
+``layer_fused_checked_ms`` (bound ``within_check_bound_layer``).
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ from pathlib import Path
 
 import torch
 
-from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
-from kda_engram.tools.benchmarks.common import bench_ms as bench
-from kda_engram.tools.benchmarks.common import copy_bandwidth
+from ...kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
+from ...tools.benchmarks.common import bench_ms as bench
+from ...tools.benchmarks.common import copy_bandwidth
+from ...validation.entry import default_check_bound_ms
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -228,12 +234,13 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
                 row["peer_ms"] = row["ratio"] = None
             row["hbm_floor_ms"] = hbm_bytes(B, H, S) / bw * 1e3
             row["floor_fraction"] = row["hbm_floor_ms"] / row["ours_ms"]
-            if (B, H, S) == (256, 32, None):
-                # The default call: host-side checks, index range/duplicate checks (device syncs).
-                row["checked_ms"] = bench(ours_fn(x, idx, cache, S, out, check_inputs=True))
+            # The default call (host rules, the index rules' launch, the deferred verdict).
+            row.update(bound_fields(bench(ours_fn(x, idx, cache, S, out, check_inputs=True)), row["ours_ms"]))
             # bf16 state cache: ours, and fla's in-place path if it takes one.
             x16, idx16, cache16 = make_case(B, H, S, device, state_dtype=torch.bfloat16)
             row["ours_bf16_ms"] = bench(ours_fn(x16, idx16, cache16, S, out))
+            row.update(bound_fields(bench(ours_fn(x16, idx16, cache16, S, out, check_inputs=True)),
+                                    row["ours_bf16_ms"], "_bf16"))
             row["tiling_bf16"] = decode_tiling(B, H, V, device, S or 1, state_dtype=torch.bfloat16)
             if sweep:
                 row["sweep_bf16_ms"] = {
@@ -268,6 +275,13 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
     return rows
 
 
+def bound_fields(checked_ms, nocheck_ms, tag: str = "") -> dict:
+    """``checked{tag}_ms`` (the default call) and whether it is within no-check +
+    max(0.02 ms, 3%) (:func:`kda_engram.validation.entry.default_check_bound_ms`)."""
+    return {f"checked{tag}_ms": checked_ms,
+            f"within_check_bound{tag}": checked_ms - nocheck_ms <= default_check_bound_ms(nocheck_ms)}
+
+
 # Kimi-Linear's KDA layer: hidden 2304, 32 heads of 128, low-rank gates (rank 128), conv 4.
 LAYER_HIDDEN, LAYER_HEADS, LAYER_RANK = 2304, 32, 128
 LAYER_BATCHES = (64, 256)
@@ -288,10 +302,10 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
     with an fp32 and a bf16 state cache; both steps call the kernels with
     ``check_inputs=False`` (like for like: an engine's graph-captured step).
     ``sweep`` also times the fused kernel at every (BLOCK_V, num_warps)."""
-    from kda_engram.kda.conv import kda_conv_decode
-    from kda_engram.kda.fused_decode import fused_kda_decode_step
-    from kda_engram.launch_config import device_arch, fused_decode_tiling_for
-    from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
+    from ...kda.conv import kda_conv_decode
+    from ...kda.fused_decode import kda_layer_decode_step
+    from ...launch_config import device_arch, fused_decode_tiling_for
+    from ...layers.kda import KDABatch, KimiDeltaAttention
 
     rows = []
     layer = KimiDeltaAttention(LAYER_HIDDEN, LAYER_HEADS, K, gate_low_rank_dim=LAYER_RANK,
@@ -316,11 +330,12 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
             g_out = layer.g_b_proj(proj[:, b["g_out"][0]: b["g_out"][1]])
             out = torch.empty(B, H * V, dtype=torch.bfloat16, device=device)
 
-            def fused(block_v=None, num_warps=4):
-                return fused_kda_decode_step(
+            def fused(block_v=None, num_warps=4, check_inputs=False):
+                return kda_layer_decode_step(
                     proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, idx, layer.A_log, layer.dt_bias,
                     layer.o_norm_weight, sc, idx, scale=layer.scale, lower_bound=LOWER_BOUND,
-                    norm_eps=layer.norm_eps, out=out, block_v=block_v, num_warps=num_warps, check_inputs=False)
+                    norm_eps=layer.norm_eps, out=out, block_v=block_v, num_warps=num_warps,
+                    check_inputs=check_inputs)
 
             def unfused():
                 conv = kda_conv_decode(proj[:, :C], layer.conv_weight, cs, idx, out_dtype=torch.float32,
@@ -341,6 +356,7 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
                 cs.copy_(cs0)
                 row["max_abs_diff"] = (y_fused - unfused().float()).abs().max().item()  # one step from one start
                 row["ours_ms"] = bench(fused)
+                row.update(bound_fields(bench(lambda: fused(check_inputs=True)), row["ours_ms"]))
                 row["peer_ms"] = bench(unfused)
                 row["ratio"] = row["peer_ms"] / row["ours_ms"]
                 row["hbm_floor_ms"] = layer_hbm_bytes(B, H, state_bytes=sc.element_size()) / bw * 1e3
@@ -351,6 +367,9 @@ def run_layer(device, bw, batches=LAYER_BATCHES, sweep=False) -> list[dict]:
                     layer.fused_decode = flag
                     row[name] = bench(lambda: layer(hs, batch, sc, cs, check_inputs=False))
                 layer.fused_decode = True
+                layer_checked = bench(lambda: layer(hs, batch, sc, cs))  # the default call
+                row.update({"layer_fused_checked_ms": layer_checked, "within_check_bound_layer": bound_fields(
+                    layer_checked, row["layer_fused_ms"])["within_check_bound"]})
             rows.append(row)
     return rows
 
@@ -392,8 +411,32 @@ def print_rows(rows):
         print(f"{r['case']}: layer forward fused {r['layer_fused_ms']:.4f} ms vs unfused {r['layer_unfused_ms']:.4f} "
               f"ms (decode mixer: fused {r['ours_ms']:.4f} vs multi-launch {r['peer_ms']:.4f} ms, "
               f"{r['ratio']:.2f}x, {r['floor_fraction']:.0%} of floor)")
+    print_check_bound(rows)
     print("ratio = fastest fla variant / ours (> 1: ours faster); tiling = BLOCK_V x num_warps; "
           "checked = default check_inputs=True call")
+
+
+def print_check_bound(rows) -> None:
+    """The default call (checked) beside the no-check call for every row and state
+    dtype, and whether it is within no-check + max(0.02 ms, 3%)."""
+    pairs = [("", "ours_ms", "checked_ms", "within_check_bound"),
+             ("bf16 state", "ours_bf16_ms", "checked_bf16_ms", "within_check_bound_bf16"),
+             ("layer forward", "layer_fused_ms", "layer_fused_checked_ms", "within_check_bound_layer")]
+    lines = []
+    for r in rows:
+        for tag, plain, checked, ok in pairs:
+            if r.get(checked) is not None:
+                added = r[checked] - r[plain]
+                lines.append((f"{r['case']} {tag}".strip(), r[checked], r[plain], added,
+                              default_check_bound_ms(r[plain]), r[ok]))
+    if not lines:
+        return
+    print(f"\n{'default call vs no-check':<34} {'checked':>8} {'no-check':>8} {'added':>8} {'bound':>8} {'ok':>5}")
+    for name, c, n, a, b, ok in lines:
+        print(f"{name:<34} {c:>8.4f} {n:>8.4f} {a:>+8.4f} {b:>8.4f} {str(ok):>5}")
+    misses = [x[0] for x in lines if not x[5]]
+    print(f"within no-check + max(0.02 ms, 3%): {len(lines) - len(misses)}/{len(lines)}"
+          + (f"; MISSES: {', '.join(misses)}" if misses else ""))
 
 
 def main(argv=None) -> int:

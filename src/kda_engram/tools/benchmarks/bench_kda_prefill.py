@@ -12,15 +12,22 @@ dt_bias ~ U[0, 1)`` (every channel decays fast). Each call starts from a zero
 initial state and returns the final state. ``ragged_H32`` is ten sequences of
 37, 4000, 1, 900, 2048, 129, 6000, 63, 64, 65 tokens.
 
-Per case: ours as the default call (``check_inputs=True``: what a user meets),
-the no-check call (what an engine makes) and replayed from a CUDA graph (GPU
-time alone); each peer's time; the best peer and our ratio to it (best peer ms /
+Per case: ours as the default call (``check_inputs=True``: what a user meets;
+``default_ms`` = ``checked_ms``, with ``within_check_bound``: at most no-check +
+max(0.02 ms, 3%)), the no-check call (what an engine makes) and replayed from a
+CUDA graph (GPU time alone); each peer's time; the best peer and our ratio to it (best peer ms /
 ours ms, > 1 is faster) for the no-check and the graph column; our fraction of
 the HBM floor (q, k, v, raw gate, out in bf16, beta, initial and final state in
 fp32, over the copy bandwidth measured here); the max abs difference of our
 output to each peer's. Times are the mean of two interleaved
 ``triton.testing.do_bench`` medians (ours and the peers alternate, so clock and
 thermal drift hit both).
+
+The serving forms get rows of their own, checked beside no-check the same way
+(:data:`SERVING_CASES`, or every case named with ``--cases``): ``<case>+state``
+(a dense random ``initial_state`` + ``output_final_state``) and ``<case>+cache``
+(``state_cache`` + ``state_indices`` + ``has_initial_state`` + 64-aligned
+checkpoints into the cache). The last line counts the rows within the bound.
 
 The long few-head cases (:data:`GROUP_CASES`) can add one row per forced chunk
 group count (``--groups``), the measurement behind :mod:`kda_engram.kda.groups`.
@@ -50,16 +57,17 @@ import torch
 # flash_kda imports: time fla's own kernels (FlashKDA has its own column).
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
-from kda_engram.kda.chunk import chunk_config, fused_kda_chunk
-from kda_engram.kda.folded_prologue import prepare_folded_prologue
-from kda_engram.kda.groups import chunk_groups
-from kda_engram.kda.hopper import hopper_unsupported
-from kda_engram.kda.hopper.walk import folded_walk
-from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
-from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
-from kda_engram.kda.prologue import fused_kda_prologue
-from kda_engram.tools.benchmarks.common import bench_ms as _bench
-from kda_engram.tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
+from ...kda.chunk import chunk_config, kda_prefill_walk
+from ...kda.folded_prologue import prepare_folded_prologue
+from ...kda.groups import chunk_groups
+from ...kda.hopper import hopper_unsupported
+from ...kda.hopper.walk import folded_walk
+from ...kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from ...kda.prefill import chunk_kda_prefill, prefill_path
+from ...kda.prologue import kda_prefill_prologue
+from ...tools.benchmarks.common import bench_ms as _bench
+from ...tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
+from ...validation.entry import default_check_bound_ms
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
@@ -79,7 +87,7 @@ CASES = {
     "1x32k_H32_fastgate": ((32768,), 32, True),
     "1x32k_H4_fastgate": ((32768,), 4, True),
 }
-# The best peer per case in the anchor run (H200, 2026-12-04, ms), and the
+# The best peer per case in the H200 anchor run (docs/design/kda_prefill.md, ms), and the
 # prefill targets set from it (each at least 1.2x that best peer).
 ANCHOR_BEST_PEER_MS = {"1x8k_H32": 1.02, "1x32k_H32": 3.73, "1x32k_H4": 1.44, "1x128k_H4": 4.25,
                        "16x2k_H32": 1.14, "64x512_H32": 1.20, "256x128_H32": 1.48, "1x8k_H96": 1.47,
@@ -90,7 +98,10 @@ PEERS = ("fla", "flashkda", "cudnn")
 # The long few-head cases can get forced-G rows beside the heuristic's pick.
 GROUP_CASES = ("1x32k_H4", "1x128k_H4", "1x32k_H32")
 GROUP_COUNTS = (1, 4, 8, 16, 32)
-SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}  # BV 16 is refused on GPUs (see chunk_config)
+SWEEP = {"BV": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2)}
+# The serving forms (:func:`_serving_calls`) get rows of their own for these cases
+# by default, and for every case named with ``--cases``.
+SERVING_CASES = ("1x32k_H4", "1x32k_H4_fastgate", "16x2k_H32", "ragged_H32")  # BV 16 is refused on GPUs (see chunk_config)
 
 
 def _interleaved(fns: dict, quick: bool, rounds: int = 2) -> dict:
@@ -253,6 +264,58 @@ def _ours_call(x, out=None, check_inputs=False, groups=None, path="auto"):
     )
 
 
+def _serving_calls(x, lengths, heads: int, device) -> dict:
+    """The calls users make besides the anchor row's, as ``{form: make(check_inputs)}``:
+
+    * ``state``: a dense random ``initial_state`` and ``output_final_state``, the
+      output allocated by the call (no ``out``);
+    * ``cache``: the serving call: an fp32 ``state_cache`` with int32
+      ``state_indices`` and ``has_initial_state`` (every other sequence resumes),
+      and 64-aligned checkpoints (half way through each sequence of at least 128
+      tokens) into rows of the cache itself.
+    """
+    N = len(lengths)
+    gen = torch.Generator(device=device).manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    h0 = 0.1 * rnd(N, heads, HEAD_DIM, HEAD_DIM)
+    slots = 2 * N + 2
+    cache = 0.1 * rnd(slots, heads, HEAD_DIM, HEAD_DIM)
+    rows = torch.randperm(slots, device=device, generator=gen)[: 2 * N].to(torch.int32)
+    offsets = torch.tensor([(n // 2) // CHUNK_SIZE * CHUNK_SIZE for n in lengths], dtype=torch.int32, device=device)
+    has = torch.arange(N, device=device) % 2 == 0
+    base = lambda: (x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"])  # noqa: E731
+    return {
+        "state": lambda check: (lambda: chunk_kda_prefill(
+            *base(), lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=h0, output_final_state=True,
+            check_inputs=check)),
+        "cache": lambda check: (lambda: chunk_kda_prefill(
+            *base(), lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], state_cache=cache, state_indices=rows[:N],
+            has_initial_state=has, checkpoint_state=cache, checkpoint_offsets=offsets,
+            checkpoint_state_indices=rows[N:], check_inputs=check)),
+    }
+
+
+def _bound_fields(checked_ms, nocheck_ms) -> dict:
+    """``checked_ms`` (the default call), its bound and whether it holds."""
+    if checked_ms is None or nocheck_ms is None:
+        return {"checked_ms": checked_ms, "check_bound_ms": None, "within_check_bound": None}
+    bound = default_check_bound_ms(nocheck_ms)
+    return {"checked_ms": checked_ms, "check_bound_ms": bound, "within_check_bound": checked_ms - nocheck_ms <= bound}
+
+
+def _serving_rows(name, x, lengths, heads, device, quick) -> list[dict]:
+    rows = []
+    for form, make in _serving_calls(x, lengths, heads, device).items():
+        make("sync")()  # validates the harness's inputs on the spot, compiles the kernels
+        torch.cuda.synchronize()
+        times = _interleaved({"default": make(True), "nocheck": make(False)}, quick)
+        rows.append(_row(f"{name}+{form}", times["nocheck"], None, None, None, default_ms=times["default"],
+                         check_overhead_ms=(times["default"] - times["nocheck"])
+                         if times["default"] and times["nocheck"] else None,
+                         serving_form=form, **_bound_fields(times["default"], times["nocheck"])))
+    return rows
+
+
 def _hopper_stages(x, out, offs, idx, quick):
     """``(folded prologue ms, Gluon walk ms)`` of the Hopper path on its own, or Nones
     where it cannot serve the inputs."""
@@ -325,7 +388,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             scale = HEAD_DIM**-0.5
             offs = prepare_chunk_offsets(x["cu"], CHUNK_SIZE)
             idx = prepare_chunk_indices(x["cu"], CHUNK_SIZE, total_tokens=T, chunk_offsets=offs)
-            pro = lambda: fused_kda_prologue(  # noqa: E731
+            pro = lambda: kda_prefill_prologue(  # noqa: E731
                 x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], scale, LOWER_BOUND,
                 x["cu"], chunk_indices=idx, check_inputs=False,
             )
@@ -333,7 +396,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             prologue_ms = _bench(pro, quick)
 
             def walk(config=None, groups=None):
-                return fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
+                return kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
                                        scale, x["cu"], x["h0"], True, chunk_offsets=offs, check_inputs=False,
                                        config=config, groups=groups)
 
@@ -357,9 +420,12 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                 config=chunk_config(N, H, HEAD_DIM, device), copy_gbs=bw, groups=picked, tokens=T, heads=H,
                 fastgate=fastgate, target_ms=TARGET_MS.get(name), anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
             )
+            row.update(_bound_fields(times["default"], times["nocheck"]))
             if row["target_ms"] is not None:
                 row["meets_target"] = min(row["ours_ms"], graph_ms) <= row["target_ms"]
             rows.append(row)
+            if cases or name in SERVING_CASES:
+                rows += _serving_rows(name, x, lengths, H, device, quick)
 
             if name in group_cases and group_counts:
                 o_g1 = None
@@ -407,6 +473,8 @@ def print_rows(rows: list[dict]) -> None:
           f"{'best':>8} {'ratio':>6} {'r graph':>7} {'target':>6} {'of floor':>8} {'prol ms':>8} {'walk ms':>8} "
           f"{'G':>3}")
     for r in rows:
+        if r.get("serving_form"):
+            continue  # their own table below
         if r.get("sweep"):
             print(f"{r['case']:<34} {f(r['ours_ms']):>8} {f(r['ratio'], '.2f'):>6}   (vs the default walk)")
             continue
@@ -431,6 +499,16 @@ def print_rows(rows: list[dict]) -> None:
               f"{f(r.get('portable_ms'))} ms, max|o_hopper - o_portable| "
               f"{f(r.get('max_abs_diff_hopper_vs_portable'), '.2e')}"
               + (f"; hopper cannot: {r['hopper_note']}" if r.get("hopper_note") else ""))
+    served = [r for r in rows if r.get("serving_form")]
+    if served:
+        print("serving forms (+state: dense initial_state + output_final_state; +cache: state_cache + "
+              "state_indices + has_initial_state + 64-aligned checkpoints)")
+        print(f"{'case':<30} {'checked':>8} {'no-check':>8} {'added':>8} {'bound':>8} {'ok':>4}")
+        for r in served:
+            added = None if r["checked_ms"] is None or r["ours_ms"] is None else r["checked_ms"] - r["ours_ms"]
+            print(f"{r['case']:<30} {f(r['checked_ms']):>8} {f(r['ours_ms']):>8} {f(added):>8} "
+                  f"{f(r['check_bound_ms']):>8} {str(r['within_check_bound']):>4}")
+    print_check_bound(rows)
     summary = group_summary(rows)
     if summary:
         print("chunk groups: heuristic pick vs fastest forced G (whole prefill)")
@@ -501,6 +579,19 @@ def profile_cases(cases, peers: bool = True, min_ms: float = 0.002) -> dict:
     if chunk_kda is None:
         print(f"no fla rows: {peer_name}")
     return result
+
+
+def print_check_bound(rows: list[dict]) -> None:
+    """One line per row that has a ``checked`` column: the default call against
+    no-check + max(0.02 ms, 3%)."""
+    timed = [r for r in rows if "within_check_bound" in r and r["within_check_bound"] is not None]
+    if not timed:
+        return
+    misses = [r for r in timed if not r["within_check_bound"]]
+    print(f"default call (checked) within no-check + max(0.02 ms, 3%): {len(timed) - len(misses)}/{len(timed)} rows"
+          + ("" if not misses else "; MISSES: " + ", ".join(
+              f"{r['case']} +{r['checked_ms'] - r['ours_ms']:.3f} ms (bound {r['check_bound_ms']:.3f})"
+              for r in misses)))
 
 
 def main(argv=None) -> int:

@@ -44,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices
-from kda_engram.kda.prologue import fused_kda_prologue
-from kda_engram.kda.reference import chunk_operands
-from kda_engram.tools.benchmarks.common import bench_ms as bench
-from kda_engram.tools.benchmarks.common import copy_bandwidth
+from ...kda.metadata import CHUNK_SIZE, prepare_chunk_indices
+from ...kda.prologue import kda_prefill_prologue
+from ...kda.reference import naive_chunk_operands
+from ...tools.benchmarks.common import bench_ms as bench
+from ...tools.benchmarks.common import copy_bandwidth
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -86,7 +86,7 @@ def make_case(num_seqs, length, H, device, seed=0):
 
 
 def conv_inputs(x, num_seqs, H, conv, device, seed=1):
-    """The conv arguments of ``fused_kda_prologue`` for ``conv`` in (None, "weight",
+    """The conv arguments of ``kda_prefill_prologue`` for ``conv`` in (None, "weight",
     "state"): a ``[2HK + HV, 4]`` weight, and with "state" one bf16 conv-state row
     per sequence, every sequence starting from its row."""
     if conv is None:
@@ -174,7 +174,7 @@ def reference_diff(x, cu, out, tokens=1024):
     n = min(tokens, int(cu[1].item()))
     sub = {k_: (t[:, :n] if t.dim() >= 3 else t) for k_, t in x.items()}
     cu_sub = torch.tensor([0, n], dtype=torch.int32, device=cu.device)
-    ref = chunk_operands(*(sub[m].float() for m in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
+    ref = naive_chunk_operands(*(sub[m].float() for m in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
                          cu_seqlens=cu_sub, lower_bound=LOWER_BOUND)
     return max((out[m][:, :n].float() - ref[m]).abs().max().item() for m in ("qg", "w", "u", "aqk"))
 
@@ -203,7 +203,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, conv=None) -> list[dic
             conv_args = conv_inputs(x, num_seqs, H, conv, device)
 
             def ours(num_warps=None):
-                return fused_kda_prologue(**x, scale=K ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu,
+                return kda_prefill_prologue(**x, scale=K ** -0.5, lower_bound=LOWER_BOUND, cu_seqlens=cu,
                                           chunk_indices=ci, check_inputs=False, num_warps=num_warps, **conv_args)
 
             out = ours()

@@ -38,11 +38,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from kda_engram.engram.module import Engram
-from kda_engram.engram.sharded_gate import send_width
-from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
-from kda_engram.parallel import TensorParallelGroup
-from kda_engram.tools.benchmarks.bench_engram_gate import block_times_ms
+from ...engram.module import Engram
+from ...engram.sharded_gate import send_width
+from ...layers.kda import KDABatch, KimiDeltaAttention
+from ...parallel import TensorParallelGroup
+from ...tools.benchmarks.bench_engram_gate import block_times_ms
 
 EPS = 1e-6
 HC = 4

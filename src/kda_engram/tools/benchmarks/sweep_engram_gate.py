@@ -22,10 +22,10 @@ import statistics
 
 import torch
 
-from kda_engram.engram.gate import engram_post_wkv, post_wkv_launch
-from kda_engram.platform import num_compute_units
-from kda_engram.tools.benchmarks import bench_engram_gate as gate_bench
-from kda_engram.tools.benchmarks.common import cuda_graph_ms
+from ...engram.gate import engram_post_wkv, post_wkv_launch
+from ...platform import num_compute_units
+from ...tools.benchmarks import bench_engram_gate as gate_bench
+from ...tools.benchmarks.common import cuda_graph_ms
 
 HC = gate_bench.HC
 

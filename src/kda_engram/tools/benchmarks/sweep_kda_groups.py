@@ -4,7 +4,7 @@ precision, then the group count. The constants of the cost model in
 default precision in ``kda_engram/kda/chunk.py`` came from this script.
 
 ``--part scan``: at 1 x 131072 H4 (G = 32) and 1 x 32768 H4 (G = 16), the chunk
-kernel (``fused_kda_chunk`` on the prologue's operands) with every scan launch
+kernel (``kda_prefill_walk`` on the prologue's operands) with every scan launch
 (``scan_precision`` ieee / tf32x3, ``BJ_scan`` 32 / 64, 4 / 8 warps, 1 / 2
 stages), its time and its difference from the serial walk (G = 1), then the
 per-kernel split (torch.profiler) of the ieee scan and of the fastest tf32x3 one.
@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from kda_engram.kda import fused_kda_chunk, fused_kda_prologue
-from kda_engram.kda.groups import chunk_groups
-from kda_engram.kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
-from kda_engram.tools.benchmarks.bench_kda_prefill import HEAD_DIM, LOWER_BOUND, _bench, kernel_times, make_inputs
+from ...kda import kda_prefill_walk, kda_prefill_prologue
+from ...kda.groups import chunk_groups
+from ...kda.metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from ...tools.benchmarks.bench_kda_prefill import HEAD_DIM, LOWER_BOUND, _bench, kernel_times, make_inputs
 
 SCAN_CASES = ((1, 131072, 4, 32), (1, 32768, 4, 16))  # (sequences, length, heads, forced G)
 GROUP_CASES = ((1, 32768, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 8), (2, 32768, 4), (1, 16384, 4),
@@ -43,12 +43,12 @@ def chunk_walk_of(N: int, L: int, H: int, device):
     scale = HEAD_DIM**-0.5
     offs = prepare_chunk_offsets(x["cu"], CHUNK_SIZE)
     idx = prepare_chunk_indices(x["cu"], CHUNK_SIZE, total_tokens=N * L, chunk_offsets=offs)
-    ops = fused_kda_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
+    ops = kda_prefill_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
                              scale, LOWER_BOUND, x["cu"], chunk_indices=idx, check_inputs=False)
     out = torch.empty_like(x["v"])
 
     def walk(groups=None, config=None):
-        return fused_kda_chunk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
+        return kda_prefill_walk(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out,
                                scale, x["cu"], x["h0"], True, chunk_offsets=offs, check_inputs=False,
                                config=config, groups=groups)
 
