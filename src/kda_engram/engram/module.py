@@ -51,7 +51,7 @@ def shards_engram_gate(
     on, on every vendor: the sharded scheme moves ``(dim + 4*hc*P)*2`` bytes per token
     instead of ``(hc+1)*dim*2`` over the links and less HBM traffic in the kernels.
     The reference engine limits it to AMD CDNA3/4; the H200 measurement is in
-    ``benchmarks/bench_engram_gate.py``. ``device`` is accepted so a vendor rule can
+    ``kda_engram.tools.benchmarks.bench_engram_gate``. ``device`` is accepted so a vendor rule can
     be reinstated in one place; the environment variable ``KDA_ENGRAM_SHARD_GATE``
     (``1``/``0``) overrides the default.
     """

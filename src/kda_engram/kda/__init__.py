@@ -10,10 +10,11 @@ On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing, so the
 kernels run under the Triton interpreter.
 """
 
+from ..constants import CHUNK_SIZE
 from .chunk import KDA_CHECKPOINT_ALIGNMENT, fused_kda_chunk, kda_prefill_walk
 from .decode import kda_decode, kda_decode_multi
 from .fused_decode import fused_kda_decode_step, kda_layer_decode_step
-from .metadata import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
+from .metadata import prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
 from .prefill import chunk_kda_prefill
 from .prologue import fused_kda_prologue, kda_prefill_prologue
 from .reference import kda_gate, naive_chunk_kda, naive_group_chunk_kda, naive_recurrent_kda

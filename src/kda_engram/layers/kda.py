@@ -56,8 +56,6 @@ from ..validation.kda import check_kda_batch, check_kda_layer_inputs
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
 
-CONV_SIZE = CONV_WIDTH  # the short conv's taps (the layer's public name for it)
-
 
 # --------------------------------------------------------------------------- batch
 
@@ -227,7 +225,7 @@ class KimiDeltaAttention(nn.Module):
         num_heads: int,
         head_dim: int = 128,
         *,
-        conv_size: int = CONV_SIZE,
+        conv_size: int = CONV_WIDTH,
         gate_low_rank_dim: int | None = None,
         output_gate_low_rank_dim: int | None = None,
         lower_bound: float | None = None,
@@ -241,8 +239,8 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup.single()
         P = self.tp.world_size
-        if conv_size != CONV_SIZE:
-            raise ValueError(f"conv_size: the fused conv kernels implement width {CONV_SIZE}, got {conv_size}")
+        if conv_size != CONV_WIDTH:
+            raise ValueError(f"conv_size: the fused conv kernels implement width {CONV_WIDTH}, got {conv_size}")
         if head_dim not in KDA_HEAD_DIMS:
             raise ValueError(f"head_dim: expected one of {KDA_HEAD_DIMS} (128 in production), got {head_dim}")
         if num_heads < 1 or num_heads % P:

@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from ...kda.metadata import CHUNK_SIZE, prepare_chunk_indices
+from ...constants import CHUNK_SIZE
+from ...kda.metadata import prepare_chunk_indices
 from ...kda.prologue import kda_prefill_prologue
 from ...kda.reference import naive_chunk_operands
 from ...tools.benchmarks.common import bench_ms as bench
