@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from .. import __version__
-from ..tools.bench import BENCHMARKS, BENCHMARKS_PACKAGE, benchmark_scripts
-from ..tools.reporting import MAX_SEED
+from .bench import BENCHMARKS, BENCHMARKS_PACKAGE, benchmark_scripts
+from .reporting import MAX_SEED
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,22 +37,22 @@ _examples = _int_in(1, "at least 1 case per kernel")
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ..tools.demo import run_demo
-    from ..tools.reporting import pick_device
+    from .demo import run_demo
+    from .reporting import pick_device
 
     return run_demo(device=pick_device(args.device), seed=args.seed, small=args.small)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ..tools.bench import require_gpu, run_bench
+    from .bench import require_gpu, run_bench
 
     require_gpu()  # before any benchmark is imported
     return run_bench(args.what, vs=args.vs, json_path=args.json, plot_path=args.plot, quick=args.quick)
 
 
 def _check(args: argparse.Namespace) -> int:
-    from ..tools.check import run_check
-    from ..tools.reporting import pick_device
+    from .check import run_check
+    from .reporting import pick_device
 
     return run_check(device=pick_device(args.device), examples=args.examples, seed=args.seed)
 
@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit status. Bad options, a device that is
     not there and ``bench`` without a GPU end in one line on stderr and 2."""
-    from ..tools.bench import NeedsGPU
-    from ..tools.reporting import DeviceError
+    from .bench import NeedsGPU
+    from .reporting import DeviceError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

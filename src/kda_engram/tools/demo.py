@@ -48,7 +48,7 @@ import time
 import torch
 
 from ..constants import KDA_CHECKPOINT_ALIGNMENT
-from ..tools.reporting import Checks, check_seed, pick_device
+from .reporting import Checks, check_seed, pick_device
 
 # The demo's single Engram layer: its id seeds the hash multipliers.
 ENGRAM_LAYER_ID = 0

@@ -42,8 +42,8 @@ import torch
 from ...engram.gate import engram_post_wkv
 from ...engram.reference import _gate_from_sums, shard_kv_by_dim
 from ...engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
-from ...tools.benchmarks.common import bench_ms as _bench
-from ...tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
+from .common import bench_ms as _bench
+from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
 
 HC = 4
 EPS = 1e-6
@@ -400,9 +400,7 @@ def main(argv=None) -> int:
         rows = run(peers=not args.no_peers, quick=args.quick)
         print_rows(rows)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2, default=str)
-        print(f"wrote {args.json}")
+        write_json(rows, args.json)
     return 0
 
 

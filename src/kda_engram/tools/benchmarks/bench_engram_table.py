@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-from pathlib import Path
 
 import torch
 
 from ...engram.hashing import ngram_hash
 from ...engram.layout import EngramLayout
 from ...engram.table import SCALE_BLOCK, EngramTable
-from ...tools.benchmarks.common import bench_ms, cuda_graph_ms
+from .common import bench_ms, cuda_graph_ms, write_json
 
 N_COLS, HEAD_DIM = 24, 256
 TOKENS = {"T64": 64, "T16384": 16384}
@@ -320,7 +318,7 @@ def main(argv=None) -> int:
               f"{fmt(r['max_abs_diff'], '>8.2g')} {fmt(r.get('copy_ms'), '>9.4f')} {fmt(r.get('copy_graph_ms'), '>10.4f')} "
               f"{fmt(r['copy_graph_ms'] / r['graph_ms'] if r.get('copy_graph_ms') and r['graph_ms'] else None, '>7.2f')}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_json(rows, args.json)
     return 0
 
 

@@ -50,16 +50,14 @@ fused step's default call is ``checked_ms`` (bound as above), the layer forward'
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
 from ...kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
-from ...tools.benchmarks.common import bench_ms as bench
-from ...tools.benchmarks.common import copy_bandwidth
+from .common import bench_ms as bench
+from .common import copy_bandwidth, write_json
 from ...validation.entry import default_check_bound_ms
 
 K = V = 128
@@ -455,8 +453,7 @@ def main(argv=None) -> int:
     rows = run(cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep, layer=not args.no_layer)
     print_rows(rows)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
-        print(f"wrote {args.json}")
+        write_json(rows, args.json)
     return 0
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
@@ -66,8 +65,8 @@ from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
 from ...kda.prologue import kda_prefill_prologue
-from ...tools.benchmarks.common import bench_ms as _bench
-from ...tools.benchmarks.common import copy_bandwidth_gbs, cuda_graph_ms
+from .common import bench_ms as _bench
+from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
 from ...validation.entry import default_check_bound_ms
 
 HEAD_DIM = 128
@@ -623,9 +622,7 @@ def main(argv=None) -> int:
             parser.error("--profile needs a GPU")
         kernels = profile_cases(cases or list(CASES), peers=not args.no_peers)
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(kernels, fh, indent=2)
-            print(f"wrote {args.json}")
+            write_json(kernels, args.json)
         return 0
     try:
         counts = tuple(int(g) for g in args.groups.split(",") if g.strip())
@@ -641,9 +638,7 @@ def main(argv=None) -> int:
                group_cases=group_cases)
     print_rows(rows)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=2, default=str)
-        print(f"wrote {args.json}")
+        write_json(rows, args.json)
     return 0
 
 

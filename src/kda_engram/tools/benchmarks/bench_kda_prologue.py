@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import math
 import sys
-from pathlib import Path
 
 import torch
 
@@ -48,8 +46,8 @@ from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices
 from ...kda.prologue import kda_prefill_prologue
 from ...kda.reference import naive_chunk_operands
-from ...tools.benchmarks.common import bench_ms as bench
-from ...tools.benchmarks.common import copy_bandwidth
+from .common import bench_ms as bench
+from .common import copy_bandwidth, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -267,8 +265,7 @@ def main(argv=None) -> int:
     for n in notes:
         print(f"peer: {n}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2, default=str))
-        print(f"wrote {args.json}")
+        write_json(rows, args.json)
     return 0
 
 

@@ -42,7 +42,7 @@ from ...engram.module import Engram
 from ...engram.sharded_gate import send_width
 from ...layers.kda import KDABatch, KimiDeltaAttention
 from ...parallel import TensorParallelGroup
-from ...tools.benchmarks.bench_engram_gate import block_times_ms
+from .bench_engram_gate import block_times_ms
 
 EPS = 1e-6
 HC = 4

@@ -83,3 +83,12 @@ def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
             times.append(start.elapsed_time(end) / iters)
         per.append(statistics.median(times))
     return max(per[0] - per[1], 0.0)
+
+
+def write_json(rows, path) -> None:
+    """The rows as indented JSON at ``path`` (values JSON cannot hold as text), and a line saying so."""
+    import json
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps(rows, indent=2, default=str))
+    print(f"wrote {path}")

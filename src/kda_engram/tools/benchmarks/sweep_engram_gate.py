@@ -24,8 +24,8 @@ import torch
 
 from ...engram.gate import engram_post_wkv, post_wkv_launch
 from ...platform import num_compute_units
-from ...tools.benchmarks import bench_engram_gate as gate_bench
-from ...tools.benchmarks.common import cuda_graph_ms
+from . import bench_engram_gate as gate_bench
+from .common import cuda_graph_ms
 
 HC = gate_bench.HC
 
