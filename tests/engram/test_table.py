@@ -265,7 +265,7 @@ def gpu_table_case(gpu, T=16384, rows_per_col=100_003, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu_mem(4)  # a 1.2 GiB table
+@pytest.mark.gpu_mem(8)  # a 1.2 GiB table; the fp8 case peaked at 6.9 GiB on an H100 (its float reference)
 @pytest.mark.parametrize("storage", ["bf16", "fp8"])
 def test_gpu_lookup_prefill(gpu, storage):
     sizes, w, rows = gpu_table_case(gpu)
