@@ -121,6 +121,33 @@ def test_sync_raises_on_the_spot():
     kda_engram.raise_pending_errors()  # nothing deferred
 
 
+def test_verdict_gathered_before_the_launch(monkeypatch):
+    """The decode's verdict is complete before its kernel is queued (sealed by
+    guard_decode_indices): on a GPU the next call then waits for the rule kernel
+    only, not for this call's decode, so host and GPU time overlap instead of
+    adding up (the measured cause of a default decode costing GPU + host time)."""
+    import kda_engram.kda.decode as decode
+    from kda_engram.validation.common import DeviceChecks
+
+    order = []
+    finish, launch = DeviceChecks._finish, decode._launch
+
+    def traced_finish(self):
+        if self._values is None and self._rules:
+            order.append("verdict")
+        return finish(self)
+
+    def traced_launch(*args, **kwargs):
+        order.append("launch")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(DeviceChecks, "_finish", traced_finish)
+    monkeypatch.setattr(decode, "_launch", traced_launch)
+    kda_decode(**decode_args(with_sentinels(6, H, V, K), [0, 2]))
+    assert order == ["verdict", "launch"]
+    kda_engram.raise_pending_errors()
+
+
 @pytest.mark.parametrize("value", ["yes", 1, None, "Sync"])
 def test_check_inputs_values(value):
     cache = with_sentinels(6, H, V, K)

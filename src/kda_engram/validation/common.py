@@ -239,6 +239,14 @@ class DeviceChecks:
         if values.is_cuda:
             self._ready = _side_slot(values.device).mark_ready()
 
+    def seal(self) -> None:
+        """Gather the queued rules now, before the launches they guard: the read-back
+        then waits for the rules' own kernels only. (Gathered at :meth:`run`, after
+        the launches, the verdict would make the next call wait for the whole launch,
+        serialising the host's time and the GPU's.) :meth:`guard` seals too; no rule
+        may be added afterwards."""
+        self._finish()
+
     def any_bad(self) -> torch.Tensor | None:
         """0-d bool on the device: some rule is broken (None without rules)."""
         if not self._rules:

@@ -426,13 +426,16 @@ def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceC
 def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks) -> torch.Tensor:
     """:func:`check_decode_indices` for a launch-then-read-back call: queues the
     value rules on ``checks`` and returns the indices to launch with (all -1 when
-    a rule is broken). One Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
+    a rule is broken), with ``checks`` sealed (the last rule of the call). One
+    Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
     (:mod:`kda_engram.validation.index_rules`), the PyTorch rules and
     :meth:`DeviceChecks.guard` beyond."""
     check_decode_indices(state_indices, batch, state_cache, None)
     slots = state_cache.shape[0]
     if state_indices.numel() <= MAX_ONE_PROGRAM_INDICES:
-        return index_rules(checks, "state_indices", state_indices, slots)
+        guarded = index_rules(checks, "state_indices", state_indices, slots)
+        checks.seal()  # the verdict complete before the decode launch (the next call waits for it only)
+        return guarded
     check_index_values(checks, "state_indices", state_indices, slots)
     return checks.guard(state_indices, -1)
 
