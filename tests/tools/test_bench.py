@@ -59,3 +59,25 @@ def test_group_sweep_refuses_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sweep_kda_groups.main(["--part", "groups"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_profile_default_checks_reports_every_call(tmp_path, capsys):
+    """The default-check profiler on a tiny CPU case: one row per call with host
+    times of both modes, the verdict wait and a host profile."""
+    import json
+
+    from kda_engram.tools.benchmarks import profile_default_checks
+
+    path = tmp_path / "profile.json"
+    assert profile_default_checks.main(["--batch", "2", "--heads", "1", "--head-dim", "16", "--iters", "2",
+                                        "--top", "40", "--device", "cpu", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["call"] for r in rows] == ["kda_decode", "kda_layer_decode_step", "layer_forward"]
+    for r in rows:
+        for key in ("host_us_nocheck", "host_us_default", "per_call_us_nocheck", "per_call_us_default"):
+            assert r[key] > 0, (r["call"], key)
+        assert r["wait_us_default"] > 0  # every default call after the first resolves a verdict
+        assert r["syncs_default"] == []  # counted on CUDA only
+    for r in rows:  # (on the CPU the interpreter's own functions fill the top)
+        assert "function calls" in r["profile_default"] and "Ordered by: internal time" in r["profile_default"]
+    assert "layer_forward" in capsys.readouterr().out

@@ -1,0 +1,202 @@
+"""Where the default call's extra time goes: host time per call, verdict waits,
+implicit syncs and a host profile, for ``check_inputs=True`` beside ``False``.
+
+    python -m kda_engram.tools.benchmarks.profile_default_checks                 # B=256, H=32 on the GPU
+    python -m kda_engram.tools.benchmarks.profile_default_checks --batch 4 --heads 2 --json out.json
+
+The benches' ``checked`` columns say *whether* the default call meets its bound
+(no-check + max(0.02 ms, 3%)); this says *why not*. For each call (``kda_decode``,
+``kda_layer_decode_step``, the ``KimiDeltaAttention`` forward of a decode batch) it
+measures, in one process:
+
+* ``host_us``: the median host time of one call, calls issued back to back
+  without a sync (what the host spends, including any wait for a verdict);
+* ``per_call_us``: wall time of ``--iters`` calls then one sync, per call (the
+  throughput an engine's loop sees: the larger of host and GPU time when they
+  overlap, their sum when a wait serialises them);
+* ``wait_us``: the median time a call spent waiting for an earlier call's verdict
+  (:meth:`kda_engram.validation.entry._Pending.resolve`);
+* ``syncs``: the implicit host syncs PyTorch reports in one call
+  (``torch.cuda.set_sync_debug_mode("warn")``; CUDA only);
+* the top of a ``cProfile`` of the default call by own time, in the JSON.
+
+Run it on the GPU before changing the checks' design, and again after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+import warnings
+
+import torch
+
+from ...kda.decode import kda_decode
+from ...kda.fused_decode import kda_layer_decode_step
+from ...layers.kda import KDABatch, KimiDeltaAttention
+from ...validation import entry
+from .common import write_json
+
+LOWER_BOUND = -5.0
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _calls(device, B: int, H: int, K: int):
+    """``{name: fn(check_inputs)}``: the three default-path calls of a decode step."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
+    x = dict(q=rnd(B, H, K).to(dt), k=rnd(B, H, K).to(dt), v=rnd(B, H, K).to(dt), raw_g=rnd(B, H, K).to(dt),
+             raw_beta=rnd(B, H).to(dt), A_log=0.5 * rnd(H), dt_bias=rnd(H * K))
+    idx = torch.randperm(B, generator=gen, device=device).to(torch.int32)
+    cache = 0.5 * rnd(B, H, K, K)
+    out = torch.empty(B, H, K, dtype=dt, device=device)
+
+    layer = KimiDeltaAttention(H * K, H, K, gate_low_rank_dim=K, output_gate_low_rank_dim=K,
+                               lower_bound=LOWER_BOUND, dtype=dt, device=device)
+    layer.reset_parameters(torch.Generator().manual_seed(0))
+    sc, cs = layer.allocate_cache(B)  # torch.empty: filled below
+    sc.copy_(0.3 * rnd(*sc.shape))
+    cs.copy_(rnd(*cs.shape))
+    hs = rnd(B, H * K).to(dt)
+    lidx = torch.randperm(B, generator=gen, device=device)
+    batch = KDABatch.from_query_lens(torch.ones(B, dtype=torch.int64, device=device), lidx, num_decode=B)
+    b, C = layer.bands, layer.conv_channels
+    with torch.no_grad():
+        proj = layer.in_proj(hs)
+        raw_g = layer.f_b_proj(proj[:, b["gate"][0]: b["gate"][1]])
+        raw_beta = proj[:, b["beta"][0]: b["beta"][1]]
+        g_out = layer.g_b_proj(proj[:, b["g_out"][0]: b["g_out"][1]])
+    step_out = torch.empty(B, H * K, dtype=dt, device=device)
+    return {
+        "kda_decode": lambda check: kda_decode(**x, state_cache=cache, state_indices=idx, lower_bound=LOWER_BOUND,
+                                               out=out, check_inputs=check),
+        "kda_layer_decode_step": lambda check: kda_layer_decode_step(
+            proj[:, :C], raw_g, raw_beta, g_out, layer.conv_weight, cs, lidx, layer.A_log, layer.dt_bias,
+            layer.o_norm_weight, sc, lidx, scale=layer.scale, lower_bound=LOWER_BOUND, norm_eps=layer.norm_eps,
+            out=step_out, check_inputs=check),
+        "layer_forward": lambda check: layer(hs, batch, sc, cs, check_inputs=check),
+    }
+
+
+def _host_and_throughput(fn, device, iters: int) -> tuple[float, float]:
+    host = []
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    _sync(device)
+    per_call = (time.perf_counter() - start) / iters
+    return statistics.median(host) * 1e6, per_call * 1e6
+
+
+def _waits(fn, device, iters: int) -> float:
+    """The median wait for a verdict per call (0 when nothing waited)."""
+    waits = []
+    real = entry._Pending.resolve
+
+    def timed(self):
+        t0 = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    entry._Pending.resolve = timed
+    try:
+        for _ in range(iters):
+            fn()
+        entry.raise_pending_errors()
+        _sync(device)
+    finally:
+        entry._Pending.resolve = real
+    return statistics.median(waits) * 1e6 if waits else 0.0
+
+
+def _syncs(fn, device) -> list[str]:
+    if device.type != "cuda":
+        return []
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message).splitlines()[0] for w in caught]
+
+
+def _profile(fn, device, iters: int, top: int) -> str:
+    prof = cProfile.Profile()
+    _sync(device)
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    entry.raise_pending_errors()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def run(device, B: int, H: int, K: int, iters: int, top: int) -> list[dict]:
+    rows = []
+    with torch.inference_mode():
+        for name, call in _calls(device, B, H, K).items():
+            row = {"call": name, "B": B, "H": H, "K": K}
+            for mode, check in (("nocheck", False), ("default", True)):
+                fn = lambda check=check: call(check)  # noqa: E731
+                for _ in range(3):  # compile and warm
+                    fn()
+                entry.raise_pending_errors()
+                row[f"host_us_{mode}"], row[f"per_call_us_{mode}"] = _host_and_throughput(fn, device, iters)
+                entry.raise_pending_errors()
+            default = lambda: call(True)  # noqa: E731
+            row["wait_us_default"] = _waits(default, device, iters)
+            row["syncs_default"] = _syncs(default, device)
+            row["profile_default"] = _profile(default, device, iters, top)
+            rows.append(row)
+    return rows
+
+
+def print_rows(rows) -> None:
+    print(f"{'call':<24} {'host us':>16} {'per call us':>18} {'wait us':>8} {'syncs':>6}")
+    print(f"{'':<24} {'nocheck/default':>16} {'nocheck/default':>18}")
+    for r in rows:
+        print(f"{r['call']:<24} {r['host_us_nocheck']:>7.1f}/{r['host_us_default']:<8.1f} "
+              f"{r['per_call_us_nocheck']:>8.1f}/{r['per_call_us_default']:<9.1f} {r['wait_us_default']:>8.1f} "
+              f"{len(r['syncs_default']):>6}")
+        for message in r["syncs_default"]:
+            print(f"    sync: {message}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--top", type=int, default=25, help="cProfile lines kept per call")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None, help="write the rows (with the profiles) here")
+    args = parser.parse_args(argv)
+    rows = run(torch.device(args.device), args.batch, args.heads, args.head_dim, args.iters, args.top)
+    print_rows(rows)
+    if args.json:
+        write_json(rows, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
