@@ -18,7 +18,8 @@ measures, in one process:
   (:meth:`kda_engram.validation.entry._Pending.resolve`);
 * ``syncs``: the implicit host syncs PyTorch reports in one call
   (``torch.cuda.set_sync_debug_mode("warn")``; CUDA only);
-* the top of a ``cProfile`` of the default call by own time, in the JSON.
+* the top of a ``cProfile`` of the default call by own and by cumulative time,
+  in the JSON.
 
 Run it on the GPU before changing the checks' design, and again after.
 """
@@ -146,7 +147,9 @@ def _profile(fn, device, iters: int, top: int) -> str:
     prof.disable()
     entry.raise_pending_errors()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top)  # where the host's own time goes
+    stats.sort_stats("cumulative").print_stats(top)  # which of our steps holds it (a wait shows here)
     return text.getvalue()
 
 
