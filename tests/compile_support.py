@@ -275,11 +275,15 @@ def drive_state_variants() -> None:
         from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, index_rules
 
         from kda_engram.validation.common import DeviceChecks
-        from kda_engram.validation.index_rules import cu_seqlens_rules
+        from kda_engram.validation.index_rules import cu_seqlens_rules, guard_tensors, index_set_rules
 
         for n in (256, MAX_ONE_PROGRAM_INDICES):
             index_rules(DeviceChecks(), "state_indices", torch.arange(n, dtype=torch.int32), n)
             cu_seqlens_rules(torch.arange(n + 1, dtype=torch.int32), n, covers_all=True)
+            # A layer step's index sets (decode + prefill segments per cache) and its guards.
+            rows = torch.arange(n, dtype=torch.int32)
+            index_set_rules(DeviceChecks(), [(name, [rows[: n // 2], rows[n // 2:]], n) for name in ("s", "c", "k")])
+            guard_tensors(torch.zeros(8, dtype=torch.int64), [(rows, -1)] * 8)
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
         common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),

@@ -294,3 +294,91 @@ def test_device_checks_mix_packed_and_plain_rules():
     checks.add_packed(*cu_seqlens_rules(torch.tensor([0, 3, 2]), 2, covers_all=False))
     with pytest.raises(ValueError, match="length -1"):
         checks.run()
+
+
+# ------------------------------------------------- a call's index sets and guards in one launch
+
+
+def _first_error(queue):
+    checks = DeviceChecks()
+    queue(checks)
+    try:
+        checks.run()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("sizes", [(3, 0, 0), (5, 60, 0), (64, 1, 2), (40, 200, 60)])
+def test_index_set_rules_match_the_pytorch_rules(sizes):
+    """Sets of up to three segments (int32 and int64, strided), up to three sets:
+    the one-launch rules give the error the PyTorch rules give on the
+    concatenation, on valid rows, a duplicate across segments, a row out of range."""
+    from kda_engram.validation.index_rules import fits_index_set_rules, index_set_rules
+
+    total = sum(sizes)
+    gen = torch.Generator().manual_seed(total)
+    rows = torch.randperm(2 * total, generator=gen)[:total]
+    rows[::5] = -1  # "no row", repeated
+    a, b = sizes[0], sizes[0] + sizes[1]
+    wide = torch.stack([rows, rows], 1)[:, 1]  # strided
+    segments = [rows[:a].to(torch.int32), wide[a:b], rows[b:]]
+    segments = [s for s in segments if s.numel()] or [rows[:0]]
+    dup = [s.clone() for s in segments]
+    if total > 1:
+        dup[-1][-1] = 2 * total - 1
+        dup[0][0] = 2 * total - 1
+    high = [s.clone() for s in segments]
+    high[-1][0] = 2 * total + 3
+    for case in (segments, dup, high):
+        sets = [("first", case, 2 * total), ("second", [torch.arange(4)], 4), ("third", case[:1], 4 * total)]
+        assert fits_index_set_rules(sets)
+        one_launch = _first_error(lambda c: index_set_rules(c, sets))
+        pytorch = _first_error(lambda c: [check_index_values(c, name, torch.cat([s.long() for s in segs]), upper)
+                                          for name, segs, upper in sets])
+        assert one_launch == pytorch
+    assert _first_error(lambda c: index_set_rules(c, [("first", high, 2 * total)])) == (
+        f"first: entries must be < {2 * total} (rows available), got max {2 * total + 3}")
+    if total > 1:
+        assert "first: non-negative entries must be distinct" in _first_error(
+            lambda c: index_set_rules(c, [("first", dup, 2 * total)]))
+
+
+def test_index_sets_too_large_for_one_launch_take_the_pytorch_rules():
+    from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, fits_index_set_rules
+    from kda_engram.validation.kda import queue_index_sets
+
+    big = torch.arange(MAX_ONE_PROGRAM_INDICES + 1)
+    assert not fits_index_set_rules([("rows", [big], big.numel())])
+    assert not fits_index_set_rules([("rows", [big[:1]], 2)] * 4)
+    big[-1] = 0
+    assert "rows: non-negative entries must be distinct" in _first_error(
+        lambda c: queue_index_sets(c, [("rows", [big[:10], big[10:]], big.numel())]))
+    assert _first_error(lambda c: queue_index_sets(c, [("rows", [big[:0]], 1)])) is None  # empty: no rule
+
+
+def test_guard_many_guards_every_tensor_by_every_rule():
+    """One launch guards up to eight tensors of their own dtypes and shapes, each
+    by the OR of all the call's rules; None stays None; more than eight and
+    non-contiguous tensors take the per-tensor guard."""
+    def guarded(bad_rule):
+        checks = DeviceChecks()
+        checks.add(torch.tensor(False), "fine")
+        checks.add(torch.tensor(bad_rule), "broken")
+        xs = [(torch.arange(5, dtype=torch.int32), -1), (None, -1), (torch.arange(6).view(3, 2), 0),
+              (torch.arange(8)[::2], -1)] + [(torch.arange(3), k) for k in range(7)]
+        xs.append((torch.arange(12).view(3, 4).t(), -1))  # non-contiguous 2-d
+        out = checks.guard_many(*xs)
+        assert out[1] is None
+        for (x, _), y in zip(xs, out):
+            if x is not None:
+                assert y.dtype == x.dtype and y.shape == x.shape
+        return xs, out
+
+    xs, out = guarded(False)
+    assert all(y is None or torch.equal(x, y) for (x, _), y in zip(xs, out))
+    xs, out = guarded(True)
+    assert all(y is None or torch.equal(y, torch.full_like(x, none)) for (x, none), y in zip(xs, out))
+    checks = DeviceChecks()  # no rule: the tensors themselves
+    x = torch.arange(3)
+    assert checks.guard_many((x, -1))[0] is x

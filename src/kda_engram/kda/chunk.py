@@ -262,10 +262,9 @@ def kda_prefill_walk(
     # Launch, then read back: a broken rule turns the batch into empty sequences
     # (cu_seqlens and chunk_offsets zeros) whose rows are all "none" and offsets
     # 0, so the launches below touch no cache, checkpoint or output row.
-    cu_seqlens, chunk_offsets = checks.guard(cu_seqlens, 0), checks.guard(chunk_offsets, 0)
-    state_indices = checks.guard(state_indices, -1)
-    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
-    checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
+    cu_seqlens, chunk_offsets, state_indices, checkpoint_offsets, checkpoint_state_indices = checks.guard_many(
+        (cu_seqlens, 0), (chunk_offsets, 0), (state_indices, -1), (checkpoint_offsets, 0),
+        (checkpoint_state_indices, -1))
     final_state = None
     if output_final_state:
         final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,

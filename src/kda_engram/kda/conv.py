@@ -422,9 +422,8 @@ def kda_conv_checkpoint(
         return conv_state
     # Launch, then read back: a broken rule makes every offset 0 and every row
     # "none" (no conv_state row touched).
-    cu_seqlens = checks.guard(cu_seqlens, 0)
-    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
-    checkpoint_indices = checks.guard(checkpoint_indices, -1)
+    cu_seqlens, checkpoint_offsets, checkpoint_indices = checks.guard_many(
+        (cu_seqlens, 0), (checkpoint_offsets, 0), (checkpoint_indices, -1))
     grid = (N, triton.cdiv(C, BLOCK_C))
     _conv_checkpoint_kernel[grid](
         x, x.stride(0), x.stride(1),

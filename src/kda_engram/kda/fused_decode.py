@@ -321,9 +321,8 @@ def kda_layer_decode_step(
     # Launch, then read back: a broken rule makes every row "none", so the launch
     # touches neither cache. The default initial rows are views of the guarded
     # ones (derived below).
-    state_indices, conv_state_indices = checks.guard(state_indices, -1), checks.guard(conv_state_indices, -1)
-    initial_state_indices = checks.guard(initial_state_indices, -1)
-    initial_conv_indices = checks.guard(initial_conv_indices, -1)
+    state_indices, conv_state_indices, initial_state_indices, initial_conv_indices = checks.guard_many(
+        (state_indices, -1), (conv_state_indices, -1), (initial_state_indices, -1), (initial_conv_indices, -1))
     if multi:
         init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices

@@ -214,11 +214,9 @@ def chunk_kda_prefill(
     # Launch, then read back: a broken rule turns the batch into empty sequences
     # whose rows are all "none", so the launches below touch no cache, no
     # checkpoint row and no conv row. (No-ops without queued rules.)
-    cu_seqlens = checks.guard(cu_seqlens, 0)
-    state_indices = checks.guard(state_indices, -1)
-    checkpoint_state_indices = checks.guard(checkpoint_state_indices, -1)
-    checkpoint_offsets = checks.guard(checkpoint_offsets, 0)
-    conv_state_indices = checks.guard(conv_state_indices, -1)
+    cu_seqlens, state_indices, checkpoint_state_indices, checkpoint_offsets, conv_state_indices = checks.guard_many(
+        (cu_seqlens, 0), (state_indices, -1), (checkpoint_state_indices, -1), (checkpoint_offsets, 0),
+        (conv_state_indices, -1))
 
     # Chunk metadata on the device, sized from static shapes: one launch, no host
     # sync, writing only its own new tensors.

@@ -720,8 +720,8 @@ def kda_prefill_prologue(
     # Launch, then read back: a broken rule makes every sequence empty, every
     # chunk row padding (sequence -1) and every conv row "none", so the launches
     # write no conv_state row.
-    cu_seqlens, conv_state_indices = checks.guard(cu_seqlens, 0), checks.guard(conv_state_indices, -1)
-    chunk_indices = checks.guard(chunk_indices, -1)
+    cu_seqlens, conv_state_indices, chunk_indices = checks.guard_many(
+        (cu_seqlens, 0), (conv_state_indices, -1), (chunk_indices, -1))
     launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
                                   conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                                   num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)

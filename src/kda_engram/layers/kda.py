@@ -171,17 +171,14 @@ class KDABatch:
 
 def _guarded(batch: KDABatch, checks: DeviceChecks) -> KDABatch:
     """``batch`` with the index tensors the kernels use guarded by ``checks``
-    (:meth:`DeviceChecks.guard`): when a queued rule is broken every row is -1
-    (none), every prefill sequence empty and every checkpoint offset 0, so the
-    launches write no cache row. Device ops only."""
-    g = checks.guard
-    return dataclasses.replace(
-        batch,
-        decode_state_indices=g(batch.decode_state_indices, -1), decode_conv_indices=g(batch.decode_conv_indices, -1),
-        prefill_cu_seqlens=g(batch.prefill_cu_seqlens, 0), prefill_state_indices=g(batch.prefill_state_indices, -1),
-        prefill_conv_indices=g(batch.prefill_conv_indices, -1), checkpoint_offsets=g(batch.checkpoint_offsets, 0),
-        checkpoint_indices=g(batch.checkpoint_indices, -1),
-    )
+    (:meth:`DeviceChecks.guard_many`, one launch): when a queued rule is broken
+    every row is -1 (none), every prefill sequence empty and every checkpoint
+    offset 0, so the launches write no cache row. Device ops only."""
+    names = ("decode_state_indices", "decode_conv_indices", "prefill_cu_seqlens", "prefill_state_indices",
+             "prefill_conv_indices", "checkpoint_offsets", "checkpoint_indices")
+    nones = (-1, -1, 0, -1, -1, 0, -1)
+    guarded = checks.guard_many(*((getattr(batch, n), none) for n, none in zip(names, nones)))
+    return dataclasses.replace(batch, **dict(zip(names, guarded)))
 
 
 def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:

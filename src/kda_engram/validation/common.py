@@ -264,6 +264,28 @@ class DeviceChecks:
             return x
         return torch.where(self.any_bad(), none_value, x)
 
+    def guard_many(self, *pairs) -> list:
+        """:meth:`guard` of several ``(x, none_value)`` pairs (``x`` may be None) in
+        one launch (:func:`kda_engram.validation.index_rules.guard_tensors`) instead
+        of one ``where`` each: a call's index tensors are guarded together, every one
+        by all of the call's rules. Tensors the launch does not take (more than
+        :data:`~kda_engram.validation.index_rules.MAX_GUARDED`, or neither 1-d nor
+        contiguous) get :meth:`guard`."""
+        from .index_rules import MAX_GUARDED, guard_tensors
+
+        if not self._rules:
+            return [x for x, _ in pairs]
+        self._finish()
+        taken = [i for i, (x, _) in enumerate(pairs) if x is not None and (x.dim() == 1 or x.is_contiguous())]
+        taken = taken[:MAX_GUARDED]
+        out = [None if x is None else (None if i in taken else self.guard(x, none))
+               for i, (x, none) in enumerate(pairs)]
+        if taken:
+            flat = [(pairs[i][0].reshape(-1), pairs[i][1]) for i in taken]
+            for i, y in zip(taken, guard_tensors(self._values[: self._n_flags], flat)):
+                out[i] = y.view(pairs[i][0].shape)
+        return out
+
     def _take(self):
         """Gather the queued rules and empty this object for reuse: ``(rules,
         positions, values, ready)``."""

@@ -146,3 +146,162 @@ def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all:
              (1, f"{name}: must be non-decreasing, got a sequence of length {{}}", (4,)),
              (2, end, (5,))]
     return verdict, rules
+
+
+# ----------------------------------------------------------------- a call's index sets
+
+#: ``index_set_rules``: sets per launch, segments per set.
+MAX_SETS = 3
+MAX_SEGMENTS = 3
+_NOT_SPECIALISED = [f"{s}{k}" for s in "abc" for k in ("n0", "n1", "n2", "n", "upper")]
+
+
+@triton.jit
+def _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, i, other):
+    """Entries ``i`` of the concatenation of three segments, as int64; ``other``
+    past its end."""
+    in0 = i < n0
+    in1 = (i >= n0) & (i < n0 + n1)
+    in2 = (i >= n0 + n1) & (i < n0 + n1 + n2)
+    x0 = tl.load(p0 + i * s0, mask=in0, other=0).to(tl.int64)
+    x1 = tl.load(p1 + (i - n0) * s1, mask=in1, other=0).to(tl.int64)
+    x2 = tl.load(p2 + (i - n0 - n1) * s2, mask=in2, other=0).to(tl.int64)
+    return tl.where(in0, x0, tl.where(in1, x1, tl.where(in2, x2, other)))
+
+
+@triton.jit
+def _set_verdict(verdict_ptr, k, num_sets, p0, n0, s0, p1, n1, s1, p2, n2, s2, n, upper,
+                 BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """Set ``k`` of ``n = n0 + n1 + n2 <= NUM_BLOCKS * BLOCK`` entries:
+    ``verdict[2k] = max >= upper``, ``verdict[2k + 1]`` = duplicate non-negative
+    entries, ``verdict[2 num_sets + k] = max``."""
+    offs = tl.arange(0, BLOCK)
+    hi = tl.full([BLOCK], -(2**62), tl.int64)
+    for blk in range(NUM_BLOCKS):
+        hi = tl.maximum(hi, _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, blk * BLOCK + offs, -(2**62)))
+    top = tl.max(hi, axis=0)
+    dup = tl.zeros([BLOCK, BLOCK], tl.int32)
+    for bi in range(NUM_BLOCKS):
+        i0 = bi * BLOCK
+        a = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, i0 + offs, -1)
+        for bj in range(bi, NUM_BLOCKS):
+            j0 = bj * BLOCK
+            b = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, j0 + offs, -1)
+            later = (j0 + offs)[None, :] > (i0 + offs)[:, None]  # each unordered pair once
+            same = (a[:, None] == b[None, :]) & (a[:, None] >= 0) & later
+            dup = tl.maximum(dup, same.to(tl.int32))
+    tl.store(verdict_ptr + 2 * k, (top >= upper).to(tl.int64))
+    tl.store(verdict_ptr + 2 * k + 1, (tl.max(tl.max(dup, axis=1), axis=0) > 0).to(tl.int64))
+    tl.store(verdict_ptr + 2 * num_sets + k, top)
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALISED)
+def _index_sets_kernel(verdict_ptr,
+                       a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper,
+                       b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper,
+                       c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper,
+                       NUM_SETS: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    """One program: the range and distinctness rules of up to three index sets,
+    each the concatenation of up to three segments (rows one call writes into one
+    cache). ``verdict = [range_0, dup_0, ..., max_0, ...]``."""
+    _set_verdict(verdict_ptr, 0, NUM_SETS, a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper, BLOCK, NUM_BLOCKS)
+    if NUM_SETS > 1:
+        _set_verdict(verdict_ptr, 1, NUM_SETS, b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper, BLOCK, NUM_BLOCKS)
+    if NUM_SETS > 2:
+        _set_verdict(verdict_ptr, 2, NUM_SETS, c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper, BLOCK, NUM_BLOCKS)
+
+
+def fits_index_set_rules(sets) -> bool:
+    """Whether :func:`index_set_rules` takes ``sets`` in one launch: at most
+    :data:`MAX_SETS` sets of at most :data:`MAX_SEGMENTS` 1-d segments, each set at
+    most ``MAX_ONE_PROGRAM_INDICES`` entries (the pairwise compare of one program)."""
+    return len(sets) <= MAX_SETS and all(
+        len(segments) <= MAX_SEGMENTS and all(s.dim() == 1 for s in segments)
+        and sum(s.numel() for s in segments) <= MAX_ONE_PROGRAM_INDICES
+        for _, segments, _ in sets)
+
+
+def index_set_rules(checks: DeviceChecks, sets) -> None:
+    """Queue, in one launch, the rules :func:`~kda_engram.validation.common.check_index_values`
+    queues per set (``allow_negative=True``, ``distinct=True``) on ``checks``:
+    ``sets`` is a list of ``(name, segments, upper)``, a set's entries being the
+    concatenation of its 1-d ``segments`` (the rows a call writes into one cache:
+    they must be distinct across segments too). Negative entries mean "no row".
+    The caller checks :func:`fits_index_set_rules` first. Replaces about seven
+    PyTorch ops per set (cat, max, sort, compare, any, stack) with one program."""
+    device = sets[0][1][0].device
+    verdict = torch.empty(3 * len(sets), dtype=torch.int64, device=device)
+    args, rules = [], []
+    for k, (name, segments, upper) in enumerate(sets):
+        padded = list(segments) + [segments[0]] * (MAX_SEGMENTS - len(segments))
+        for j, seg in enumerate(padded):
+            args += [seg, seg.numel() if j < len(segments) else 0, seg.stride(0) if seg.numel() else 1]
+        args += [sum(seg.numel() for seg in segments), upper]
+        _, out_of_range, duplicate = index_rule_messages(name, upper)
+        rules += [(2 * k, out_of_range, (2 * len(sets) + k,)), (2 * k + 1, duplicate, ())]
+    args += ([None, 0, 1] * MAX_SEGMENTS + [0, 0]) * (MAX_SETS - len(sets))  # unused sets (skipped: NUM_SETS)
+    largest = max(sum(s.numel() for s in segments) for _, segments, _ in sets)
+    block = 128 if largest > 64 else 64
+    _index_sets_kernel[(1,)](verdict, *args, NUM_SETS=len(sets), BLOCK=block,
+                             NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, block))),
+                             num_warps=8 if block == 128 else 4)
+    checks.add_packed(verdict, rules)
+
+
+# ----------------------------------------------------------------------- the guards
+
+#: Tensors one :func:`guard_tensors` launch copies.
+MAX_GUARDED = 8
+
+
+@triton.jit
+def _guard_copy(x_ptr, y_ptr, n, stride, none, bad, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    for blk in range(NUM_BLOCKS):
+        start = blk * BLOCK
+        m = start + offs < n
+        x = tl.load(x_ptr + (start + offs) * stride, mask=m, other=0)
+        tl.store(y_ptr + start + offs, tl.where(bad, none, x), mask=m)
+
+
+@triton.jit(do_not_specialize=["n_flags", "n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"])
+def _guard_kernel(flags_ptr, n_flags,
+                  x0, y0, n0, s0, e0, x1, y1, n1, s1, e1, x2, y2, n2, s2, e2, x3, y3, n3, s3, e3,
+                  x4, y4, n4, s4, e4, x5, y5, n5, s5, e5, x6, y6, n6, s6, e6, x7, y7, n7, s7, e7,
+                  COUNT: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, FLAG_BLOCK: tl.constexpr):
+    """One program: ``bad`` = any of the ``n_flags`` verdict flags; ``y_k = x_k``,
+    or every entry ``e_k`` when ``bad``, for the ``COUNT`` tensors."""
+    fo = tl.arange(0, FLAG_BLOCK)
+    bad = tl.max((tl.load(flags_ptr + fo, mask=fo < n_flags, other=0) != 0).to(tl.int32), axis=0) > 0
+    _guard_copy(x0, y0, n0, s0, e0, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 1:
+        _guard_copy(x1, y1, n1, s1, e1, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 2:
+        _guard_copy(x2, y2, n2, s2, e2, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 3:
+        _guard_copy(x3, y3, n3, s3, e3, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 4:
+        _guard_copy(x4, y4, n4, s4, e4, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 5:
+        _guard_copy(x5, y5, n5, s5, e5, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 6:
+        _guard_copy(x6, y6, n6, s6, e6, bad, BLOCK, NUM_BLOCKS)
+    if COUNT > 7:
+        _guard_copy(x7, y7, n7, s7, e7, bad, BLOCK, NUM_BLOCKS)
+
+
+def guard_tensors(flags: torch.Tensor, pairs) -> list:
+    """``[x if no flag is set else x filled with none for (x, none) in pairs]``, new
+    1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a 1-d int64
+    verdict's flag part (nonzero = a broken rule), ``pairs`` at most
+    :data:`MAX_GUARDED` 1-d tensors with their "none" values. No host sync."""
+    outs = [torch.empty(x.numel(), dtype=x.dtype, device=x.device) for x, _ in pairs]
+    args = []
+    for (x, none), y in zip(pairs, outs):
+        args += [x, y, x.numel(), x.stride(0) if x.numel() else 1, none]
+    args += [None, None, 0, 1, 0] * (MAX_GUARDED - len(pairs))  # unused slots (skipped: COUNT)
+    largest = max(x.numel() for x, _ in pairs)
+    _guard_kernel[(1,)](flags, flags.numel(), *args, COUNT=len(pairs), BLOCK=128,
+                        NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, 128))),
+                        FLAG_BLOCK=triton.next_power_of_2(max(1, flags.numel())), num_warps=4)
+    return outs

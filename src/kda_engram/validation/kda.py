@@ -34,7 +34,7 @@ from .common import (
     check_tensor,
 )
 
-from .index_rules import MAX_ONE_PROGRAM_INDICES, cu_seqlens_rules, index_rules
+from .index_rules import MAX_ONE_PROGRAM_INDICES, cu_seqlens_rules, fits_index_set_rules, index_rules, index_set_rules
 
 __all__ = [
     "check_scale",
@@ -561,10 +561,11 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
                         ("initial_conv_indices", initial_conv_indices)):
             if t is not None:
                 raise ValueError(f"{name}: only with S tokens per sequence (x [B, S, C])")
-        check_decode_indices(state_indices, lead[0], state_cache, checks)
+        check_decode_indices(state_indices, lead[0], state_cache, None)
         check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
-        if checks is not None:
-            check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
+        if checks is not None:  # both index sets in one launch
+            queue_index_sets(checks, [("state_indices", [state_indices], state_cache.shape[0]),
+                                      ("conv_state_indices", [conv_state_indices], conv_state.shape[0])])
         return
     B, S = lead
     check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
@@ -628,23 +629,43 @@ def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks:
     need_lengths = ck_off is not None and N > 0
     checks.add_packed(*cu_seqlens_rules(cu, num_tokens - B, covers_all=True, name="batch.prefill_cu_seqlens",
                                         tokens=f"the prefill tokens: {num_tokens} tokens - num_decode={B}"))
-    as64 = lambda *xs: torch.cat([x.reshape(-1).to(torch.int64) for x in xs])  # noqa: E731
-    ck_rows = torch.zeros(0, dtype=torch.int64, device=dev)
+    ck_rows = None
     if need_lengths:
         cu64 = cu.to(torch.int64)
         offs = check_checkpoint_offsets(checks, "batch.checkpoint_offsets", ck_off, cu64[1:] - cu64[:-1])
         ck_rows = torch.where(offs > 0, ck_idx.to(torch.int64), -1)  # only sequences taking a checkpoint
+    # The index sets in rule order: (name, segments whose rows must all differ, rows available).
+    sets = []
     for kind, slots, ck_slots in (("state", state_slots, checkpoint_rows), ("conv", conv_slots, conv_checkpoint_rows)):
-        rows = as64(getattr(batch, f"decode_{kind}_indices"), getattr(batch, f"prefill_{kind}_indices"))
-        if ck_slots is not None:
-            check_index_values(checks, "batch.checkpoint_indices", ck_rows, ck_slots)
+        rows = [getattr(batch, f"decode_{kind}_indices"), getattr(batch, f"prefill_{kind}_indices")]
+        if ck_slots is not None and ck_rows is not None:
+            sets.append(("batch.checkpoint_indices", [ck_rows], ck_slots))
         if slots is None:
             continue
-        if ck_slots is None and ck_rows.numel():  # the checkpoints land in this cache itself
-            check_index_values(checks, f"batch.decode_{kind}_indices/prefill_{kind}_indices/checkpoint_indices "
-                               f"({kind} rows written this step)", torch.cat([rows, ck_rows]), slots)
+        if ck_slots is None and ck_rows is not None:  # the checkpoints land in this cache itself
+            sets.append((f"batch.decode_{kind}_indices/prefill_{kind}_indices/checkpoint_indices "
+                         f"({kind} rows written this step)", rows + [ck_rows], slots))
         else:
-            check_index_values(checks, f"batch.decode_{kind}_indices/prefill_{kind}_indices", rows, slots)
+            sets.append((f"batch.decode_{kind}_indices/prefill_{kind}_indices", rows, slots))
+    queue_index_sets(checks, sets)
+
+
+def queue_index_sets(checks: DeviceChecks, sets) -> None:
+    """Queue the range and distinctness rules of ``sets`` (``(name, segments,
+    rows available)``, a set's rows being all its segments together): in one launch
+    when :func:`~kda_engram.validation.index_rules.fits_index_set_rules`, else the
+    PyTorch rules per set (:func:`check_index_values`). The same rules in the same
+    order with the same messages either way; empty sets queue nothing."""
+    sets = [(name, [x.reshape(-1) for x in segments], upper) for name, segments, upper in sets]
+    sets = [(name, segments, upper) for name, segments, upper in sets if sum(x.numel() for x in segments)]
+    if not sets:
+        return
+    if fits_index_set_rules(sets):
+        index_set_rules(checks, sets)
+        return
+    for name, segments, upper in sets:
+        rows = segments[0] if len(segments) == 1 else torch.cat([x.to(torch.int64) for x in segments])
+        check_index_values(checks, name, rows, upper)
 
 
 def check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state, *,
