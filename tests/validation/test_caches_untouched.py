@@ -202,6 +202,23 @@ def test_guarded_launches_on_the_gpu(gpu):
             chunk_kda_prefill(**x, **kw)
         torch.cuda.synchronize()
         assert_same([cache], [before])
+    # The layer's mixed step: its index sets in one launch, its guards in one launch.
+    from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
+
+    layer = KimiDeltaAttention(512, 4, 128, lower_bound=-5.0, dtype=torch.bfloat16, device=gpu)
+    layer.reset_parameters(torch.Generator().manual_seed(0))
+    sc, cs = layer.allocate_cache(16)
+    sc.copy_(with_sentinels(16, 4, 128, 128))
+    cs.normal_()
+    sc0, cs0 = sc.clone(), cs.clone()
+    lens = torch.tensor([1, 1, 100, 60], device=gpu)
+    hs = torch.randn(162, 512, device=gpu).bfloat16()
+    for rows, message in (([0, 1, 2, 99], "got max 99"), ([0, 1, 2, 0], "distinct")):
+        batch = KDABatch.from_query_lens(lens, torch.tensor(rows, device=gpu), num_decode=2)
+        with refused(ValueError, match=f"batch.decode_state_indices/prefill_state_indices: .*{message}"):
+            layer(hs, batch, sc, cs)
+        torch.cuda.synchronize()
+        assert_same([sc, cs], [sc0, cs0])
 
 
 @pytest.mark.parametrize("indices", [[1, 1, 2], [0, 6, 2]], ids=["duplicate", "out_of_range"])
