@@ -1,6 +1,8 @@
 """Rules on device values in one launch each: a decode step's row indices
-(range, distinctness, and the guarded copy the kernels index with) and a varlen
-batch's ``cu_seqlens``.
+(range, distinctness, and the guarded copy the kernels index with), a varlen
+batch's ``cu_seqlens``, a call's index sets (the rows it writes into each cache,
+distinct across decode, prefill and checkpoint rows), and the guarded copies of a
+call's index tensors.
 
 As separate PyTorch ops (max, sort, compare, any, stack, where, ...) these rules
 cost ~15 launches of host time per call, enough to make a default decode call
