@@ -226,7 +226,7 @@ def test_kernels_take_constants_from_constants():
 # ---------------------------------------------------------------- decode index rules in one launch
 
 
-@pytest.mark.parametrize("n", [1, 5, 64, 65, 300])
+@pytest.mark.parametrize("n", [1, 5, 64, 65, 300, 4096])
 def test_index_rules_kernel_matches_the_rules(n):
     """The one-program rules agree with the PyTorch rules on valid, duplicate,
     out-of-range and negative indices, and guard every entry to -1 on a refusal."""
@@ -263,6 +263,34 @@ def test_index_rules_kernel_matches_the_rules(n):
     guarded = index_rules(verdict, "state_indices", wide, 2 * n)
     verdict.run()
     assert guarded.dtype == torch.int64 and torch.equal(guarded, valid.long())
+
+
+def test_index_rules_sort_keys_never_wrap():
+    """The distinct rule sorts int32 keys: int64 entries past 2^31 (or far below 0)
+    must neither wrap onto a real row nor hide a duplicate."""
+    from kda_engram.validation.index_rules import index_rules, index_set_rules
+
+    def error(idx, upper, sets=False):
+        checks = DeviceChecks()
+        if sets:
+            index_set_rules(checks, [("rows", [idx[:2], idx[2:]], upper)])
+        else:
+            index_rules(checks, "rows", idx, upper)
+        try:
+            checks.run()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    for sets in (False, True):
+        # -2^32 + 5 is "no row" (negative), not row 5 after a wrap.
+        assert error(torch.tensor([5, -(2**32) + 5, 3, 1]), 8, sets) is None
+        # 2^32 + 5 is out of range (reported as such), not a duplicate of row 5.
+        assert "must be < 8 (rows available), got max 4294967301" in error(torch.tensor([5, 2**32 + 5, 3, 1]), 8, sets)
+        # A real duplicate beside huge values is still found.
+        assert "distinct" in error(torch.tensor([-(2**40), 3, 1, 3]), 8, sets)
+        # Padding past n (the register width is a power of two) never counts.
+        assert error(torch.tensor([0, 1, 2]), 3, sets) is None
 
 
 def test_device_checks_mix_packed_and_plain_rules():

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .. import platform
+from .index_rules import MAX_GUARDED, guard_tensors, index_rule_messages
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -271,8 +272,6 @@ class DeviceChecks:
         by all of the call's rules. Tensors the launch does not take (more than
         :data:`~kda_engram.validation.index_rules.MAX_GUARDED`, or neither 1-d nor
         contiguous) get :meth:`guard`."""
-        from .index_rules import MAX_GUARDED, guard_tensors
-
         if not self._rules:
             return [x for x, _ in pairs]
         self._finish()
@@ -425,15 +424,6 @@ def check_index_values(
         s = torch.sort(flat).values
         dup = ((s[1:] == s[:-1]) & (s[1:] >= 0)).any()
         checks.add(dup, duplicate)
-
-
-def index_rule_messages(name: str, upper: int) -> tuple[str, str, str]:
-    """The messages of the index rules (negative entries, range, distinct), ``{}``
-    standing for the offending min / max: one wording for the PyTorch rules above
-    and the one-launch rules of :mod:`kda_engram.validation.index_rules`."""
-    return (f"{name}: expected non-negative entries, got min {{}}",
-            f"{name}: entries must be < {upper} (rows available), got max {{}}",
-            f"{name}: non-negative entries must be distinct (duplicates would race on one row)")
 
 
 def check_index_range(name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True) -> None:

@@ -16,58 +16,61 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DeviceChecks, index_rule_messages
+__all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rule_messages", "index_rules"]
 
-__all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rules"]
 
-# One program compares all pairs: fine up to a few thousand indices (4096: 256
-# tile pairs of 128 x 128); larger index sets use the sort-based rules.
+def index_rule_messages(name: str, upper: int) -> tuple[str, str, str]:
+    """The messages of the index rules (negative entries, range, distinct), ``{}``
+    standing for the offending min / max: one wording for the one-launch rules
+    here and the PyTorch rules of
+    :func:`kda_engram.validation.common.check_index_values`."""
+    return (f"{name}: expected non-negative entries, got min {{}}",
+            f"{name}: entries must be < {upper} (rows available), got max {{}}",
+            f"{name}: non-negative entries must be distinct (duplicates would race on one row)")
+
+
+# One program sorts up to this many indices in registers (16 per thread at 8
+# warps); larger index sets use the PyTorch rules.
 MAX_ONE_PROGRAM_INDICES = 4096
 
 
 @triton.jit
+def _has_duplicate(x, valid, upper, N: tl.constexpr):
+    """Whether two entries of ``x`` (int64 ``[N]``, ``valid`` marks the real ones)
+    are equal and non-negative: sort, then compare each entry with the next
+    (``O(N log^2 N)``; the pairwise compare it replaced cost ``O(N^2)`` on one SM).
+    Entries are clamped to ``[-1, min(upper, 2^31 - 1)]`` first, so the int32 sort
+    neither wraps nor calls padding or negative "no row" entries duplicates; an
+    entry at or past ``upper`` breaks the range rule anyway."""
+    key = tl.where(valid & (x >= 0), tl.minimum(tl.minimum(x, upper), 2**31 - 1), -1).to(tl.int32)
+    s = tl.sort(key)
+    o = tl.arange(0, N)
+    after = tl.gather(s, tl.minimum(o + 1, N - 1), 0)
+    return tl.max(((s == after) & (o + 1 < N) & (s >= 0)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
-                        BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, ALLOW_NEGATIVE: tl.constexpr,
-                        DISTINCT: tl.constexpr):
-    """One program; ``NUM_BLOCKS`` (a power of two, so few compiled variants) blocks
-    of ``BLOCK`` cover ``n``. ``verdict = [max >= upper, min < 0 (when negatives are not
-    allowed), duplicate non-negative entries, max, min]``; ``guarded[i] = idx[i]``,
-    or -1 for every i when any rule is broken."""
-    offs = tl.arange(0, BLOCK)
-    hi = tl.full([BLOCK], -(2**62), tl.int64)
-    lo = tl.full([BLOCK], 2**62, tl.int64)
-    for blk in range(NUM_BLOCKS):
-        start = blk * BLOCK
-        m = start + offs < n
-        x = tl.load(idx_ptr + (start + offs) * stride, mask=m, other=0).to(tl.int64)
-        hi = tl.maximum(hi, tl.where(m, x, -(2**62)))
-        lo = tl.minimum(lo, tl.where(m, x, 2**62))
-    top = tl.max(hi, axis=0)
-    low = tl.min(lo, axis=0)
+                        N: tl.constexpr, ALLOW_NEGATIVE: tl.constexpr, DISTINCT: tl.constexpr):
+    """One program; ``N`` (a power of two >= ``n``, so few compiled variants)
+    entries in registers. ``verdict = [max >= upper, min < 0 (when negatives are
+    not allowed), duplicate non-negative entries, max, min]``; ``guarded[i] =
+    idx[i]``, or -1 for every i when any rule is broken."""
+    o = tl.arange(0, N)
+    m = o < n
+    raw = tl.load(idx_ptr + o * stride, mask=m, other=0)
+    x = raw.to(tl.int64)
+    top = tl.max(tl.where(m, x, -(2**62)), axis=0)
+    low = tl.min(tl.where(m, x, 2**62), axis=0)
     bad_range = top >= upper
     bad_negative = low < 0
     if ALLOW_NEGATIVE:
         bad_negative = low < -(2**62)  # never
-    dup = tl.zeros([BLOCK, BLOCK], tl.int32)
+    bad_dup = low < -(2**62)  # never, unless DISTINCT finds one
     if DISTINCT:
-        for bi in range(NUM_BLOCKS):
-            i0 = bi * BLOCK
-            mi = i0 + offs < n
-            a = tl.load(idx_ptr + (i0 + offs) * stride, mask=mi, other=-1).to(tl.int64)
-            for bj in range(bi, NUM_BLOCKS):
-                j0 = bj * BLOCK
-                mj = j0 + offs < n
-                b = tl.load(idx_ptr + (j0 + offs) * stride, mask=mj, other=-1).to(tl.int64)
-                later = (j0 + offs)[None, :] > (i0 + offs)[:, None]  # each unordered pair once
-                same = (a[:, None] == b[None, :]) & (a[:, None] >= 0) & later & mi[:, None] & mj[None, :]
-                dup = tl.maximum(dup, same.to(tl.int32))
-    bad_dup = tl.max(tl.max(dup, axis=1), axis=0) > 0
+        bad_dup = _has_duplicate(x, m, upper, N)
     bad = bad_range | bad_negative | bad_dup
-    for blk in range(NUM_BLOCKS):
-        start = blk * BLOCK
-        m = start + offs < n
-        x = tl.load(idx_ptr + (start + offs) * stride, mask=m, other=0)
-        tl.store(guarded_ptr + start + offs, tl.where(bad, -1, x), mask=m)
+    tl.store(guarded_ptr + o, tl.where(bad, -1, raw), mask=m)
     tl.store(verdict_ptr + 0, bad_range.to(tl.int64))
     tl.store(verdict_ptr + 1, bad_negative.to(tl.int64))
     tl.store(verdict_ptr + 2, bad_dup.to(tl.int64))
@@ -75,10 +78,21 @@ def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
     tl.store(verdict_ptr + 4, low)
 
 
-def index_rules(checks: DeviceChecks, name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True,
+def _width(n: int) -> int:
+    """The register width of a one-program rule over ``n`` entries: a power of two
+    >= ``n``, at least 64 (few compiled variants)."""
+    return max(64, triton.next_power_of_2(max(1, n)))
+
+
+def _warps(width: int) -> int:
+    return 8 if width >= 1024 else 4
+
+
+def index_rules(checks, name: str, idx: torch.Tensor, upper: int, *, allow_negative: bool = True,
                 distinct: bool = True) -> torch.Tensor:
     """Queue the rules on a 1-d index tensor (``idx.numel() <=
-    MAX_ONE_PROGRAM_INDICES``, checked by the caller) on ``checks``: entries in
+    MAX_ONE_PROGRAM_INDICES``, checked by the caller) on ``checks`` (a
+    :class:`~kda_engram.validation.common.DeviceChecks`): entries in
     ``[0, upper)``, negative ones allowed as "no row" when ``allow_negative``,
     non-negative ones distinct when ``distinct``. Returns the indices to launch
     with: a new contiguous tensor of ``idx``'s dtype, all -1 when one of these
@@ -87,11 +101,10 @@ def index_rules(checks: DeviceChecks, name: str, idx: torch.Tensor, upper: int, 
     n = idx.numel()
     guarded = torch.empty(n, dtype=idx.dtype, device=idx.device)
     verdict = torch.empty(5, dtype=torch.int64, device=idx.device)
-    block = 128 if n > 64 else 64
+    width = _width(n)
     _index_rules_kernel[(1,)](
         idx, n, idx.stride(0) if n else 1, upper, guarded, verdict,
-        BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(n, block))),
-        ALLOW_NEGATIVE=allow_negative, DISTINCT=distinct, num_warps=8 if block == 128 else 4,
+        N=width, ALLOW_NEGATIVE=allow_negative, DISTINCT=distinct, num_warps=_warps(width),
     )
     negative, out_of_range, duplicate = index_rule_messages(name, upper)
     # verdict = [range, negative, duplicate, max, min]: rules in check_index_values' order.
@@ -172,28 +185,15 @@ def _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, i, other):
 
 
 @triton.jit
-def _set_verdict(verdict_ptr, k, num_sets, p0, n0, s0, p1, n1, s1, p2, n2, s2, n, upper,
-                 BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-    """Set ``k`` of ``n = n0 + n1 + n2 <= NUM_BLOCKS * BLOCK`` entries:
-    ``verdict[2k] = max >= upper``, ``verdict[2k + 1]`` = duplicate non-negative
-    entries, ``verdict[2 num_sets + k] = max``."""
-    offs = tl.arange(0, BLOCK)
-    hi = tl.full([BLOCK], -(2**62), tl.int64)
-    for blk in range(NUM_BLOCKS):
-        hi = tl.maximum(hi, _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, blk * BLOCK + offs, -(2**62)))
-    top = tl.max(hi, axis=0)
-    dup = tl.zeros([BLOCK, BLOCK], tl.int32)
-    for bi in range(NUM_BLOCKS):
-        i0 = bi * BLOCK
-        a = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, i0 + offs, -1)
-        for bj in range(bi, NUM_BLOCKS):
-            j0 = bj * BLOCK
-            b = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, j0 + offs, -1)
-            later = (j0 + offs)[None, :] > (i0 + offs)[:, None]  # each unordered pair once
-            same = (a[:, None] == b[None, :]) & (a[:, None] >= 0) & later
-            dup = tl.maximum(dup, same.to(tl.int32))
+def _set_verdict(verdict_ptr, k, num_sets, p0, n0, s0, p1, n1, s1, p2, n2, s2, n, upper, N: tl.constexpr):
+    """Set ``k`` of ``n = n0 + n1 + n2 <= N`` entries: ``verdict[2k] = max >=
+    upper``, ``verdict[2k + 1]`` = duplicate non-negative entries, ``verdict[2
+    num_sets + k] = max``."""
+    o = tl.arange(0, N)
+    x = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, o, -(2**62))
+    top = tl.max(x, axis=0)
     tl.store(verdict_ptr + 2 * k, (top >= upper).to(tl.int64))
-    tl.store(verdict_ptr + 2 * k + 1, (tl.max(tl.max(dup, axis=1), axis=0) > 0).to(tl.int64))
+    tl.store(verdict_ptr + 2 * k + 1, _has_duplicate(x, o < n, upper, N).to(tl.int64))
     tl.store(verdict_ptr + 2 * num_sets + k, top)
 
 
@@ -202,28 +202,28 @@ def _index_sets_kernel(verdict_ptr,
                        a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper,
                        b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper,
                        c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper,
-                       NUM_SETS: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+                       NUM_SETS: tl.constexpr, N: tl.constexpr):
     """One program: the range and distinctness rules of up to three index sets,
     each the concatenation of up to three segments (rows one call writes into one
     cache). ``verdict = [range_0, dup_0, ..., max_0, ...]``."""
-    _set_verdict(verdict_ptr, 0, NUM_SETS, a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper, BLOCK, NUM_BLOCKS)
+    _set_verdict(verdict_ptr, 0, NUM_SETS, a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper, N)
     if NUM_SETS > 1:
-        _set_verdict(verdict_ptr, 1, NUM_SETS, b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper, BLOCK, NUM_BLOCKS)
+        _set_verdict(verdict_ptr, 1, NUM_SETS, b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper, N)
     if NUM_SETS > 2:
-        _set_verdict(verdict_ptr, 2, NUM_SETS, c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper, BLOCK, NUM_BLOCKS)
+        _set_verdict(verdict_ptr, 2, NUM_SETS, c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper, N)
 
 
 def fits_index_set_rules(sets) -> bool:
     """Whether :func:`index_set_rules` takes ``sets`` in one launch: at most
     :data:`MAX_SETS` sets of at most :data:`MAX_SEGMENTS` 1-d segments, each set at
-    most ``MAX_ONE_PROGRAM_INDICES`` entries (the pairwise compare of one program)."""
+    most ``MAX_ONE_PROGRAM_INDICES`` entries (the in-register sort of one program)."""
     return len(sets) <= MAX_SETS and all(
         len(segments) <= MAX_SEGMENTS and all(s.dim() == 1 for s in segments)
         and sum(s.numel() for s in segments) <= MAX_ONE_PROGRAM_INDICES
         for _, segments, _ in sets)
 
 
-def index_set_rules(checks: DeviceChecks, sets) -> None:
+def index_set_rules(checks, sets) -> None:
     """Queue, in one launch, the rules :func:`~kda_engram.validation.common.check_index_values`
     queues per set (``allow_negative=True``, ``distinct=True``) on ``checks``:
     ``sets`` is a list of ``(name, segments, upper)``, a set's entries being the
@@ -243,10 +243,8 @@ def index_set_rules(checks: DeviceChecks, sets) -> None:
         rules += [(2 * k, out_of_range, (2 * len(sets) + k,)), (2 * k + 1, duplicate, ())]
     args += ([None, 0, 1] * MAX_SEGMENTS + [0, 0]) * (MAX_SETS - len(sets))  # unused sets (skipped: NUM_SETS)
     largest = max(sum(s.numel() for s in segments) for _, segments, _ in sets)
-    block = 128 if largest > 64 else 64
-    _index_sets_kernel[(1,)](verdict, *args, NUM_SETS=len(sets), BLOCK=block,
-                             NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, block))),
-                             num_warps=8 if block == 128 else 4)
+    width = _width(largest)
+    _index_sets_kernel[(1,)](verdict, *args, NUM_SETS=len(sets), N=width, num_warps=_warps(width))
     checks.add_packed(verdict, rules)
 
 
