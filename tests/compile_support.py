@@ -284,6 +284,16 @@ def drive_state_variants() -> None:
             rows = torch.arange(n, dtype=torch.int32)
             index_set_rules(DeviceChecks(), [(name, [rows[: n // 2], rows[n // 2:]], n) for name in ("s", "c", "k")])
             guard_tensors(torch.zeros(8, dtype=torch.int64), [(rows, -1)] * 8)
+        # A prefill's state and checkpoint rules (one program): every part on, the
+        # snapshots into the state cache itself, at a serving size and the largest.
+        from kda_engram.validation.index_rules import MAX_STATE_RULE_SEQS, state_rules
+
+        for n in (256, MAX_STATE_RULE_SEQS):
+            seqs = torch.arange(n, dtype=torch.int32)
+            state_rules(DeviceChecks(), num_seqs=n, cu_seqlens=torch.arange(n + 1, dtype=torch.int32) * 64,
+                        state_indices=seqs, slots=2 * n, checkpoint_offsets=torch.full((n,), 64, dtype=torch.int32),
+                        checkpoint_state_indices=seqs + n, checkpoint_rows=2 * n, same_cache=True, alignment=64,
+                        offsets_message="offsets {} {} {}")
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
         common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),

@@ -132,7 +132,7 @@ def test_cu_seqlens_host_rules():
 def _state_args(**kw):
     N, H, V, K = 3, 1, 16, 16
     base = dict(num_seqs=N, num_heads=H, head_v=V, head_k=K, device=torch.device("cpu"),
-                lengths=torch.tensor([128, 64, 10]))
+                cu_seqlens=torch.tensor([0, 128, 192, 202]))  # lengths 128, 64, 10
     base.update(kw)
     return base
 
@@ -410,3 +410,107 @@ def test_guard_many_guards_every_tensor_by_every_rule():
     checks = DeviceChecks()  # no rule: the tensors themselves
     x = torch.arange(3)
     assert checks.guard_many((x, -1))[0] is x
+
+
+# ------------------------------------------- a prefill's state and checkpoint rules in one launch
+
+
+def _state_rule_cases(N: int, gen: torch.Generator):
+    """(name, kwargs of check_state_arguments) for valid calls and one broken rule
+    each: rows out of range, duplicated, a bad offset, a snapshot on another
+    sequence's state row, with and without checkpoint rows and lengths."""
+    H, D = 1, 16
+    slots = 3 * N + 2
+    cache = torch.zeros(slots, H, D, D)
+    other = torch.zeros(2 * N + 1, H, D, D)
+    lengths = torch.randint(0, 300, (N,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    perm = torch.randperm(slots, generator=gen)
+    rows, ck_rows = perm[:N].to(torch.int32), perm[N:2 * N]
+    offs = (lengths // 64 * 64) * (torch.arange(N) % 3 != 0)  # some export, some not
+    has = torch.ones(N, dtype=torch.bool)
+
+    def call(**kw):
+        base = dict(num_seqs=N, num_heads=H, head_v=D, head_k=D, device=torch.device("cpu"), cu_seqlens=cu)
+        return {**base, **kw}
+
+    state = dict(state_cache=cache, state_indices=rows, has_initial_state=has)
+    yield "state only", call(**state)
+    yield "cache + own rows", call(**state, checkpoint_state=cache, checkpoint_offsets=offs,
+                                   checkpoint_state_indices=ck_rows)
+    yield "staging buffer, row n", call(**state, checkpoint_state=other, checkpoint_offsets=offs)
+    yield "no cache, unbounded", call(cu_seqlens=None, checkpoint_state=other, checkpoint_offsets=offs,
+                                      checkpoint_state_indices=ck_rows.to(torch.int32))
+    wide = torch.stack([rows.long(), rows.long()], 1)[:, 1]  # strided int64
+    yield "strided", call(state_cache=cache, state_indices=wide, has_initial_state=has)
+    high = rows.clone()
+    high[N // 2] = slots + 5
+    yield "state row out of range", call(**{**state, "state_indices": high})
+    if N > 1:
+        dup = rows.clone()
+        dup[-1] = dup[0]
+        yield "duplicate state row", call(**{**state, "state_indices": dup}, checkpoint_state=cache,
+                                          checkpoint_offsets=offs, checkpoint_state_indices=ck_rows)
+    bad = offs.clone()
+    bad[N - 1] = 65
+    yield "unaligned offset", call(**state, checkpoint_state=cache, checkpoint_offsets=bad,
+                                   checkpoint_state_indices=ck_rows)
+    past = offs.clone()
+    past[0] = (int(lengths[0]) // 64 + 1) * 64
+    yield "offset past its sequence", call(**state, checkpoint_state=cache, checkpoint_offsets=past,
+                                           checkpoint_state_indices=ck_rows)
+    active = (offs > 0).nonzero().flatten().tolist()
+    if len(active) >= 1 and N > 1:
+        n = active[-1]
+        clash = ck_rows.clone()
+        clash[n] = rows[(n + 1) % N]
+        yield "snapshot on another sequence's row", call(**state, checkpoint_state=cache, checkpoint_offsets=offs,
+                                                         checkpoint_state_indices=clash)
+        own = ck_rows.clone()
+        own[n] = rows[n]
+        yield "snapshot on its own row", call(**state, checkpoint_state=cache, checkpoint_offsets=offs,
+                                              checkpoint_state_indices=own)
+        inactive = [i for i in range(N) if i not in active]
+        if inactive:
+            idle = ck_rows.clone()
+            idle[inactive[0]] = 10**6  # a sequence that does not export: its row is never checked
+            yield "idle sequence's row ignored", call(**state, checkpoint_state=cache, checkpoint_offsets=offs,
+                                                      checkpoint_state_indices=idle)
+        if len(active) >= 2:
+            ck_dup = ck_rows.clone()
+            ck_dup[active[0]] = ck_dup[active[1]]
+            yield "duplicate checkpoint row", call(**state, checkpoint_state=cache, checkpoint_offsets=offs,
+                                                   checkpoint_state_indices=ck_dup)
+
+
+@pytest.mark.parametrize("N", [1, 2, 7, 70, 300])
+def test_state_rules_match_the_pytorch_rules(N, monkeypatch):
+    """The one-launch state and checkpoint rules give the error (message and
+    details) the PyTorch rules give, case by case, and none on valid calls."""
+    from kda_engram.validation import kda as kda_rules
+
+    gen = torch.Generator().manual_seed(N)
+    seen = []
+    for name, kw in _state_rule_cases(N, gen):
+        assert kda_rules.fits_state_rules(N, kw.get("cu_seqlens"), kw.get("state_indices"))
+        one_launch = _first_error(lambda c: kda_rules.check_state_arguments(c, **kw))
+        with monkeypatch.context() as m:
+            m.setattr(kda_rules, "fits_state_rules", lambda *a: False)
+            pytorch = _first_error(lambda c: kda_rules.check_state_arguments(c, **kw))
+        assert one_launch == pytorch, name
+        seen.append((name, one_launch))
+    errors = dict(seen)
+    assert errors["state only"] is None and errors["cache + own rows"] is None
+    assert errors["snapshot on its own row" if N > 1 else "state only"] is None
+    assert "state_indices: entries must be <" in errors["state row out of range"]
+    assert "multiple of 64" in errors["unaligned offset"] and f"[{N - 1}]" in errors["unaligned offset"]
+    if N > 1 and "snapshot on another sequence's row" in errors:
+        assert "is the state_cache row of sequence" in errors["snapshot on another sequence's row"]
+
+
+def test_state_rules_past_the_one_program_size_take_the_pytorch_rules():
+    from kda_engram.validation.index_rules import MAX_STATE_RULE_SEQS, fits_state_rules
+
+    assert fits_state_rules(MAX_STATE_RULE_SEQS, torch.zeros(MAX_STATE_RULE_SEQS + 1))
+    assert not fits_state_rules(MAX_STATE_RULE_SEQS + 1, None)
+    assert not fits_state_rules(4, torch.zeros(2, 2))

@@ -246,12 +246,11 @@ def kda_prefill_walk(
     if checks.on:
         check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
         check_scale(scale, allow_none=False)
-        lengths = check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False,
-                                   return_lengths=checkpoint_offsets is not None)
+        check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False)
         expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
         check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
         check_state_arguments(
-            checks, num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, lengths=lengths,
+            checks, num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, cu_seqlens=cu_seqlens,
             initial_state=initial_state, state_cache=state_cache, state_indices=state_indices,
             has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,

@@ -197,13 +197,9 @@ def chunk_kda_prefill(
         )
         if out is not None:
             check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=q.device)
-        lengths = None
-        if checkpoint_offsets is not None:  # the only rule that needs them
-            cu = cu_seqlens.to(torch.int64)
-            lengths = cu[1:] - cu[:-1]
         check_state_arguments(
             checks, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K, device=q.device,
-            lengths=lengths, initial_state=initial_state, state_cache=state_cache,
+            cu_seqlens=cu_seqlens, initial_state=initial_state, state_cache=state_cache,
             state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
             checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
         )

@@ -161,7 +161,7 @@ def _prefill_outputs_fake(a, T, H, V, K, dtype, device):
 def _state_host_rules(a, H, K, V, device):
     """The state rules every prefill op wrapper runs (host only: no device read)."""
     check_state_arguments(
-        None, num_seqs=a["cu_seqlens"].numel() - 1, num_heads=H, head_v=V, head_k=K, device=device, lengths=None,
+        None, num_seqs=a["cu_seqlens"].numel() - 1, num_heads=H, head_v=V, head_k=K, device=device, cu_seqlens=None,
         initial_state=a["initial_state"], state_cache=a["state_cache"], state_indices=a["state_indices"],
         has_initial_state=a["has_initial_state"],
         checkpoint_state=checkpoint_buffer(a["checkpoint_state"], a["checkpoint_offsets"], a["state_cache"]),

@@ -305,3 +305,174 @@ def guard_tensors(flags: torch.Tensor, pairs) -> list:
                         NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, 128))),
                         FLAG_BLOCK=triton.next_power_of_2(max(1, flags.numel())), num_warps=4)
     return outs
+
+
+# ------------------------------------------------ a prefill's state and checkpoint rules
+
+#: :func:`state_rules` takes up to this many sequences in one program (two keys
+#: per sequence are sorted in registers).
+MAX_STATE_RULE_SEQS = 2048
+#: Bits of a sort key below the row: the owner (sequence) and the kind bit.
+_OWNER_BITS = 21
+
+
+@triton.jit
+def _first_index(bad, o, N: tl.constexpr):
+    """The smallest position where ``bad`` holds (``N`` when none)."""
+    return tl.min(tl.where(bad, o, N), axis=0)
+
+
+@triton.jit
+def _pick(x, at, o):
+    """``x[at]`` of a register vector, as an int64 scalar (0 when ``at`` is past it)."""
+    return tl.sum(tl.where(o == at, x, 0).to(tl.int64), axis=0)
+
+
+@triton.jit
+def _range_and_duplicates(rows, m, upper, verdict_ptr, range_flag, dup_flag, max_detail, N: tl.constexpr):
+    """The index rules of :func:`index_rules` (negative = none) on register rows."""
+    top = tl.max(tl.where(m, rows, -(2**62)), axis=0)
+    tl.store(verdict_ptr + range_flag, (top >= upper).to(tl.int64))
+    tl.store(verdict_ptr + dup_flag, _has_duplicate(rows, m, upper, N).to(tl.int64))
+    tl.store(verdict_ptr + max_detail, top)
+
+
+@triton.jit
+def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_stride, ck_upper, off_ptr, off_stride,
+                        cu_ptr, cu_stride, HAS_STATE: tl.constexpr, HAS_CKPT: tl.constexpr,
+                        HAS_CK_IDX: tl.constexpr, HAS_LENGTHS: tl.constexpr, SAME_CACHE: tl.constexpr,
+                        ALIGN: tl.constexpr, OWNER_BITS: tl.constexpr, N: tl.constexpr):
+    """One program over ``n <= N`` sequences. ``verdict`` (int64 [14]): flags
+    ``[0] state row >= slots, [1] duplicate state rows, [2] bad checkpoint offset,
+    [3] checkpoint row >= ck_upper, [4] duplicate checkpoint rows, [5] a snapshot
+    on another sequence's state row``, then details ``[6] max state row, [7] first
+    bad offset's sequence, [8] its length (its offset without lengths), [9] its
+    offset, [10] max checkpoint row, [11] first clashing sequence, [12] its
+    checkpoint row, [13] the sequence owning that state row``. Flags of absent
+    parts are 0."""
+    o = tl.arange(0, N)
+    m = o < n
+    zero = tl.zeros([], tl.int64)
+    state = tl.full([N], -1, tl.int64)
+    if HAS_STATE:
+        state = tl.load(si_ptr + o * si_stride, mask=m, other=-1).to(tl.int64)
+        _range_and_duplicates(state, m, slots, verdict_ptr, 0, 1, 6, N)
+    else:
+        tl.store(verdict_ptr + 0, zero)
+        tl.store(verdict_ptr + 1, zero)
+        tl.store(verdict_ptr + 6, zero)
+    if not HAS_CKPT:
+        tl.store(verdict_ptr + 2, zero)
+        tl.store(verdict_ptr + 3, zero)
+        tl.store(verdict_ptr + 4, zero)
+        tl.store(verdict_ptr + 5, zero)
+        tl.store(verdict_ptr + 7, zero)
+        tl.store(verdict_ptr + 8, zero)
+        tl.store(verdict_ptr + 9, zero)
+        tl.store(verdict_ptr + 10, zero)
+        tl.store(verdict_ptr + 11, zero)
+        tl.store(verdict_ptr + 12, zero)
+        tl.store(verdict_ptr + 13, zero)
+    else:
+        offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
+        bad = (offs < 0) | (offs % ALIGN != 0)
+        length = offs
+        if HAS_LENGTHS:
+            start = tl.load(cu_ptr + o * cu_stride, mask=m, other=0).to(tl.int64)
+            end = tl.load(cu_ptr + (o + 1) * cu_stride, mask=m, other=0).to(tl.int64)
+            length = end - start
+            bad = bad | (offs > length)
+        bad = bad & m
+        first = _first_index(bad, o, N)
+        first = tl.where(first < N, first, 0)  # the PyTorch rule's argmax of all-false
+        tl.store(verdict_ptr + 2, (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64))
+        tl.store(verdict_ptr + 7, first.to(tl.int64))
+        tl.store(verdict_ptr + 8, _pick(length, first, o))
+        tl.store(verdict_ptr + 9, _pick(offs, first, o))
+        # Only the sequences that export a snapshot claim a checkpoint row.
+        active = m & (offs > 0)
+        if HAS_CK_IDX:
+            ck = tl.where(active, tl.load(ck_ptr + o * ck_stride, mask=m, other=-1).to(tl.int64), -1)
+            _range_and_duplicates(ck, m, ck_upper, verdict_ptr, 3, 4, 10, N)
+        else:
+            ck = tl.where(active, o.to(tl.int64), -1)
+            tl.store(verdict_ptr + 3, zero)
+            tl.store(verdict_ptr + 4, zero)
+            tl.store(verdict_ptr + 10, zero)
+        if not SAME_CACHE:
+            tl.store(verdict_ptr + 5, zero)
+            tl.store(verdict_ptr + 11, zero)
+            tl.store(verdict_ptr + 12, zero)
+            tl.store(verdict_ptr + 13, zero)
+        else:
+            # The snapshots go into the state cache itself: sort (row, kind, owner)
+            # keys of both row sets, so a row held by a state entry and a snapshot
+            # lands side by side (state first); the rules above make each row
+            # appear at most once per set.
+            mask = (1 << OWNER_BITS) - 1
+            ok_state = m & (state >= 0) & (state < slots)
+            ok_ck = (ck >= 0) & (ck < slots)
+            key_state = tl.where(ok_state, (state << (OWNER_BITS + 1)) | o, -1)
+            key_ck = tl.where(ok_ck, (ck << (OWNER_BITS + 1)) | (1 << OWNER_BITS) | o, -1)
+            keys = tl.sort(tl.reshape(tl.join(key_state, key_ck), [2 * N]))
+            o2 = tl.arange(0, 2 * N)
+            after = tl.gather(keys, tl.minimum(o2 + 1, 2 * N - 1), 0)
+            clash = ((keys >= 0) & (o2 + 1 < 2 * N) & ((keys >> (OWNER_BITS + 1)) == (after >> (OWNER_BITS + 1)))
+                     & ((keys >> OWNER_BITS) & 1 == 0) & ((after >> OWNER_BITS) & 1 == 1)
+                     & ((keys & mask) != (after & mask)))
+            seq = tl.where(clash, after & mask, 2 * N)
+            first_seq = tl.min(seq, axis=0)
+            hit = clash & (seq == first_seq)
+            tl.store(verdict_ptr + 5, (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64))
+            tl.store(verdict_ptr + 11, tl.where(first_seq < 2 * N, first_seq, 0))
+            tl.store(verdict_ptr + 12, tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0))
+            tl.store(verdict_ptr + 13, tl.sum(tl.where(hit, keys & mask, 0), axis=0))
+
+
+def fits_state_rules(num_seqs: int, *tensors) -> bool:
+    """Whether :func:`state_rules` takes a call of ``num_seqs`` sequences whose
+    per-sequence index tensors are ``tensors`` (None = absent)."""
+    return 1 <= num_seqs <= MAX_STATE_RULE_SEQS and all(t is None or t.dim() == 1 for t in tensors)
+
+
+def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int, checkpoint_offsets,
+                checkpoint_state_indices, checkpoint_rows: int, same_cache: bool, alignment: int,
+                offsets_message: str) -> None:
+    """Queue, in one launch, the device rules of a prefill's state and checkpoint
+    arguments on ``checks`` (the same rules, order and messages as the PyTorch
+    rules of :func:`kda_engram.validation.kda.check_state_arguments`): state rows
+    in ``[0, slots)`` and distinct (``state_indices``, None: no cache); checkpoint
+    offsets 0 or multiples of ``alignment`` within the sequence (``cu_seqlens``,
+    None: not bounded); the rows of the sequences that export (offset > 0) in
+    ``[0, checkpoint_rows)`` and distinct (``checkpoint_state_indices``, None: row
+    n for sequence n); with ``same_cache``, no snapshot on another sequence's state
+    row. ``offsets_message`` takes the sequence, its length and its offset. The
+    caller checks :func:`fits_state_rules` first. Replaces about 35 PyTorch ops."""
+    device = (state_indices if state_indices is not None else checkpoint_offsets).device
+    verdict = torch.empty(14, dtype=torch.int64, device=device)
+    has_ckpt = checkpoint_offsets is not None
+    has_ck_idx = has_ckpt and checkpoint_state_indices is not None
+    has_state = state_indices is not None
+    same_cache = same_cache and has_state and has_ckpt
+    width = _width(num_seqs)
+
+    def ptr(t):
+        return (t, t.stride(0)) if t is not None else (verdict, 1)  # never read (its part is off)
+
+    _state_rules_kernel[(1,)](
+        verdict, num_seqs, *ptr(state_indices), slots, *ptr(checkpoint_state_indices), checkpoint_rows,
+        *ptr(checkpoint_offsets), *ptr(cu_seqlens if has_ckpt else None),
+        HAS_STATE=has_state, HAS_CKPT=has_ckpt, HAS_CK_IDX=has_ck_idx, HAS_LENGTHS=cu_seqlens is not None,
+        SAME_CACHE=same_cache, ALIGN=alignment, OWNER_BITS=_OWNER_BITS, N=width, num_warps=_warps(width))
+    rules = []
+    if has_state:
+        _, out_of_range, duplicate = index_rule_messages("state_indices", slots)
+        rules += [(0, out_of_range, (6,)), (1, duplicate, ())]
+    if has_ckpt:
+        rules.append((2, offsets_message, (7, 8, 9)))
+    if has_ck_idx:
+        _, out_of_range, duplicate = index_rule_messages("checkpoint_state_indices", checkpoint_rows)
+        rules += [(3, out_of_range, (10,)), (4, duplicate, ())]
+    if same_cache:
+        rules.append((5, "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}", (11, 12, 13)))
+    checks.add_packed(verdict, rules)

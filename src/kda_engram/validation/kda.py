@@ -34,7 +34,15 @@ from .common import (
     check_tensor,
 )
 
-from .index_rules import MAX_ONE_PROGRAM_INDICES, cu_seqlens_rules, fits_index_set_rules, index_rules, index_set_rules
+from .index_rules import (
+    MAX_ONE_PROGRAM_INDICES,
+    cu_seqlens_rules,
+    fits_index_set_rules,
+    fits_state_rules,
+    index_rules,
+    index_set_rules,
+    state_rules,
+)
 
 __all__ = [
     "check_scale",
@@ -295,10 +303,15 @@ def check_checkpoint_offsets(checks: DeviceChecks, name: str, offsets: torch.Ten
         bad = bad | (offs > lengths)
     first = torch.argmax(bad.to(torch.int8))
     length = value_at(lengths if lengths is not None else offs, first)
-    checks.add(bad.any(), f"{name}[{{}}]: expected 0 (none) or a multiple of {KDA_CHECKPOINT_ALIGNMENT} "
-               "(KDA_CHECKPOINT_ALIGNMENT) at most the sequence length {}, got {}", first, length,
-               value_at(offs, first))
+    checks.add(bad.any(), checkpoint_offsets_message(name), first, length, value_at(offs, first))
     return offs
+
+
+def checkpoint_offsets_message(name: str) -> str:
+    """The checkpoint-offset rule's message; ``{}`` stand for the sequence, its
+    length and its offset."""
+    return (f"{name}[{{}}]: expected 0 (none) or a multiple of {KDA_CHECKPOINT_ALIGNMENT} "
+            "(KDA_CHECKPOINT_ALIGNMENT) at most the sequence length {}, got {}")
 
 
 def _owner_of_rows(indices: torch.Tensor, slots: int) -> torch.Tensor:
@@ -322,7 +335,7 @@ def check_state_arguments(
     head_v: int,
     head_k: int,
     device: torch.device,
-    lengths: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     initial_state=None,
     state_cache=None,
     state_indices=None,
@@ -334,9 +347,12 @@ def check_state_arguments(
     """State and checkpoint arguments of the prefill and the chunk walk: shapes and
     dtypes at once; with ``checks``, queued: state rows in range and distinct,
     checkpoint offsets 0 or multiples of :data:`KDA_CHECKPOINT_ALIGNMENT` within
-    the sequence (``lengths``), active checkpoint rows in range and distinct, and,
-    when the snapshots go into the state cache itself, no snapshot on another
-    sequence's state row."""
+    the sequence (from ``cu_seqlens``; None: not bounded), active checkpoint rows
+    in range and distinct, and, when the snapshots go into the state cache itself,
+    no snapshot on another sequence's state row. The value rules run as one
+    launch (:func:`~kda_engram.validation.index_rules.state_rules`) up to
+    :data:`~kda_engram.validation.index_rules.MAX_STATE_RULE_SEQS` sequences, as
+    PyTorch ops beyond."""
     N, H, V, K = num_seqs, num_heads, head_v, head_k
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=STATE_DTYPES, device=device)
@@ -344,20 +360,38 @@ def check_state_arguments(
         check_tensor("state_cache", state_cache, shape=[None, H, V, K], dtypes=STATE_DTYPES, device=device)
         check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=device)
         check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=[torch.bool], device=device)
-        if checks is not None:
-            check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+    if checkpoint_offsets is not None:
+        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
+        check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=STATE_DTYPES,
+                     device=device)
+        rows = checkpoint_state.shape[0]
+        if checkpoint_state_indices is not None:
+            check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
+                         device=device)
+        elif rows < N:
+            raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
+    if checks is None or N == 0 or (state_cache is None and checkpoint_offsets is None):
+        return
+    same_cache = (state_cache is not None and checkpoint_offsets is not None
+                  and checkpoint_state.data_ptr() == state_cache.data_ptr())
+    if fits_state_rules(N, cu_seqlens, state_indices, checkpoint_offsets, checkpoint_state_indices):
+        state_rules(checks, num_seqs=N, cu_seqlens=cu_seqlens,
+                    state_indices=None if state_cache is None else state_indices,
+                    slots=0 if state_cache is None else state_cache.shape[0], checkpoint_offsets=checkpoint_offsets,
+                    checkpoint_state_indices=checkpoint_state_indices,
+                    checkpoint_rows=0 if checkpoint_offsets is None else checkpoint_state.shape[0],
+                    same_cache=same_cache, alignment=KDA_CHECKPOINT_ALIGNMENT,
+                    offsets_message=checkpoint_offsets_message("checkpoint_offsets"))
+        return
+    if state_cache is not None:
+        check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
     if checkpoint_offsets is None:
         return
-    check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=device)
-    check_tensor("checkpoint_state", checkpoint_state, shape=[None, H, V, K], dtypes=STATE_DTYPES, device=device)
     rows = checkpoint_state.shape[0]
-    if checkpoint_state_indices is not None:
-        check_tensor("checkpoint_state_indices", checkpoint_state_indices, shape=[N], dtypes=INDEX_DTYPES,
-                     device=device)
-    elif rows < N:
-        raise ValueError(f"checkpoint_state: without checkpoint_state_indices it needs N={N} rows, got {rows}")
-    if checks is None or N == 0:
-        return
+    lengths = None
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
     offs = check_checkpoint_offsets(checks, "checkpoint_offsets", checkpoint_offsets, lengths)
     active = offs > 0
     if checkpoint_state_indices is not None:
@@ -366,7 +400,7 @@ def check_state_arguments(
         check_index_values(checks, "checkpoint_state_indices", ck_rows, rows)
     else:
         ck_rows = torch.where(active, torch.arange(N, device=device), -1)
-    if state_cache is not None and checkpoint_state.data_ptr() == state_cache.data_ptr():
+    if same_cache:
         # Snapshots into the paged cache itself: one sequence's snapshot must not
         # land on another sequence's state row (two programs would race on it).
         owner = _owner_of_rows(state_indices, state_cache.shape[0])
