@@ -294,6 +294,12 @@ def drive_state_variants() -> None:
                         state_indices=seqs, slots=2 * n, checkpoint_offsets=torch.full((n,), 64, dtype=torch.int32),
                         checkpoint_state_indices=seqs + n, checkpoint_rows=2 * n, same_cache=True, alignment=64,
                         offsets_message="offsets {} {} {}")
+        # kda_decode_multi's rules (one program): S = 4 steps, a serving batch and the largest.
+        from kda_engram.validation.index_rules import decode_multi_rules
+
+        for b in (64, MAX_STATE_RULE_SEQS // 4):
+            written = torch.arange(4 * b, dtype=torch.int32).view(b, 4)
+            decode_multi_rules(DeviceChecks(), written, written[:, 0], 4 * b)
         Hp, T = 4, 4096
         x = {n: torch.zeros(1, T, Hp, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
         common = dict(raw_beta=torch.zeros(1, T, Hp, dtype=dt), A_log=torch.zeros(Hp), dt_bias=torch.zeros(Hp * D),

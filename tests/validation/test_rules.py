@@ -514,3 +514,49 @@ def test_state_rules_past_the_one_program_size_take_the_pytorch_rules():
     assert fits_state_rules(MAX_STATE_RULE_SEQS, torch.zeros(MAX_STATE_RULE_SEQS + 1))
     assert not fits_state_rules(MAX_STATE_RULE_SEQS + 1, None)
     assert not fits_state_rules(4, torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("B,S", [(1, 1), (3, 2), (16, 4), (100, 3)])
+def test_decode_multi_rules_match_the_pytorch_rules(B, S, monkeypatch):
+    """``kda_decode_multi``'s one-launch rules give the error the PyTorch rules give:
+    valid rows (a sequence may start from a row it writes itself), written and
+    initial rows out of range or duplicated, and a start on another sequence's row."""
+    from kda_engram.validation import kda as kda_rules
+
+    gen = torch.Generator().manual_seed(B * S)
+    slots = B * S + B + 3
+    cache = torch.zeros(slots, 1, 16, 16)
+    perm = torch.randperm(slots, generator=gen)
+    written = perm[: B * S].view(B, S).to(torch.int32)
+    fresh = perm[B * S: B * S + B]
+    written[::3, -1] = -1  # padding steps
+    cases = {"default start": (written, None), "own row": (written, written[:, S - 1].clone()),
+             "fresh rows": (written, fresh), "strided int64": (written.long().t().contiguous().t(), fresh)}
+    high = written.clone()
+    high[B // 2, 0] = slots
+    cases["written out of range"] = (high, None)
+    cases["initial out of range"] = (written, torch.where(torch.arange(B) == B - 1, slots + 7, fresh))
+    if B * S > 1:
+        dup = written.clone()
+        dup.view(-1)[-1] = dup.view(-1)[0]
+        cases["written duplicate"] = (dup, fresh)
+    if B > 1:
+        cases["initial duplicate"] = (written, torch.cat([fresh[:1], fresh[:1], fresh[2:]]))
+        steal = fresh.clone()
+        steal[B - 1] = written[0, 0]
+        cases["start on another sequence's row"] = (written, steal)
+    errors = {}
+    for name, (w, init) in cases.items():
+        def queue(c):
+            kda_rules.check_decode_multi_indices(w, init, B, S, cache, c)
+        one_launch = _first_error(queue)
+        with monkeypatch.context() as m:
+            m.setattr(kda_rules, "fits_decode_multi_rules", lambda *a: False)
+            pytorch = _first_error(queue)
+        assert one_launch == pytorch, name
+        errors[name] = one_launch
+    assert errors["default start"] is None and errors["own row"] is None and errors["fresh rows"] is None
+    assert errors["strided int64"] is None
+    assert "initial_state_indices: entries must be <" in errors["initial out of range"]
+    if B > 1:
+        assert f"sequence {B - 1} starts from row {int(written[0, 0])}" in errors["start on another sequence's row"]

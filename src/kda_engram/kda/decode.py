@@ -400,8 +400,7 @@ def kda_decode_multi(
         checks.run()
         return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
     # Launch, then read back (see kda_decode): broken rules make every row "none".
-    state_indices = checks.guard(state_indices, -1)
-    initial_state_indices = checks.guard(initial_state_indices, -1)
+    state_indices, initial_state_indices = checks.guard_many((state_indices, -1), (initial_state_indices, -1))
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
     _launch(

@@ -338,6 +338,33 @@ def _range_and_duplicates(rows, m, upper, verdict_ptr, range_flag, dup_flag, max
 
 
 @triton.jit
+def _foreign_claim(w_rows, w_owner, w_ok, r_rows, r_owner, r_ok, verdict_ptr, flag, seq_detail, row_detail,
+                   owner_detail, OWNER_BITS: tl.constexpr, N: tl.constexpr):
+    """Whether a row of ``r_rows`` (with owner ``r_owner``) is also a row of
+    ``w_rows`` of another owner; ``*_ok`` mark the entries that count. Sorts the
+    (row, kind, owner) keys of both sets, so a row held by both lands side by side
+    (``w`` first); the caller's distinctness rules make each row appear at most once
+    per set (when they are broken the verdict is broken anyway). Stores the flag,
+    the smallest such ``r`` owner, its row and the ``w`` owner. O(N log^2 N)."""
+    mask = (1 << OWNER_BITS) - 1
+    key_w = tl.where(w_ok, (w_rows << (OWNER_BITS + 1)) | w_owner.to(tl.int64), -1)
+    key_r = tl.where(r_ok, (r_rows << (OWNER_BITS + 1)) | (1 << OWNER_BITS) | r_owner.to(tl.int64), -1)
+    keys = tl.sort(tl.reshape(tl.join(key_w, key_r), [2 * N]))
+    o2 = tl.arange(0, 2 * N)
+    after = tl.gather(keys, tl.minimum(o2 + 1, 2 * N - 1), 0)
+    clash = ((keys >= 0) & (o2 + 1 < 2 * N) & ((keys >> (OWNER_BITS + 1)) == (after >> (OWNER_BITS + 1)))
+             & ((keys >> OWNER_BITS) & 1 == 0) & ((after >> OWNER_BITS) & 1 == 1)
+             & ((keys & mask) != (after & mask)))
+    seq = tl.where(clash, after & mask, 2**62)
+    first = tl.min(seq, axis=0)
+    hit = clash & (seq == first)
+    tl.store(verdict_ptr + flag, (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64))
+    tl.store(verdict_ptr + seq_detail, tl.where(first < 2**62, first, 0))
+    tl.store(verdict_ptr + row_detail, tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0))
+    tl.store(verdict_ptr + owner_detail, tl.sum(tl.where(hit, keys & mask, 0), axis=0))
+
+
+@triton.jit
 def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_stride, ck_upper, off_ptr, off_stride,
                         cu_ptr, cu_stride, HAS_STATE: tl.constexpr, HAS_CKPT: tl.constexpr,
                         HAS_CK_IDX: tl.constexpr, HAS_LENGTHS: tl.constexpr, SAME_CACHE: tl.constexpr,
@@ -405,28 +432,10 @@ def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_str
             tl.store(verdict_ptr + 12, zero)
             tl.store(verdict_ptr + 13, zero)
         else:
-            # The snapshots go into the state cache itself: sort (row, kind, owner)
-            # keys of both row sets, so a row held by a state entry and a snapshot
-            # lands side by side (state first); the rules above make each row
-            # appear at most once per set.
-            mask = (1 << OWNER_BITS) - 1
+            # The snapshots go into the state cache itself.
             ok_state = m & (state >= 0) & (state < slots)
             ok_ck = (ck >= 0) & (ck < slots)
-            key_state = tl.where(ok_state, (state << (OWNER_BITS + 1)) | o, -1)
-            key_ck = tl.where(ok_ck, (ck << (OWNER_BITS + 1)) | (1 << OWNER_BITS) | o, -1)
-            keys = tl.sort(tl.reshape(tl.join(key_state, key_ck), [2 * N]))
-            o2 = tl.arange(0, 2 * N)
-            after = tl.gather(keys, tl.minimum(o2 + 1, 2 * N - 1), 0)
-            clash = ((keys >= 0) & (o2 + 1 < 2 * N) & ((keys >> (OWNER_BITS + 1)) == (after >> (OWNER_BITS + 1)))
-                     & ((keys >> OWNER_BITS) & 1 == 0) & ((after >> OWNER_BITS) & 1 == 1)
-                     & ((keys & mask) != (after & mask)))
-            seq = tl.where(clash, after & mask, 2 * N)
-            first_seq = tl.min(seq, axis=0)
-            hit = clash & (seq == first_seq)
-            tl.store(verdict_ptr + 5, (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64))
-            tl.store(verdict_ptr + 11, tl.where(first_seq < 2 * N, first_seq, 0))
-            tl.store(verdict_ptr + 12, tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0))
-            tl.store(verdict_ptr + 13, tl.sum(tl.where(hit, keys & mask, 0), axis=0))
+            _foreign_claim(state, o, ok_state, ck, o, ok_ck, verdict_ptr, 5, 11, 12, 13, OWNER_BITS, N)
 
 
 def fits_state_rules(num_seqs: int, *tensors) -> bool:
@@ -476,3 +485,62 @@ def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int,
     if same_cache:
         rules.append((5, "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}", (11, 12, 13)))
     checks.add_packed(verdict, rules)
+
+
+# ---------------------------------------------------- kda_decode_multi's rules
+
+
+@triton.jit
+def _decode_multi_rules_kernel(verdict_ptr, batch, steps, w_ptr, w_stride_b, w_stride_s, r_ptr, r_stride, slots,
+                               OWNER_BITS: tl.constexpr, N: tl.constexpr):
+    """One program over the ``batch * steps <= N`` written rows ``w [B, S]`` and the
+    ``B`` initial rows ``r``. ``verdict`` (int64 [10]): flags ``[0] written row >=
+    slots, [1] duplicate written rows, [2] initial row >= slots, [3] duplicate
+    initial rows, [4] a sequence starting from a row another sequence writes``,
+    then details ``[5] max written row, [6] max initial row, [7] that sequence,
+    [8] its initial row, [9] the writing sequence``."""
+    o = tl.arange(0, N)
+    mw = o < batch * steps
+    seq = o // steps
+    w = tl.load(w_ptr + seq * w_stride_b + (o % steps) * w_stride_s, mask=mw, other=-1).to(tl.int64)
+    _range_and_duplicates(w, mw, slots, verdict_ptr, 0, 1, 5, N)
+    mr = o < batch
+    r = tl.load(r_ptr + o * r_stride, mask=mr, other=-1).to(tl.int64)
+    _range_and_duplicates(r, mr, slots, verdict_ptr, 2, 3, 6, N)
+    _foreign_claim(w, seq, mw & (w >= 0) & (w < slots), r, o, mr & (r >= 0) & (r < slots), verdict_ptr, 4, 7, 8, 9,
+                   OWNER_BITS, N)
+
+
+def fits_decode_multi_rules(batch: int, steps: int) -> bool:
+    """Whether :func:`decode_multi_rules` takes ``[batch, steps]`` written rows in
+    one program."""
+    return 1 <= batch * steps <= MAX_STATE_RULE_SEQS
+
+
+def decode_multi_rules(checks, state_indices: torch.Tensor, initial_state_indices: torch.Tensor, slots: int) -> None:
+    """Queue, in one launch, ``kda_decode_multi``'s device rules on ``checks`` (the
+    same rules, order and messages as the PyTorch rules of
+    :func:`kda_engram.validation.kda.check_decode_multi_indices`): the written rows
+    ``state_indices [B, S]`` and the initial rows ``initial_state_indices [B]`` each
+    in range (negative = none) and distinct, and no sequence starting from a row
+    another sequence writes. The caller checks :func:`fits_decode_multi_rules`
+    first. Replaces about 25 PyTorch ops."""
+    B, S = state_indices.shape
+    verdict = torch.empty(10, dtype=torch.int64, device=state_indices.device)
+    width = _width(B * S)
+    _decode_multi_rules_kernel[(1,)](
+        verdict, B, S, state_indices, state_indices.stride(0), state_indices.stride(1), initial_state_indices,
+        initial_state_indices.stride(0), slots, OWNER_BITS=_OWNER_BITS, N=width, num_warps=_warps(width))
+    _, w_range, w_dup = index_rule_messages("state_indices", slots)
+    _, r_range, r_dup = index_rule_messages("initial_state_indices", slots)
+    checks.add_packed(verdict, [
+        (0, w_range, (5,)), (1, w_dup, ()), (2, r_range, (6,)), (3, r_dup, ()),
+        (4, decode_multi_clash_message(), (7, 8)),
+    ])
+
+
+def decode_multi_clash_message() -> str:
+    """The message of the rule that no sequence starts from a row another sequence
+    writes; ``{}`` stand for the sequence and its initial row."""
+    return ("initial_state_indices: sequence {} starts from row {}, which another sequence's state_indices writes "
+            "(the write would race with the read)")

@@ -37,6 +37,9 @@ from .common import (
 from .index_rules import (
     MAX_ONE_PROGRAM_INDICES,
     cu_seqlens_rules,
+    decode_multi_clash_message,
+    decode_multi_rules,
+    fits_decode_multi_rules,
     fits_index_set_rules,
     fits_state_rules,
     index_rules,
@@ -479,7 +482,10 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
     """``kda_decode_multi``: ``state_indices [B, S]`` written rows in range and
     distinct; ``initial_state_indices [B]`` (default ``state_indices[:, 0]``) in
     range and distinct; no sequence starts from a row another sequence writes (the
-    write could land before the read). Value rules queued on ``checks``."""
+    write could land before the read). Value rules queued on ``checks``: one
+    launch (:func:`~kda_engram.validation.index_rules.decode_multi_rules`) up to
+    :data:`~kda_engram.validation.index_rules.MAX_STATE_RULE_SEQS` written rows,
+    PyTorch ops beyond."""
     dev = state_cache.device
     check_tensor("state_indices", state_indices, shape=[batch, steps], dtypes=INDEX_DTYPES, device=dev)
     if initial_state_indices is not None:
@@ -488,6 +494,9 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
         return
     init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
     slots = state_cache.shape[0]
+    if fits_decode_multi_rules(batch, steps):
+        decode_multi_rules(checks, state_indices, init, slots)  # one launch
+        return
     check_index_values(checks, "state_indices", state_indices, slots)
     check_index_values(checks, "initial_state_indices", init, slots)
     # owner[r] = the flat position b * S + s writing row r; its sequence is position // S.
@@ -497,8 +506,7 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
     seq = torch.arange(batch, device=dev)
     clash = (who >= 0) & (torch.div(who, steps, rounding_mode="floor") != seq)
     b = torch.argmax(clash.to(torch.int8))
-    checks.add(clash.any(), "initial_state_indices: sequence {} starts from row {}, which another sequence's "
-               "state_indices writes (the write would race with the read)", b, value_at(start, b))
+    checks.add(clash.any(), decode_multi_clash_message(), b, value_at(start, b))
 
 
 def _check_conv_tensors(x_name, x, conv_weight, conv_state, lead):
