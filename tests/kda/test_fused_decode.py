@@ -125,6 +125,33 @@ def test_output_dtype_and_bad_input():
                               state_cache=state, state_indices=torch.tensor([0, 1]))
 
 
+@pytest.mark.parametrize("fault", ["conv row duplicated", "initial conv row out of range",
+                                   "initial conv rows duplicated"])
+def test_multi_step_conv_rows_refused_with_caches_untouched(fault):
+    """S tokens per sequence: the conv rows' rules (one launch with the state rows'
+    rules) refuse in one line naming the argument, and neither cache changes."""
+    B, S, slots = 3, 2, 12
+    bands, params, state, conv = make_case(B, 2, 16, S=S, slots=slots, seed=5)
+    idx = torch.arange(B * S).view(B, S)
+    cidx = torch.arange(B * S).view(B, S) + 2
+    cinit = torch.tensor([9, 10, 11])
+    if fault == "conv row duplicated":
+        cidx[2, 1] = cidx[0, 0]
+        match = "conv_state_indices: non-negative entries must be distinct"
+    elif fault == "initial conv row out of range":
+        cinit[1] = slots
+        match = f"initial_conv_indices: entries must be < {slots} \\(rows available\\), got max {slots}"
+    else:
+        cinit[2] = cinit[0]
+        match = "initial_conv_indices: non-negative entries must be distinct"
+    s0, c0 = state.clone(), conv.clone()
+    with refused(ValueError, match=match):
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
+                              state_indices=idx, initial_state_indices=idx[:, 0].clone(), initial_conv_indices=cinit,
+                              lower_bound=-5.0)
+    assert torch.equal(state, s0) and torch.equal(conv, c0)
+
+
 # ------------------------------------------------------------------------------- GPU
 
 

@@ -615,9 +615,9 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
     if initial_conv_indices is not None:
         check_tensor("initial_conv_indices", initial_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
     if checks is not None and B and S:
-        check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
-        check_index_values(checks, "initial_conv_indices", cinit, conv_state.shape[0])
+        queue_index_sets(checks, [("conv_state_indices", [conv_state_indices], conv_state.shape[0]),
+                                  ("initial_conv_indices", [cinit], conv_state.shape[0])])  # one launch
 
 
 def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks: DeviceChecks | None, *,
