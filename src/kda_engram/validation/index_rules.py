@@ -329,23 +329,21 @@ def _pick(x, at, o):
 
 
 @triton.jit
-def _range_and_duplicates(rows, m, upper, verdict_ptr, range_flag, dup_flag, max_detail, N: tl.constexpr):
-    """The index rules of :func:`index_rules` (negative = none) on register rows."""
+def _range_and_duplicates(rows, m, upper, N: tl.constexpr):
+    """The index rules of :func:`index_rules` (negative = none) on register rows:
+    ``(max >= upper, duplicate non-negative rows, max)`` as int64 scalars."""
     top = tl.max(tl.where(m, rows, -(2**62)), axis=0)
-    tl.store(verdict_ptr + range_flag, (top >= upper).to(tl.int64))
-    tl.store(verdict_ptr + dup_flag, _has_duplicate(rows, m, upper, N).to(tl.int64))
-    tl.store(verdict_ptr + max_detail, top)
+    return (top >= upper).to(tl.int64), _has_duplicate(rows, m, upper, N).to(tl.int64), top
 
 
 @triton.jit
-def _foreign_claim(w_rows, w_owner, w_ok, r_rows, r_owner, r_ok, verdict_ptr, flag, seq_detail, row_detail,
-                   owner_detail, OWNER_BITS: tl.constexpr, N: tl.constexpr):
+def _foreign_claim(w_rows, w_owner, w_ok, r_rows, r_owner, r_ok, OWNER_BITS: tl.constexpr, N: tl.constexpr):
     """Whether a row of ``r_rows`` (with owner ``r_owner``) is also a row of
     ``w_rows`` of another owner; ``*_ok`` mark the entries that count. Sorts the
     (row, kind, owner) keys of both sets, so a row held by both lands side by side
     (``w`` first); the caller's distinctness rules make each row appear at most once
-    per set (when they are broken the verdict is broken anyway). Stores the flag,
-    the smallest such ``r`` owner, its row and the ``w`` owner. O(N log^2 N)."""
+    per set (when they are broken the verdict is broken anyway). Returns int64
+    ``(found, the smallest such r owner, its row, the w owner)``. O(N log^2 N)."""
     mask = (1 << OWNER_BITS) - 1
     key_w = tl.where(w_ok, (w_rows << (OWNER_BITS + 1)) | w_owner.to(tl.int64), -1)
     key_r = tl.where(r_ok, (r_rows << (OWNER_BITS + 1)) | (1 << OWNER_BITS) | r_owner.to(tl.int64), -1)
@@ -358,10 +356,9 @@ def _foreign_claim(w_rows, w_owner, w_ok, r_rows, r_owner, r_ok, verdict_ptr, fl
     seq = tl.where(clash, after & mask, 2**62)
     first = tl.min(seq, axis=0)
     hit = clash & (seq == first)
-    tl.store(verdict_ptr + flag, (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64))
-    tl.store(verdict_ptr + seq_detail, tl.where(first < 2**62, first, 0))
-    tl.store(verdict_ptr + row_detail, tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0))
-    tl.store(verdict_ptr + owner_detail, tl.sum(tl.where(hit, keys & mask, 0), axis=0))
+    found = (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64)
+    return (found, tl.where(first < 2**62, first, 0), tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0),
+            tl.sum(tl.where(hit, keys & mask, 0), axis=0))
 
 
 @triton.jit
@@ -375,32 +372,20 @@ def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_str
     on another sequence's state row``, then details ``[6] max state row, [7] first
     bad offset's sequence, [8] its length (its offset without lengths), [9] its
     offset, [10] max checkpoint row, [11] first clashing sequence, [12] its
-    checkpoint row, [13] the sequence owning that state row``. Flags of absent
+    checkpoint row, [13] the sequence owning that state row``. Entries of absent
     parts are 0."""
     o = tl.arange(0, N)
     m = o < n
     zero = tl.zeros([], tl.int64)
+    state_range, state_dup, state_max = zero, zero, zero
+    off_bad, off_seq, off_length, off_value = zero, zero, zero, zero
+    ck_range, ck_dup, ck_max = zero, zero, zero
+    clash, clash_seq, clash_row, clash_owner = zero, zero, zero, zero
     state = tl.full([N], -1, tl.int64)
     if HAS_STATE:
         state = tl.load(si_ptr + o * si_stride, mask=m, other=-1).to(tl.int64)
-        _range_and_duplicates(state, m, slots, verdict_ptr, 0, 1, 6, N)
-    else:
-        tl.store(verdict_ptr + 0, zero)
-        tl.store(verdict_ptr + 1, zero)
-        tl.store(verdict_ptr + 6, zero)
-    if not HAS_CKPT:
-        tl.store(verdict_ptr + 2, zero)
-        tl.store(verdict_ptr + 3, zero)
-        tl.store(verdict_ptr + 4, zero)
-        tl.store(verdict_ptr + 5, zero)
-        tl.store(verdict_ptr + 7, zero)
-        tl.store(verdict_ptr + 8, zero)
-        tl.store(verdict_ptr + 9, zero)
-        tl.store(verdict_ptr + 10, zero)
-        tl.store(verdict_ptr + 11, zero)
-        tl.store(verdict_ptr + 12, zero)
-        tl.store(verdict_ptr + 13, zero)
-    else:
+        state_range, state_dup, state_max = _range_and_duplicates(state, m, slots, N)
+    if HAS_CKPT:
         offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
         bad = (offs < 0) | (offs % ALIGN != 0)
         length = offs
@@ -412,30 +397,32 @@ def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_str
         bad = bad & m
         first = _first_index(bad, o, N)
         first = tl.where(first < N, first, 0)  # the PyTorch rule's argmax of all-false
-        tl.store(verdict_ptr + 2, (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64))
-        tl.store(verdict_ptr + 7, first.to(tl.int64))
-        tl.store(verdict_ptr + 8, _pick(length, first, o))
-        tl.store(verdict_ptr + 9, _pick(offs, first, o))
+        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
+        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
         # Only the sequences that export a snapshot claim a checkpoint row.
         active = m & (offs > 0)
         if HAS_CK_IDX:
             ck = tl.where(active, tl.load(ck_ptr + o * ck_stride, mask=m, other=-1).to(tl.int64), -1)
-            _range_and_duplicates(ck, m, ck_upper, verdict_ptr, 3, 4, 10, N)
+            ck_range, ck_dup, ck_max = _range_and_duplicates(ck, m, ck_upper, N)
         else:
             ck = tl.where(active, o.to(tl.int64), -1)
-            tl.store(verdict_ptr + 3, zero)
-            tl.store(verdict_ptr + 4, zero)
-            tl.store(verdict_ptr + 10, zero)
-        if not SAME_CACHE:
-            tl.store(verdict_ptr + 5, zero)
-            tl.store(verdict_ptr + 11, zero)
-            tl.store(verdict_ptr + 12, zero)
-            tl.store(verdict_ptr + 13, zero)
-        else:
-            # The snapshots go into the state cache itself.
-            ok_state = m & (state >= 0) & (state < slots)
-            ok_ck = (ck >= 0) & (ck < slots)
-            _foreign_claim(state, o, ok_state, ck, o, ok_ck, verdict_ptr, 5, 11, 12, 13, OWNER_BITS, N)
+        if SAME_CACHE:  # the snapshots go into the state cache itself
+            clash, clash_seq, clash_row, clash_owner = _foreign_claim(
+                state, o, m & (state >= 0) & (state < slots), ck, o, (ck >= 0) & (ck < slots), OWNER_BITS, N)
+    tl.store(verdict_ptr + 0, state_range)
+    tl.store(verdict_ptr + 1, state_dup)
+    tl.store(verdict_ptr + 2, off_bad)
+    tl.store(verdict_ptr + 3, ck_range)
+    tl.store(verdict_ptr + 4, ck_dup)
+    tl.store(verdict_ptr + 5, clash)
+    tl.store(verdict_ptr + 6, state_max)
+    tl.store(verdict_ptr + 7, off_seq)
+    tl.store(verdict_ptr + 8, off_length)
+    tl.store(verdict_ptr + 9, off_value)
+    tl.store(verdict_ptr + 10, ck_max)
+    tl.store(verdict_ptr + 11, clash_seq)
+    tl.store(verdict_ptr + 12, clash_row)
+    tl.store(verdict_ptr + 13, clash_owner)
 
 
 def fits_state_rules(num_seqs: int, *tensors) -> bool:
@@ -503,12 +490,22 @@ def _decode_multi_rules_kernel(verdict_ptr, batch, steps, w_ptr, w_stride_b, w_s
     mw = o < batch * steps
     seq = o // steps
     w = tl.load(w_ptr + seq * w_stride_b + (o % steps) * w_stride_s, mask=mw, other=-1).to(tl.int64)
-    _range_and_duplicates(w, mw, slots, verdict_ptr, 0, 1, 5, N)
+    w_range, w_dup, w_max = _range_and_duplicates(w, mw, slots, N)
     mr = o < batch
     r = tl.load(r_ptr + o * r_stride, mask=mr, other=-1).to(tl.int64)
-    _range_and_duplicates(r, mr, slots, verdict_ptr, 2, 3, 6, N)
-    _foreign_claim(w, seq, mw & (w >= 0) & (w < slots), r, o, mr & (r >= 0) & (r < slots), verdict_ptr, 4, 7, 8, 9,
-                   OWNER_BITS, N)
+    r_range, r_dup, r_max = _range_and_duplicates(r, mr, slots, N)
+    clash, clash_seq, clash_row, clash_owner = _foreign_claim(
+        w, seq, mw & (w >= 0) & (w < slots), r, o, mr & (r >= 0) & (r < slots), OWNER_BITS, N)
+    tl.store(verdict_ptr + 0, w_range)
+    tl.store(verdict_ptr + 1, w_dup)
+    tl.store(verdict_ptr + 2, r_range)
+    tl.store(verdict_ptr + 3, r_dup)
+    tl.store(verdict_ptr + 4, clash)
+    tl.store(verdict_ptr + 5, w_max)
+    tl.store(verdict_ptr + 6, r_max)
+    tl.store(verdict_ptr + 7, clash_seq)
+    tl.store(verdict_ptr + 8, clash_row)
+    tl.store(verdict_ptr + 9, clash_owner)
 
 
 def fits_decode_multi_rules(batch: int, steps: int) -> bool:
