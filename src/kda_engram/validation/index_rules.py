@@ -431,6 +431,13 @@ def fits_state_rules(num_seqs: int, *tensors) -> bool:
     return 1 <= num_seqs <= MAX_STATE_RULE_SEQS and all(t is None or t.dim() == 1 for t in tensors)
 
 
+def snapshot_clash_message() -> str:
+    """The message of the rule that no sequence's snapshot lands on another
+    sequence's state row; ``{}`` stand for the sequence, its checkpoint row and the
+    sequence owning that row."""
+    return "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}"
+
+
 def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int, checkpoint_offsets,
                 checkpoint_state_indices, checkpoint_rows: int, same_cache: bool, alignment: int,
                 offsets_message: str) -> None:
@@ -470,7 +477,7 @@ def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int,
         _, out_of_range, duplicate = index_rule_messages("checkpoint_state_indices", checkpoint_rows)
         rules += [(3, out_of_range, (10,)), (4, duplicate, ())]
     if same_cache:
-        rules.append((5, "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}", (11, 12, 13)))
+        rules.append((5, snapshot_clash_message(), (11, 12, 13)))
     checks.add_packed(verdict, rules)
 
 

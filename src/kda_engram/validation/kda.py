@@ -44,6 +44,7 @@ from .index_rules import (
     fits_state_rules,
     index_rules,
     index_set_rules,
+    snapshot_clash_message,
     state_rules,
 )
 
@@ -411,8 +412,7 @@ def check_state_arguments(
         who = owner[slot]
         clash = (who >= 0) & (who != torch.arange(N, device=device))
         n = torch.argmax(clash.to(torch.int8))
-        checks.add(clash.any(), "checkpoint_state_indices[{}]={} is the state_cache row of sequence {}",
-                   n, value_at(ck_rows, n), value_at(who, n))
+        checks.add(clash.any(), snapshot_clash_message(), n, value_at(ck_rows, n), value_at(who, n))
 
 
 def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
