@@ -50,6 +50,15 @@ def _has_duplicate(x, valid, upper, N: tl.constexpr):
 
 
 @triton.jit
+def _range_and_duplicates(rows, m, upper, N: tl.constexpr):
+    """The range and distinctness rules on register rows (negative = none; ``m``
+    marks the real ones): ``(max >= upper, duplicate non-negative rows, max)`` as
+    int64 scalars."""
+    top = tl.max(tl.where(m, rows, -(2**62)), axis=0)
+    return (top >= upper).to(tl.int64), _has_duplicate(rows, m, upper, N).to(tl.int64), top
+
+
+@triton.jit
 def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
                         N: tl.constexpr, ALLOW_NEGATIVE: tl.constexpr, DISTINCT: tl.constexpr):
     """One program; ``N`` (a power of two >= ``n``, so few compiled variants)
@@ -191,9 +200,9 @@ def _set_verdict(verdict_ptr, k, num_sets, p0, n0, s0, p1, n1, s1, p2, n2, s2, n
     num_sets + k] = max``."""
     o = tl.arange(0, N)
     x = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, o, -(2**62))
-    top = tl.max(x, axis=0)
-    tl.store(verdict_ptr + 2 * k, (top >= upper).to(tl.int64))
-    tl.store(verdict_ptr + 2 * k + 1, _has_duplicate(x, o < n, upper, N).to(tl.int64))
+    out_of_range, duplicate, top = _range_and_duplicates(x, o < n, upper, N)
+    tl.store(verdict_ptr + 2 * k, out_of_range)
+    tl.store(verdict_ptr + 2 * k + 1, duplicate)
     tl.store(verdict_ptr + 2 * num_sets + k, top)
 
 
@@ -326,14 +335,6 @@ def _first_index(bad, o, N: tl.constexpr):
 def _pick(x, at, o):
     """``x[at]`` of a register vector, as an int64 scalar (0 when ``at`` is past it)."""
     return tl.sum(tl.where(o == at, x, 0).to(tl.int64), axis=0)
-
-
-@triton.jit
-def _range_and_duplicates(rows, m, upper, N: tl.constexpr):
-    """The index rules of :func:`index_rules` (negative = none) on register rows:
-    ``(max >= upper, duplicate non-negative rows, max)`` as int64 scalars."""
-    top = tl.max(tl.where(m, rows, -(2**62)), axis=0)
-    return (top >= upper).to(tl.int64), _has_duplicate(rows, m, upper, N).to(tl.int64), top
 
 
 @triton.jit
