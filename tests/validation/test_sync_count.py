@@ -3,14 +3,13 @@ event waits): none with the defaults once the previous call's verdict has landed
 (it is raised one call later, :mod:`kda_engram.validation.entry`), one with
 ``check_inputs="sync"``, none with ``check_inputs=False``."""
 
-import warnings
-
 import pytest
 import torch
 
 from kda_engram.engram.gate import engram_post_wkv
 from kda_engram.kda.decode import kda_decode
 from kda_engram.kda.prefill import chunk_kda_prefill
+from kda_engram.tools.benchmarks.profile_default_checks import sync_warnings
 
 
 def count_syncs(fn, monkeypatch) -> int:
@@ -22,17 +21,11 @@ def count_syncs(fn, monkeypatch) -> int:
     waits = []
     real_wait = torch.cuda.Event.synchronize
     monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real_wait(self))[1])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            monkeypatch.undo()
-    # Only torch's per-operation notice counts: switching the debug mode on also
-    # emits a one-off notice of its own (seen on the H200), which is no sync.
-    return len(waits) + sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    try:
+        syncs = sync_warnings(fn)
+    finally:
+        monkeypatch.undo()
+    return len(waits) + len(syncs)
 
 
 def prefill_args(gpu, N=4, L=200, H=4, K=128, V=128, slots=8):

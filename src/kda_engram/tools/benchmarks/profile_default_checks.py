@@ -124,10 +124,10 @@ def _waits(fn, device, iters: int) -> float:
     return statistics.median(waits) * 1e6 if waits else 0.0
 
 
-def _syncs(fn, device) -> list[str]:
-    if device.type != "cuda":
-        return []
-    _sync(device)
+def sync_warnings(fn) -> list[str]:
+    """The first line of each warning PyTorch's CUDA sync debug mode gives for a
+    synchronizing operation in ``fn()`` (CUDA only). Its one-off notice that the mode
+    is a prototype is not one of them."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -135,9 +135,15 @@ def _syncs(fn, device) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    # PyTorch also warns once that the debug mode is a prototype: not a sync.
     return [str(w.message).splitlines()[0] for w in caught
-            if not str(w.message).startswith("Synchronization debug mode is a prototype")]
+            if "called a synchronizing CUDA operation" in str(w.message)]
+
+
+def _syncs(fn, device) -> list[str]:
+    if device.type != "cuda":
+        return []
+    _sync(device)
+    return sync_warnings(fn)
 
 
 def _profile(fn, device, iters: int, top: int) -> str:
