@@ -28,7 +28,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # threads of a busy two-core machine).
     torch.set_num_threads(1)
 
-from .gpu_tiers import SMOKE_TESTS, budget_of, defined_kernels, log_launches  # noqa: E402
+from .gpu_tiers import SMOKE_TESTS, budget_of, defined_kernels, log_launches, outcome_line  # noqa: E402
 
 _GIB = 2**30
 
@@ -44,6 +44,10 @@ def pytest_addoption(parser):
     group.addoption("--kernel-coverage", default=None, metavar="DIR",
                     help="log every kernel launch (one file per process in DIR) and fail the run when a kernel "
                          "the package defines was never launched")
+    group.addoption("--outcome-log", default=None, metavar="FILE",
+                    help="append one JSON line per test phase to FILE as it finishes (id, phase, outcome, "
+                         "seconds, worker; the failure text of a failed phase), so a killed run keeps its "
+                         "results; tests/gpu_tiers.py outcomes FILE summarises a partial log")
 
 
 #: (node id, budget, peak) of the GPU tests that passed their budget, gathered from
@@ -51,7 +55,15 @@ def pytest_addoption(parser):
 _OVER_BUDGET = []
 
 
+#: The ``--outcome-log`` file, opened (append, line-buffered) by the process that
+#: reports: the xdist controller, or the only process.
+_OUTCOME_LOG = []
+
+
 def pytest_configure(config):
+    path = config.getoption("--outcome-log")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # workers' reports reach the controller
+        _OUTCOME_LOG.append(open(path, "a", buffering=1))
     config.kda_missing_kernels = None
     config.kda_launched = None
     if config.getoption("--kernel-coverage"):
@@ -139,7 +151,10 @@ def _gpu_memory_budget(request):
 
 
 def pytest_runtest_logreport(report):
-    """Collect (on the controller too, through xdist) the tests over their budget."""
+    """Log the outcome (``--outcome-log``) and collect the tests over their budget,
+    on the controller too (xdist hands every worker's reports to it)."""
+    for log in _OUTCOME_LOG:
+        log.write(outcome_line(report) + "\n")
     if report.when != "teardown":
         return
     props = dict(report.user_properties)

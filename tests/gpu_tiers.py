@@ -17,7 +17,9 @@
 
 ``python3 tests/gpu_tiers.py plan BUDGETS.json`` prints the plan as shell
 variables (``scripts/gpu-check`` evaluates it); ``... summary WALL_SECONDS
-JUNIT.xml...`` prints the run's counts, wall time and slowest tests.
+JUNIT.xml...`` prints the run's counts, wall time and slowest tests; ``... outcomes
+LOG`` the same from the ``--outcome-log`` that a run writes as each test ends
+(a killed run's partial log too), with each failure's text.
 """
 
 from __future__ import annotations
@@ -232,13 +234,77 @@ def summary(paths: list[str], wall_seconds: float, slowest: int = 15) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------- outcome log
+
+
+def outcome_line(report) -> str:
+    """One JSON line of ``--outcome-log`` for a pytest test report (one phase of a
+    test): ``{"id", "phase", "outcome", "seconds", "worker"}``, and ``"text"``, the
+    failure text, where the phase failed. Written as each phase ends, so a run
+    killed half-way keeps every result it had."""
+    node = getattr(report, "node", None)  # the xdist worker that ran it (on the controller)
+    gateway = getattr(node, "gateway", None)
+    entry = dict(id=report.nodeid, phase=report.when, outcome=report.outcome,
+                 seconds=round(report.duration, 3), worker=getattr(gateway, "id", None))
+    if report.failed:
+        entry["text"] = report.longreprtext
+    return json.dumps(entry)
+
+
+def read_outcomes(path: str) -> dict:
+    """Per test of an outcome log (partial or whole): ``{id: {"outcome", "seconds",
+    "text"}}``. The outcome is the first failing phase's ("failed" in the call,
+    "error" in set-up or teardown), else the call's, else "skipped" for a test
+    skipped at set-up; a test whose call has not reported is "running". A torn last
+    line (the run was killed while writing it) is ignored."""
+    tests = {}
+    with open(path) as fh:
+        for raw in fh:
+            try:
+                e = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            t = tests.setdefault(e["id"], dict(outcome="running", seconds=0.0, text=None))
+            t["seconds"] = round(t["seconds"] + e["seconds"], 3)
+            if t["outcome"] in ("failed", "error"):
+                continue
+            if e["outcome"] == "failed":
+                t["outcome"] = "failed" if e["phase"] == "call" else "error"
+                t["text"] = e.get("text")
+            elif e["phase"] == "call" or (e["phase"] == "setup" and e["outcome"] == "skipped"):
+                t["outcome"] = e["outcome"]
+    return tests
+
+
+def outcomes_summary(path: str, slowest: int = 15) -> str:
+    """What ``gpu_tiers.py outcomes LOG`` prints: the counts, every test that failed
+    or never finished with its failure text's last lines, and the slowest tests."""
+    tests = read_outcomes(path)
+    kinds = ("passed", "failed", "error", "skipped", "running")
+    counts = {k: sum(t["outcome"] == k for t in tests.values()) for k in kinds}
+    lines = [", ".join(f"{n} {k}" for k, n in counts.items() if n or k == "passed")
+             + f" ({len(tests)} tests reported in {path})"]
+    for tid, t in tests.items():
+        if t["outcome"] in ("failed", "error", "running"):
+            lines.append(f"{t['outcome'].upper()}: {tid} ({t['seconds']:.1f} s)")
+            if t["text"]:
+                lines += ["    " + line for line in t["text"].rstrip().splitlines()[-12:]]
+    lines.append(f"{min(slowest, len(tests))} slowest tests (s, set-up + call + teardown):")
+    for tid, t in sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:slowest]:
+        lines.append(f"  {t['seconds']:8.2f}  {tid}  {t['outcome']}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "summary":
         print(summary(argv[2:], float(argv[1])))
         return 0
+    if len(argv) == 2 and argv[0] == "outcomes":
+        print(outcomes_summary(argv[1]))
+        return 0
     if len(argv) != 2 or argv[0] != "plan":
-        print("usage: gpu_tiers.py plan BUDGETS.json | gpu_tiers.py summary WALL_SECONDS JUNIT.xml...",
-              file=sys.stderr)
+        print("usage: gpu_tiers.py plan BUDGETS.json | gpu_tiers.py summary WALL_SECONDS JUNIT.xml... | "
+              "gpu_tiers.py outcomes OUTCOME_LOG", file=sys.stderr)
         return 2
     import torch
 

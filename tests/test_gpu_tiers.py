@@ -2,6 +2,7 @@
 the launch log behind the smoke's kernel coverage, and the first-fit autotuning
 the peer comparison uses (tests/gpu_tiers.py, tests/helpers.py)."""
 
+import json
 import math
 import os
 import subprocess
@@ -18,7 +19,9 @@ from .gpu_tiers import (
     WORKER_OVERHEAD_GIB,
     defined_kernels,
     log_launches,
+    outcomes_summary,
     plan,
+    read_outcomes,
     summary,
 )
 from .helpers import first_fit_autotune
@@ -139,3 +142,68 @@ def test_summary_of_junit_files(tmp_path):
     assert "12.50" in lines[2] and "30.10 / 24" in lines[2] and "tests.kda.test_decode::test_a[large]" in lines[2]
     assert "test_b" in lines[3] and "failed" in lines[3] and len(lines) == 5
     assert lines[4].startswith("OVER BUDGET: tests.kda.test_decode::test_a[large] peaked at 30.10 GiB")
+
+
+_OUTCOME_CASES = """
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("planted set-up fault")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2, "planted failure"
+
+def test_skips():
+    pytest.skip("planted skip")
+
+def test_errors(broken):
+    pass
+"""
+
+
+def test_outcome_log_keeps_each_result_and_failure_text(tmp_path):
+    """A real pytest run with the project's plugin writes a line per phase as it ends;
+    the reader names the failure and the set-up error with their text."""
+    (tmp_path / "test_cases.py").write_text(_OUTCOME_CASES)
+    log = tmp_path / "outcomes.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "src")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                          "--rootdir", str(tmp_path), "--outcome-log", str(log), str(tmp_path / "test_cases.py")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    tests = {k.split("::")[-1]: v for k, v in read_outcomes(str(log)).items()}
+    assert {k: v["outcome"] for k, v in tests.items()} == dict(
+        test_passes="passed", test_fails="failed", test_skips="skipped", test_errors="error")
+    assert "planted failure" in tests["test_fails"]["text"]
+    assert "planted set-up fault" in tests["test_errors"]["text"]
+    assert tests["test_passes"]["text"] is None
+
+
+def test_outcome_log_read_while_cut_short(tmp_path):
+    """A log cut by a killed run: a test whose call never reported is "running", a
+    torn last line is skipped, and the summary names the failure with its text."""
+    lines = [
+        dict(id="t.py::a", phase="setup", outcome="passed", seconds=0.5, worker="gw0"),
+        dict(id="t.py::a", phase="call", outcome="passed", seconds=2.0, worker="gw0"),
+        dict(id="t.py::a", phase="teardown", outcome="passed", seconds=0.1, worker="gw0"),
+        dict(id="t.py::b", phase="setup", outcome="passed", seconds=0.1, worker="gw1"),
+        dict(id="t.py::b", phase="call", outcome="failed", seconds=7.0, worker="gw1",
+             text="Traceback\nAssertionError: max err 3e-2 > 1e-2"),
+        dict(id="t.py::b", phase="teardown", outcome="passed", seconds=0.1, worker="gw1"),
+        dict(id="t.py::c", phase="setup", outcome="passed", seconds=0.2, worker="gw2"),
+    ]
+    log = tmp_path / "outcomes.jsonl"
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"id": "t.py::d", "pha')
+    got = read_outcomes(str(log))
+    assert {k: v["outcome"] for k, v in got.items()} == {"t.py::a": "passed", "t.py::b": "failed",
+                                                         "t.py::c": "running"}
+    assert got["t.py::a"]["seconds"] == 2.6
+    text = outcomes_summary(str(log), slowest=2).splitlines()
+    assert text[0].startswith("1 passed, 1 failed, 1 running (3 tests reported")
+    assert "FAILED: t.py::b (7.2 s)" in text and "    AssertionError: max err 3e-2 > 1e-2" in text
+    assert "RUNNING: t.py::c (0.2 s)" in text
+    assert text[-2].endswith("t.py::b  failed") and text[-1].endswith("t.py::a  passed")
