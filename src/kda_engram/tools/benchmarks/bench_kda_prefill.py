@@ -49,6 +49,7 @@ import itertools
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -331,13 +332,16 @@ def _hopper_stages(x, out, offs, idx, quick):
 
 
 def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False,
-        group_counts=(), group_cases=GROUP_CASES) -> list[dict]:
+        group_counts=(), group_cases=GROUP_CASES, on_rows=None) -> list[dict]:
     """Rows ``{case, ours_ms (no-check), default_ms, graph_ms, <peer>_ms, peer_ms
     (best peer), peer (its name), ratio, graph_ratio, hbm_floor_ms, floor_fraction,
-    max_abs_diff_<peer>, prologue_ms, chunk_ms, groups, target_ms, ...}``.
+    max_abs_diff_<peer>, prologue_ms, chunk_ms, groups, target_ms, case_seconds, ...}``.
     ``cases``: names of :data:`CASES` (default all). ``sweep`` adds one row per
     chunk-walk launch configuration; ``group_counts`` x ``group_cases`` add the
-    forced-G rows (``forced_groups`` set, ``max_abs_diff_g1`` to our G = 1 output)."""
+    forced-G rows (``forced_groups`` set, ``max_abs_diff_g1`` to our G = 1 output).
+    ``on_rows(rows)`` is called with each case's rows as soon as the case is done
+    (``main`` prints and saves them then, so a run cut short keeps what it had);
+    ``case_seconds`` is the case's wall time, compiles and peers' autotuning included."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_prefill needs a GPU")
     device = torch.device("cuda")
@@ -347,6 +351,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
         print(f"peer {p}: {desc}" + ("" if call else " -- skipped"))
     rows: list[dict] = []
     for name in cases or list(CASES):
+        case_start, first_row = time.perf_counter(), len(rows)
         lengths, H, fastgate = CASES[name]
         N, T = len(lengths), sum(lengths)
         x = make_inputs(lengths, H, device, fastgate=fastgate)
@@ -464,18 +469,35 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                                      f"chunk default {default_cfg}", None, sweep=True))
         del x, out, ops, o_ours
         torch.cuda.empty_cache()
+        rows[first_row]["case_seconds"] = time.perf_counter() - case_start
+        if on_rows is not None:
+            on_rows(rows[first_row:])
     return rows
 
 
-def print_rows(rows: list[dict]) -> None:
-    def f(x, spec=".3f"):
-        return "-" if x is None else format(x, spec)
+def _f(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
 
+
+def print_header(rows: list[dict]) -> None:
+    """The device line and the column names of :func:`print_case_rows`."""
     if rows and rows[0].get("copy_gbs"):
         print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth (read + write): {rows[0]['copy_gbs']:.0f} GB/s")
     print(f"{'case':<22} {'default':>8} {'no-check':>8} {'graph':>8} {'fla':>8} {'FlashKDA':>8} {'cuDNN':>8} "
           f"{'best':>8} {'ratio':>6} {'r graph':>7} {'target':>6} {'of floor':>8} {'prol ms':>8} {'walk ms':>8} "
           f"{'G':>3}")
+
+
+def print_rows(rows: list[dict]) -> None:
+    """The whole table: header, every case's rows, then the serving forms and the summaries."""
+    print_header(rows)
+    print_case_rows(rows)
+    print_summaries(rows)
+
+
+def print_case_rows(rows: list[dict]) -> None:
+    """The main-table lines of ``rows`` (serving rows wait for :func:`print_summaries`)."""
+    f = _f
     for r in rows:
         if r.get("serving_form"):
             continue  # their own table below
@@ -502,7 +524,13 @@ def print_rows(rows: list[dict]) -> None:
               f"{f(r.get('folded_prologue_ms'))} + walk {f(r.get('folded_walk_ms'))}), portable "
               f"{f(r.get('portable_ms'))} ms, max|o_hopper - o_portable| "
               f"{f(r.get('max_abs_diff_hopper_vs_portable'), '.2e')}"
-              + (f"; hopper cannot: {r['hopper_note']}" if r.get("hopper_note") else ""))
+              + (f"; hopper cannot: {r['hopper_note']}" if r.get("hopper_note") else "")
+              + (f"; case took {r['case_seconds']:.0f} s" if r.get("case_seconds") is not None else ""))
+
+
+def print_summaries(rows: list[dict]) -> None:
+    """After the main table: the serving forms' table, the check bound and the chunk-group summary."""
+    f = _f
     served = [r for r in rows if r.get("serving_form")]
     if served:
         print("serving forms (+state: dense initial_state + output_final_state; +cache: state_cache + "
@@ -634,11 +662,22 @@ def main(argv=None) -> int:
     for c in group_cases:
         if c not in CASES:
             parser.error(f"--group-cases: unknown case {c!r}")
+    done: list[dict] = []
+
+    def on_rows(new):  # each case as it finishes: a run cut short keeps what it printed and saved
+        if not done:
+            print_header(new)
+        done.extend(new)
+        print_case_rows(new)
+        sys.stdout.flush()
+        if args.json:
+            write_json(done, args.json)
+
+    start = time.perf_counter()
     rows = run(cases, peers=not args.no_peers, quick=args.quick, sweep=args.sweep, group_counts=counts,
-               group_cases=group_cases)
-    print_rows(rows)
-    if args.json:
-        write_json(rows, args.json)
+               group_cases=group_cases, on_rows=on_rows)
+    print_summaries(rows)
+    print(f"bench_kda_prefill: {len(rows)} rows in {time.perf_counter() - start:.0f} s")
     return 0
 
 
