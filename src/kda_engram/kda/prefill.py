@@ -36,10 +36,10 @@ __all__ = ["PREFILL_PATHS", "chunk_kda_prefill", "prefill_path"]
 
 PREFILL_PATHS = ("auto", "hopper", "portable")
 
-#: Whether ``path="auto"`` takes the Hopper path where it serves the call. Off until
-#: its GPU tests and benchmark have run on an H100/H200 (docs/design/kda_fused_prefill.md
-#: says which run turned it on); ``path="hopper"`` takes it either way.
-AUTO_PICKS_HOPPER = False
+#: Whether ``path="auto"`` takes the Hopper path where it serves the call (on since
+#: its GPU tests, walk check and benchmark passed on an H100: docs/design/kda_fused_prefill.md);
+#: ``path="hopper"`` takes it either way.
+AUTO_PICKS_HOPPER = True
 
 
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
