@@ -46,7 +46,8 @@ SMOKE_TESTS = (
     "tests/kda/test_prefill.py::test_gpu_small_cache_checkpoints_out_is_v",
     # The Hopper path (sm_90): folded prologue (intra + fold) and the Gluon walk.
     "tests/kda/test_hopper.py::test_gpu_hopper_cache_checkpoints_out_is_v[ckpt_rows-bf16]",
-    "tests/kda/test_prologue.py::test_gpu_small_bf16_strided_and_conv",
+    "tests/kda/test_prologue.py::test_gpu_small_bf16_strided",
+    "tests/kda/test_prologue.py::test_gpu_small_bf16_conv",
     "tests/kda/test_groups.py::test_gpu_small_groups_cache_checkpoints",
     "tests/kda/test_metadata.py::test_gpu_metadata_kernel_matches_torch",
     # KDA decode: one token, multi-token, bf16 state rows, the fused layer step,
@@ -56,8 +57,11 @@ SMOKE_TESTS = (
     "tests/kda/test_state_dtype.py::test_gpu_bf16_store_is_rtne_at_real_shapes",
     "tests/kda/test_fused_decode.py::test_gpu_kimi_linear_shapes_and_cuda_graph[one-bf16]",
     "tests/kda/test_conv.py::test_gpu_bf16_decode_and_checkpoint",
-    # The guarded launches (index and cu_seqlens rules) on a side stream.
-    "tests/validation/test_caches_untouched.py::test_guarded_launches_on_the_gpu",
+    # The guarded launches (index and cu_seqlens rules) on a side stream: decode,
+    # prefill, the layer's mixed step (one test each, compiled side by side).
+    "tests/validation/test_caches_untouched.py::test_guarded_decode_on_the_gpu",
+    "tests/validation/test_caches_untouched.py::test_guarded_prefill_on_the_gpu[state_indices]",
+    "tests/validation/test_caches_untouched.py::test_guarded_layer_step_on_the_gpu[duplicate]",
     # Engram: n-gram hash, history kernels, table gather (bf16 and fp8), the gate
     # (grid and persistent passes), the dim-sharded gate.
     "tests/engram/test_hashing.py::test_gpu_hash_prefill_size",

@@ -179,10 +179,12 @@ def test_next_history_into_itself():
     assert_same([history], [before])
 
 
+# The GPU's guarded launches, one test per call so that the tier's workers compile
+# their kernels side by side (the three in one test took 55 s of a cold smoke run).
 @pytest.mark.gpu
-def test_guarded_launches_on_the_gpu(gpu):
+def test_guarded_decode_on_the_gpu(gpu):
     """On the GPU the read-back runs on a side stream after the launches: the
-    guarded decode and prefill launches still leave every cache bit-identical."""
+    guarded decode launch still leaves the cache bit-identical."""
     cache = with_sentinels(8, 4, 128, 128).to(gpu)
     before = cache.clone()
     x = {n: t.to(gpu) for n, t in raw_kda_inputs((4,), 4, 128, 128, 0).items()}
@@ -190,19 +192,33 @@ def test_guarded_launches_on_the_gpu(gpu):
         kda_decode(**x, state_cache=cache, state_indices=torch.tensor([0, 2, 9, 3], device=gpu))
     torch.cuda.synchronize()
     assert_same([cache], [before])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["cu_seqlens", "state_indices"])
+def test_guarded_prefill_on_the_gpu(gpu, bad):
+    """The guarded prefill launches leave the cache bit-identical on a refused call."""
+    cache = with_sentinels(8, 4, 128, 128).to(gpu)
+    before = cache.clone()
     T = 300
     x = {n: t.to(gpu) for n, t in raw_kda_inputs((1, T), 4, 128, 128, 1).items()}
-    for bad in (dict(cu_seqlens=torch.tensor([0, 200, 100, T], device=gpu)),
-                dict(state_indices=torch.tensor([0, 8, 1], device=gpu))):
-        kw = dict(cu_seqlens=torch.tensor([0, 100, 200, T], device=gpu), state_cache=cache,
-                  state_indices=torch.tensor([1, 3, 5], device=gpu),
-                  has_initial_state=torch.tensor([True, True, False], device=gpu))
-        kw.update(bad)
-        with refused(ValueError, match=next(iter(bad))):
-            chunk_kda_prefill(**x, **kw)
-        torch.cuda.synchronize()
-        assert_same([cache], [before])
-    # The layer's mixed step: its index sets in one launch, its guards in one launch.
+    kw = dict(cu_seqlens=torch.tensor([0, 100, 200, T], device=gpu), state_cache=cache,
+              state_indices=torch.tensor([1, 3, 5], device=gpu),
+              has_initial_state=torch.tensor([True, True, False], device=gpu))
+    kw[bad] = dict(cu_seqlens=torch.tensor([0, 200, 100, T], device=gpu),
+                   state_indices=torch.tensor([0, 8, 1], device=gpu))[bad]
+    with refused(ValueError, match=bad):
+        chunk_kda_prefill(**x, **kw)
+    torch.cuda.synchronize()
+    assert_same([cache], [before])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, message", [([0, 1, 2, 99], "got max 99"), ([0, 1, 2, 0], "distinct")],
+                         ids=["out_of_range", "duplicate"])
+def test_guarded_layer_step_on_the_gpu(gpu, rows, message):
+    """The layer's mixed step (its index sets in one launch, its guards in one
+    launch) refused with both caches bit-identical."""
     from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
 
     layer = KimiDeltaAttention(512, 4, 128, lower_bound=-5.0, dtype=torch.bfloat16, device=gpu)
@@ -213,12 +229,11 @@ def test_guarded_launches_on_the_gpu(gpu):
     sc0, cs0 = sc.clone(), cs.clone()
     lens = torch.tensor([1, 1, 100, 60], device=gpu)
     hs = torch.randn(162, 512, device=gpu).bfloat16()
-    for rows, message in (([0, 1, 2, 99], "got max 99"), ([0, 1, 2, 0], "distinct")):
-        batch = KDABatch.from_query_lens(lens, torch.tensor(rows, device=gpu), num_decode=2)
-        with refused(ValueError, match=f"batch.decode_state_indices/prefill_state_indices: .*{message}"):
-            layer(hs, batch, sc, cs)
-        torch.cuda.synchronize()
-        assert_same([sc, cs], [sc0, cs0])
+    batch = KDABatch.from_query_lens(lens, torch.tensor(rows, device=gpu), num_decode=2)
+    with refused(ValueError, match=f"batch.decode_state_indices/prefill_state_indices: .*{message}"):
+        layer(hs, batch, sc, cs)
+    torch.cuda.synchronize()
+    assert_same([sc, cs], [sc0, cs0])
 
 
 @pytest.mark.parametrize("indices", [[1, 1, 2], [0, 6, 2]], ids=["duplicate", "out_of_range"])
