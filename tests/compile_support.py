@@ -63,6 +63,7 @@ def _import_kernel_modules():
                  "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
                  "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
                  "kda_engram.kda.prologue", "kda_engram.kda.folded_prologue", "kda_engram.kda.hopper.walk",
+                 "kda_engram.kda.hopper.prologue",
                  "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.tools.demo"):
         importlib.import_module(name)
 
@@ -200,7 +201,7 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
 
 
 #: The kernels of the Hopper prefill path, launched on sm_90 only.
-HOPPER_KERNELS = {"_folded_walk_kernel", "_kda_prologue_fold_kernel"}
+HOPPER_KERNELS = {"_folded_walk_kernel", "_kda_prologue_fold_kernel", "_gluon_prologue_kernel"}
 
 
 def drive_hopper_variants() -> None:
@@ -236,6 +237,30 @@ def drive_hopper_variants() -> None:
         bands = [proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(3)]
         hopper_kda_prefill(*bands, x["raw_g"], **base, lower_bound=-5.0, out=out,
                            conv_weight=torch.zeros(C, 4, dtype=dt))
+    drive_gluon_prologue_variants()
+
+
+def drive_gluon_prologue_variants() -> None:
+    """The Gluon folded prologue (kda/hopper/prologue.py; not yet on the prefill path)
+    at the production shapes: the default input forms, q / k / beta as given
+    (``qk_l2norm=False, beta_sigmoid=False``), and strided bands of a fused projection
+    (the conv's output bands are packed; raw bands are what a caller without the conv passes)."""
+    import torch
+
+    from kda_engram.kda.hopper.prologue import gluon_folded_prologue
+    from kda_engram.kda.metadata import prepare_chunk_metadata
+
+    dt, H, D, T = torch.bfloat16, 4, 128, 4096
+    cu = torch.tensor([0, 1000, T], dtype=torch.int32)
+    _, indices = prepare_chunk_metadata(cu, T)
+    x = {n: torch.zeros(1, T, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+    rest = (torch.zeros(1, T, H, dtype=dt), torch.zeros(H), torch.zeros(H * D), -5.0, cu, indices)
+    with torch.no_grad():
+        gluon_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], *rest)()
+        gluon_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], *rest, qk_l2norm=False, beta_sigmoid=False)()
+        proj = torch.zeros(1, T, 4 * H * D + H, dtype=dt)
+        q, k, v, g = (proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(4))
+        gluon_folded_prologue(q, k, v, g, proj[..., 4 * H * D:], *rest[1:])()
 
 
 def drive_state_variants() -> None:

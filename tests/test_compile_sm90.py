@@ -93,6 +93,31 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert not spilling, f"the Hopper path spills: {spilling}"
 
 
+#: The Gluon prologue's budget (sm_90a): no spill, and room for two CTAs per SM in
+#: shared memory (2 x 113 KB of the 228 KB an SM has).
+GLUON_PROLOGUE_MAX_SHARED_BYTES = 113 * 1024
+
+
+def test_gluon_prologue_compiles_for_sm90(tmp_path):
+    """The Gluon folded prologue alone (quick: ``-k gluon_prologue``): every input form
+    compiles for sm_90a with no spill and fits shared memory; the registers and shared
+    memory are printed (``-s``)."""
+    if not (NVIDIA_BIN / "ptxas").exists():
+        pytest.fail("the triton wheel ships no ptxas: cannot compile for sm_90 here")
+    report = tmp_path / "report.json"
+    proc = compile_support.run_child(__file__, [report, "--gluon-prologue"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    print(proc.stdout)
+    rows = json.loads(report.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"_gluon_prologue_kernel"}
+    forms = {(r["constexprs"]["QK_L2NORM"], r["constexprs"]["BETA_SIGMOID"]) for r in rows}
+    assert {(True, True), (False, False)} <= forms, forms
+    for r in rows:
+        assert r["spill_stack_bytes"] == 0, r
+        assert 0 < r["registers"] <= 255, r
+        assert r["shared_bytes"] <= GLUON_PROLOGUE_MAX_SHARED_BYTES, r
+
+
 # --------------------------------------------------------------------------- child
 
 
@@ -109,11 +134,15 @@ def _resources(kernel, options) -> dict:
                 shared_bytes=int(kernel.metadata.shared))
 
 
-def main(report_path: str) -> int:
+def main(report_path: str, only: str | None = None) -> int:
     from triton.backends.compiler import GPUTarget
 
     calls = []
-    defined = compile_support.drive(calls, "sm_90", 132)
+    if only == "--gluon-prologue":
+        defined = compile_support.patch_device(calls, "sm_90", 132)
+        compile_support.drive_gluon_prologue_variants()
+    else:
+        defined = compile_support.drive(calls, "sm_90", 132)
 
     def show(row):
         print(f"{row['kernel']:<34} warps {row['options']['num_warps']:>2}  regs {row['registers']:>3}  "
@@ -129,4 +158,4 @@ def main(report_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))
