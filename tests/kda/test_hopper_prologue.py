@@ -182,7 +182,8 @@ def test_gpu_gluon_prologue_16x2k_h32_matches_triton_and_fp64(gpu):
         assert torch.isfinite(glu[key].float()).all(), key
         err = _full_chunk_errors(glu[key], tri[key], key, T)
         assert err.max() < 1e-2, (key, err.max().item(), int(err.argmax()))
-    assert rel_rmse(glu["decay"], tri["decay"]) < 1e-5
+    rows = int(offsets[-1])
+    assert rel_rmse(glu["decay"][:rows], tri["decay"][:rows]) < 1e-5
     # fp64 on 4 of the 32 heads (the reference's memory): chunk by chunk.
     sub = {n: (t[:, :, :4] if t.dim() >= 3 else t) for n, t in raw.items()}
     sub["A_log"], sub["dt_bias"] = raw["A_log"][:4], raw["dt_bias"].view(H, 128)[:4].reshape(-1)
@@ -207,7 +208,8 @@ def test_gpu_gluon_prologue_ragged_matches_triton_fp64_and_model(gpu, lower_boun
         other = {n: t.cpu() for n, t in other.items() if n in (*KEYS, "decay")}
         worst = _worst(g, other, cu.cpu())
         assert all(v < tol for v in worst.values()), (name, worst)
-    assert torch.equal(glu["decay"], tri["decay"]) or rel_rmse(glu["decay"], tri["decay"]) < 1e-5
+    rows = int(offsets[-1])  # the real chunk rows (the launch's padding rows are never written)
+    assert rel_rmse(glu["decay"][:rows], tri["decay"][:rows]) < 1e-5
 
 
 @pytest.mark.gpu

@@ -68,6 +68,16 @@ def _add(a, b):
 
 
 @gluon.jit
+def _gate_cumsum(ptrs, mask, alog, dtb, lower_bound):
+    """The bounded gate of a ``[4, 16, K]`` tile in log2 units (0 on masked rows), its
+    sub-chunk-local inclusive cumsum ``lc`` and the sub-chunk totals ``s [4, K]``."""
+    xg = gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
+    a = lower_bound / (1.0 + gl.exp(-(alog * (xg + dtb))))
+    a = gl.where(mask, a * 1.4426950408889634, gl.zeros_like(a))
+    return gl.associative_scan(a, 1, _add), gl.sum(a, 1)
+
+
+@gluon.jit
 def _pick(x, blk, idx):
     """Row ``idx`` of a ``[4, C]`` tensor whose dim 0 runs over warps, broadcast to every warp (``[C]``)."""
     return gl.sum(gl.where(blk == idx, x, gl.zeros_like(x)), 0)
@@ -188,11 +198,7 @@ def _gluon_prologue_kernel(
 
     alog = gl.exp(gl.load(alog_ptr + h64 * salog).to(gl.float32))
     dtb = gl.load(dtb_ptr + h64 * sdtb_h + cc3 * sdtb_c).to(gl.float32)
-    xg = gl.load(g_ptr + h64 * sg_h + t3 * sg_t + cc3 * sg_c, mask=m3, other=0.0).to(gl.float32)
-    a = lower_bound / (1.0 + gl.exp(-(alog * (xg + dtb))))
-    a = gl.where(m3, a * 1.4426950408889634, gl.zeros_like(a))
-    lc = gl.associative_scan(a, 1, _add)  # sub-chunk-local inclusive cumsum
-    s = gl.sum(a, 1)  # [4, K] sub-chunk totals
+    lc, s = _gate_cumsum(g_ptr + h64 * sg_h + t3 * sg_t + cc3 * sg_c, m3, alog, dtb, lower_bound)
     # b_I (the cumsum before sub-chunk I), summed in order: b_1 = s_0, b_2 = b_1 + s_1, ...
     s0 = _pick(s, blk2, 0)
     b2 = s0 + _pick(s, blk2, 1)
@@ -215,7 +221,7 @@ def _gluon_prologue_kernel(
         beta16 = 1.0 / (1.0 + gl.exp(-beta16))
     beta16 = gl.where(tr16 < eos, beta16, gl.zeros_like(beta16))
 
-    # ---------------------------------------------- 2. k: kd, kf, kg, then A_kk
+    # ----------------------------------------------- 2. kd, kf, kg, qg; KE, QE
     kf = gl.load(k_ptr + h64 * sk_h + t3 * sk_t + cc3 * sk_c, mask=m3, other=0.0).to(gl.float32)
     if QK_L2NORM:
         kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 2) + 1e-6), 2)
@@ -225,18 +231,19 @@ def _gluon_prologue_kernel(
     kg = kfac * e_kg  # k̂ 2^(g_last - g)
     kg_s.store(gl.reshape(kg.to(gl.bfloat16), [BT, K]))
     KE = kf * gl.exp2(u)  # k̂ 2^(g - b_(I+1)), up to 2^span
-    for J in gl.static_range(NB):
-        ak = _strip(KE, s, bI, blk2, blk3, r_s, kf_s, J, BT, K, BS, MMA16)
-        cj = J * BS + gl.arange(0, BS, gl.SliceLayout(0, MMA16))
-        ak = gl.where(gl.expand_dims(cj, 0) < gl.expand_dims(ri16, 1), ak, gl.zeros_like(ak))
-        akk_s.slice(J * BS, BS, 1).store(ak * gl.expand_dims(beta16, 1))
-
-    # ------------------------------------------------------- 2'. q: qg, A_qk
     qf = gl.load(q_ptr + h64 * sq_h + t3 * sq_t + cc3 * sq_c, mask=m3, other=0.0).to(gl.float32)
     if QK_L2NORM:
         qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 2) + 1e-6), 2)
     gl.store(qg_ptr + qk_off, (qf * gl.exp2(u + e_g)).to(qg_ptr.dtype.element_ty), mask=m3)
     QE = qf * gl.exp2(u)
+    # (every pointer and offset tile dies here: only QE and KE cross the strips)
+
+    # ------------------------------------------------ 2'. A_kk, A_qk by strips
+    for J in gl.static_range(NB):
+        ak = _strip(KE, s, bI, blk2, blk3, r_s, kf_s, J, BT, K, BS, MMA16)
+        cj = J * BS + gl.arange(0, BS, gl.SliceLayout(0, MMA16))
+        ak = gl.where(gl.expand_dims(cj, 0) < gl.expand_dims(ri16, 1), ak, gl.zeros_like(ak))
+        akk_s.slice(J * BS, BS, 1).store(ak * gl.expand_dims(beta16, 1))
     for J in gl.static_range(NB):
         aq = _strip(QE, s, bI, blk2, blk3, r_s, kf_s, J, BT, K, BS, MMA16)
         cj = J * BS + gl.arange(0, BS, gl.SliceLayout(0, MMA16))
@@ -337,7 +344,7 @@ def gluon_prologue_unsupported(q, lower_bound, *, gate="raw", num_warps=None) ->
 
 def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
                           conv_weight=None, conv_state=None, conv_state_indices=None, conv_has_initial_state=None,
-                          *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
+                          *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True, maxnreg=None):
     """Drop-in for :func:`kda_engram.kda.folded_prologue.prepare_folded_prologue`
     (same arguments, assumed valid; same ``launch()`` returning ``dict(qg, kd,
     t_fold, a_fold, decay, v)``), one Gluon launch instead of two Triton ones.
@@ -347,7 +354,10 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     ``chunk_indices [chunks, 2]``. Raises ``ValueError`` for what it cannot serve
     (:func:`gluon_prologue_unsupported`: the softplus / log-decay gates, |L| > 5.45,
     non-bf16, K != 128). ``t_fold`` rows and ``a_fold`` columns past a sequence's
-    end inside its last chunk are not part of the contract (the walk masks them)."""
+    end inside its last chunk are not part of the contract (the walk masks them).
+
+    ``maxnreg``: a register cap for the GPU sweep (uncapped it compiles to 255 registers,
+    one CTA of 8 warps per SM; 128 would fit two, with a spill: see the design record)."""
     why = gluon_prologue_unsupported(q, lower_bound, gate=gate, num_warps=num_warps)
     if why is not None:
         raise ValueError(f"gluon_folded_prologue: {why}")
@@ -388,16 +398,18 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
             out["qg"], out["kd"], out["t_fold"], out["a_fold"], out["decay"],
             H, float(lower_bound),
             K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
-            num_warps=GLUON_PROLOGUE_WARPS,
+            num_warps=GLUON_PROLOGUE_WARPS, **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
         )
         return out
 
     return launch
 
 
-def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: float = -5.0) -> dict[str, float]:
-    """Time the Gluon prologue against the Triton folded prologue (``do_bench`` medians,
-    ms) on one GPU, bf16, K = V = 128; prints and returns ``{gluon, triton}``."""
+def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: float = -5.0,
+          maxnregs=(None, 168, 128)) -> dict[str, float]:
+    """Time the Gluon prologue (uncapped and at each ``maxnregs`` cap) against the Triton
+    folded prologue (``do_bench`` medians, ms) on one GPU, bf16, K = V = 128; prints and
+    returns ``{name: ms}``."""
     import triton
 
     from ..folded_prologue import prepare_folded_prologue
@@ -413,11 +425,13 @@ def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: floa
     cu = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * seqlen
     _, indices = prepare_chunk_metadata(cu, T)
     args = (x["q"], x["k"], x["v"], x["raw_g"], raw_beta, A_log, dt_bias, lower_bound, cu, indices)
-    launches = {"gluon": gluon_folded_prologue(*args), "triton": prepare_folded_prologue(*args)}
+    launches = {"triton": prepare_folded_prologue(*args)}
+    for mr in maxnregs:
+        launches["gluon" if mr is None else f"gluon_maxnreg{mr}"] = gluon_folded_prologue(*args, maxnreg=mr)
     ms = {name: float(triton.testing.do_bench(fn)) for name, fn in launches.items()}
-    print(f"{seqs}x{seqlen}_H{heads}: gluon prologue {ms['gluon']:.3f} ms, triton folded prologue "
-          f"{ms['triton']:.3f} ms, ratio {ms['triton'] / ms['gluon']:.2f}x "
-          f"({torch.cuda.get_device_name(dev)})", flush=True)
+    print(f"{seqs}x{seqlen}_H{heads} ({torch.cuda.get_device_name(dev)}): "
+          + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items())
+          + f"; triton / gluon {ms['triton'] / ms['gluon']:.2f}x", flush=True)
     return ms
 
 
