@@ -224,3 +224,44 @@ def test_deferred_on_the_gpu(gpu):
             kda_decode(**good, check_inputs=False)
     torch.cuda.synchronize()
     assert_same([cache], [before])
+
+
+def test_kept_buffers_are_not_inference_tensors():
+    """The verdicts' reused buffers are made outside inference mode even when the
+    first call that needs them runs inside it (an inference tensor cannot be
+    written by a later call outside inference mode)."""
+    from kda_engram.validation.common import _kept_tensor
+
+    with torch.inference_mode():
+        buf = _kept_tensor(4)
+    assert not buf.is_inference()
+    buf.copy_(torch.arange(4))  # outside inference mode: allowed
+    with torch.inference_mode():
+        buf.zero_()  # and inside
+    assert buf.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.gpu
+def test_checked_calls_inside_then_outside_inference_mode_on_the_gpu(gpu):
+    """A thread's first checked calls under ``torch.inference_mode()`` make its
+    pinned verdict slots; its later calls outside inference mode reuse them (the
+    tier once failed here: an inference tensor written outside inference mode)."""
+    cache = with_sentinels(8, 4, 128, 128).to(gpu)
+    x = {n: t.to(gpu) for n, t in raw_kda_inputs((2,), 4, 128, 128, 0).items()}
+    rows = torch.tensor([1, 2], device=gpu)
+    failures = []
+
+    def calls():  # a new thread: its verdict slots are made by these calls
+        try:
+            for mode in ("inference", "normal", "inference"):
+                with torch.inference_mode(mode == "inference"):
+                    for check in (True, "sync"):
+                        kda_decode(**x, state_cache=cache, state_indices=rows, check_inputs=check)
+                    kda_engram.raise_pending_errors()
+        except Exception as exc:  # noqa: BLE001 - reported by the test thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=calls)
+    thread.start()
+    thread.join()
+    assert not failures, failures

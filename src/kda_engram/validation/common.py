@@ -326,11 +326,15 @@ def can_read_back() -> bool:
 class _SideSlot:
     """Per thread and device: a side stream, a reused pinned buffer and the event
     the host waits on, for :func:`read_back` (a fresh pinned allocation per call
-    cost more than the whole check in the first prototype)."""
+    cost more than the whole check in the first prototype).
+
+    Its tensors outlive the call that made them, so they are made outside
+    inference mode (:func:`_kept_tensor`): one made under ``torch.inference_mode()``
+    is an inference tensor, and a later call outside it could not write it."""
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        self.host = torch.empty(0, dtype=torch.int64)
+        self.host = _kept_tensor(0)
         self.done = torch.cuda.Event()
         self.device = device
 
@@ -347,15 +351,22 @@ class _SideSlot:
         owned by one deferred verdict until :meth:`give_back` (a ring: a buffer is
         never reused while a copy into it may be in flight)."""
         if self.one is None:
-            self.one = torch.ones(1, dtype=torch.int64, device=self.device)
+            self.one = _kept_tensor(1, device=self.device).fill_(1)
         for i, entry in enumerate(self.free):
             if entry[0].numel() >= n:
                 return self.free.pop(i)
-        host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        host = _kept_tensor(max(n, 64), pin_memory=True)
         return host, host.numpy(), torch.cuda.Event()
 
     def give_back(self, entry) -> None:
         self.free.append(entry)
+
+
+def _kept_tensor(n: int, device=None, pin_memory: bool = False) -> torch.Tensor:
+    """An int64 ``[n]`` buffer kept across calls: made outside inference mode, so
+    that calls both inside and outside ``torch.inference_mode()`` can write it."""
+    with torch.inference_mode(False):
+        return torch.empty(n, dtype=torch.int64, device=device, pin_memory=pin_memory)
 
 
 _SIDE = threading.local()
@@ -382,7 +393,7 @@ def read_back(values: torch.Tensor, ready=None) -> list[int]:
     slot = _side_slot(values.device)
     n = values.numel()
     if slot.host.numel() < n:
-        slot.host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        slot.host = _kept_tensor(max(n, 64), pin_memory=True)
     slot.stream.wait_event(ready)
     with torch.cuda.stream(slot.stream):
         slot.host[:n].copy_(values, non_blocking=True)
