@@ -18,6 +18,8 @@ from fla.backends import _function_registries, _operation_registries  # noqa: E4
 from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 
 import kda_engram.integrations.fla as kf  # noqa: E402
+
+from ..helpers import first_fit_autotune  # noqa: E402
 from kda_engram.kda.reference import kda_gate, naive_recurrent_kda  # noqa: E402
 
 H, K = 2, 32
@@ -175,10 +177,14 @@ FLA_VARLEN = [[0, 15], [0, 256, 500, 1000], [0, 15, 100, 300, 1200, 2000], [0, 1
 
 
 def _gpu_case(gpu, B, T, Hh, D, seed, cu=None):
+    """bf16 inputs of one case. q and k are L2-normalised, as fla's own tests feed
+    them: the delta rule with raw ``randn`` keys (|k|^2 ~ D, beta ~ 0.5) grows the
+    state by about |1 - beta |k|^2| per step, so fused_recurrent (no in-kernel norm)
+    reached inf / NaN in fla and in ours alike at T = 1000 (the tier's failure)."""
     gen = torch.Generator(device=gpu).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=gpu)  # noqa: E731
-    x = dict(q=rnd(B, T, Hh, D), k=rnd(B, T, Hh, D), v=rnd(B, T, Hh, D), g=F.logsigmoid(rnd(B, T, Hh, D)),
-             beta=rnd(B, T, Hh).sigmoid())
+    x = dict(q=F.normalize(rnd(B, T, Hh, D), dim=-1), k=F.normalize(rnd(B, T, Hh, D), dim=-1), v=rnd(B, T, Hh, D),
+             g=F.logsigmoid(rnd(B, T, Hh, D)), beta=rnd(B, T, Hh).sigmoid())
     x = {n: t.to(torch.bfloat16) for n, t in x.items()}
     N = B if cu is None else len(cu) - 1
     return x, rnd(N, Hh, D, D)
@@ -190,37 +196,46 @@ def _run(fn, monkeypatch, enabled, **kw):
         return fn(**kw)
 
 
+# One test per (op, case), so the tier spreads fla's and our compiles over its workers
+# (the cases of one op in one test took up to 404 s on one worker).
+_FLA_GPU_CASES = ([("fused_recurrent", B, T, Hh, D, None) for B, T, Hh, D in FLA_SHAPES]
+                  + [("chunk", B, T, Hh, D, None) for B, T, Hh, D in FLA_SHAPES]
+                  + [("chunk_varlen", 1, cu[-1], 4, 128, cu) for cu in FLA_VARLEN])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["fused_recurrent", "chunk", "chunk_varlen"])
-def test_gpu_fla_forward_cases_routed(gpu, monkeypatch, op):
-    """fla's forward cases under inference mode with our backend active: each case
-    either routes to us (counted) and matches fla's own kernels, or is refused with
-    a reason (head dims 60/100); prints which."""
-    report, routed = [], 0
-    cases = ([(1, cu[-1], 4, 128, cu) for cu in FLA_VARLEN] if op == "chunk_varlen"
-             else [(B, T, Hh, D, None) for B, T, Hh, D in FLA_SHAPES])
-    for i, (B, T, Hh, D, cu) in enumerate(cases):
-        x, h0 = _gpu_case(gpu, B, T, Hh, D, i, cu)
-        kw = dict(x, initial_state=h0, output_final_state=True)
-        if cu is not None:
-            kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=gpu)
-        name, fn = (("fused_recurrent_kda_fwd", fused_recurrent_kda) if op == "fused_recurrent"
-                    else ("chunk_kda", chunk_kda))
-        if op != "fused_recurrent":
-            kw["use_qk_l2norm_in_kernel"] = True
+@pytest.mark.parametrize("op, B, T, Hh, D, cu", _FLA_GPU_CASES,
+                         ids=[f"{c[0]}-B{c[1]}-T{c[2]}-H{c[3]}-D{c[4]}" + (f"-N{len(c[5]) - 1}" if c[5] else "")
+                              for c in _FLA_GPU_CASES])
+def test_gpu_fla_forward_case_routed(gpu, monkeypatch, op, B, T, Hh, D, cu):
+    """One of fla's forward cases under inference mode with our backend active:
+    routed to us (counted) and as close to fla's own kernels as the bf16 outputs
+    allow, or refused with a reason (head dims 60 / 100); a K = V = 128 case is
+    always routed. fla's autotuners take their first config (speed is not checked
+    here)."""
+    seed = FLA_SHAPES.index((B, T, Hh, D)) if cu is None else FLA_VARLEN.index(cu)
+    x, h0 = _gpu_case(gpu, B, T, Hh, D, seed, cu)
+    kw = dict(x, initial_state=h0, output_final_state=True)
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.long, device=gpu)
+    name, fn = (("fused_recurrent_kda_fwd", fused_recurrent_kda) if op == "fused_recurrent"
+                else ("chunk_kda", chunk_kda))
+    if op != "fused_recurrent":
+        kw["use_qk_l2norm_in_kernel"] = True
+    with first_fit_autotune():
         before = kf.ROUTED[name]
         o, ht = _run(fn, monkeypatch, True, **kw)
         took = kf.ROUTED[name] - before
         o_fla, ht_fla = _run(fn, monkeypatch, False, **kw)
-        assert kf.ROUTED[name] == before + took
-        if took:
-            routed += 1
-            err = (o.float() - o_fla.float()).abs().max().item() / max(o_fla.float().abs().max().item(), 1e-6)
-            err_h = (ht.float() - ht_fla.float()).abs().max().item() / max(ht_fla.float().abs().max().item(), 1e-6)
-            assert err < 2e-2 and err_h < 2e-2, (B, T, Hh, D, err, err_h)
-            report.append(f"routed   {op} B={B} T={T} H={Hh} D={D}: rel err o {err:.2e}, state {err_h:.2e}")
-        else:
-            reasons = [r for (f, r) in kf.REFUSED if f == name]
-            report.append(f"fell back {op} B={B} T={T} H={Hh} D={D}: {reasons[-1] if reasons else '?'}")
-    print("\n" + "\n".join(report))
-    assert routed >= 1
+    assert kf.ROUTED[name] == before + took
+    if not took:
+        reasons = [r for (f, r) in kf.REFUSED if f == name]
+        assert D != 128 and reasons, (D, reasons)
+        print(f"\nfell back {op} B={B} T={T} H={Hh} D={D}: {reasons[-1]}")
+        return
+    for who, out, state in (("fla", o_fla, ht_fla), ("kda-engram", o, ht)):
+        assert torch.isfinite(out).all() and torch.isfinite(state).all(), f"{who}: non-finite output or state"
+    err = (o.float() - o_fla.float()).abs().max().item() / max(o_fla.float().abs().max().item(), 1e-6)
+    err_h = (ht.float() - ht_fla.float()).abs().max().item() / max(ht_fla.float().abs().max().item(), 1e-6)
+    print(f"\nrouted {op} B={B} T={T} H={Hh} D={D}: rel err o {err:.2e}, state {err_h:.2e}")
+    assert err < 2e-2 and err_h < 2e-2, (B, T, Hh, D, err, err_h)
