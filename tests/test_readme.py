@@ -26,8 +26,23 @@ def test_the_readme_has_python_blocks_and_the_extractor_finds_them():
     assert python_blocks(sample) == ["x = 1\n", "y = 2\n\nz = 3\n"]
 
 
+def needs_fla(block: str) -> bool:
+    """A block of the fla section: it runs where the ``fla`` extra is installed (CI
+    installs it: ``.ci/run``)."""
+    return "from fla." in block or "import fla" in block
+
+
+def test_the_fla_example_is_a_python_block():
+    # Issue 46: it was a `py` block that no test ran, with q, k, ... undefined.
+    fla_blocks = [b for b in BLOCKS if needs_fla(b)]
+    assert len(fla_blocks) == 1
+    assert "kda_fla.ROUTED" in fla_blocks[0] and "kda_fla.REFUSED" in fla_blocks[0]
+
+
 @pytest.mark.parametrize("number", range(len(BLOCKS)), ids=lambda n: f"block{n}")
 def test_readme_block_runs(number, tmp_path):
+    if needs_fla(BLOCKS[number]):
+        pytest.importorskip("fla.ops.kda", reason="the fla example needs the fla extra: pip install -e '.[fla]'")
     script = tmp_path / f"readme_block_{number}.py"
     script.write_text(BLOCKS[number])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
@@ -35,6 +50,8 @@ def test_readme_block_runs(number, tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, f"README python block {number} failed:\n{BLOCKS[number]}\n{done.stderr[-4000:]}"
+    if needs_fla(BLOCKS[number]):  # served by kda-engram, not fla's fallback
+        assert "ROUTED {'chunk_kda': 1} REFUSED {}" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_a_failing_block_fails(tmp_path):
