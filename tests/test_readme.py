@@ -60,3 +60,28 @@ def test_a_failing_block_fails(tmp_path):
     script.write_text("raise SystemExit('boom')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
+
+
+def _extras() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_the_readme_test_command_is_the_ci_command_and_installs_the_fla_extra():
+    command = re.search(r"^python3 -m pip install -q torch.*pytest -q$", (ROOT / "README.md").read_text(), re.M)
+    assert command is not None
+    assert command.group(0) in (ROOT / ".ci" / "run").read_text()
+    assert '".[test,fla]"' in command.group(0)  # CI runs the fla tests and the README's fla example
+
+
+def test_the_extras_declare_what_their_commands_import():
+    """Issue 46: fla-core imports ``packaging`` (and ``einops``) without declaring the
+    first; ``scripts/gpu-check`` runs its workers with pytest-xdist."""
+    extras = _extras()
+    names = {extra: {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower() for req in reqs}
+             for extra, reqs in extras.items()}
+    assert {"fla-core", "packaging", "einops"} <= names["fla"]
+    assert {"fla-core", "packaging", "einops"} <= names["peers"]
+    assert "pytest-xdist" in names["test"]
+    assert "import xdist" in (ROOT / "scripts" / "gpu-check").read_text()
