@@ -133,6 +133,7 @@ def refusal(function, *args, **kwargs):
     return reason
 
 
+@pytest.mark.filterwarnings("ignore:kda-engram. fla's:RuntimeWarning")  # each refusal's first warning
 def test_verifier_refuses_what_we_do_not_serve():
     x, A_log, dt_bias = inputs(1, 8)
     with torch.inference_mode():
