@@ -301,3 +301,14 @@ def test_a_refused_forward_leaves_the_history_cache_as_it_was(bad, name):
     text = str(info.value)
     assert "\n" not in text and text.startswith(name), text
     assert torch.equal(hist, before)
+
+
+def test_a_parameter_that_requires_grad_is_refused_before_the_hash():
+    layer, _ = make_layer()
+    layer.engram.wkv.weight.requires_grad_(True)
+    hist = torch.tensor([[1, 42]], dtype=torch.int64)
+    batch = EngramBatch.from_query_lens(torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(ValueError) as info:
+        layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
+    assert str(info.value).startswith("engram.wkv.weight: expected a parameter that does not require grad")
+    assert hist.tolist() == [[1, 42]]

@@ -52,7 +52,14 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    can_read_back,
+    check_parameters_forward_only,
+    check_tensor,
+)
 from ..validation.entry import EntryChecks
 from ..validation.engram import check_engram_batch, check_hash_arguments
 from ..engram.history import checkpoint_history, gather_history, scatter_history
@@ -443,6 +450,7 @@ class EngramLayer(nn.Module):
             raise ValueError("rows: pass rows, or token_ids with batch and history_cache to hash them here")
         token_mask = batch.token_mask if batch is not None else None
         if check_inputs:
+            check_parameters_forward_only(self)
             check_tensor("hidden_states", hidden_states, shape=[None, eng.hc_mult, eng.dim],
                          dtypes=(eng.wkv.weight.dtype,), device=eng.wkv.weight.device)
             T = hidden_states.shape[0]

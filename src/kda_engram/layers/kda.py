@@ -50,7 +50,15 @@ from torch import nn
 from .. import ops
 from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_int, check_tensor
+from ..validation.common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    can_read_back,
+    check_int,
+    check_parameters_forward_only,
+    check_tensor,
+)
 from ..validation.entry import EntryChecks
 from ..validation.kda import check_kda_batch, check_kda_layer_inputs
 
@@ -453,6 +461,7 @@ class KimiDeltaAttention(nn.Module):
         checks = EntryChecks(check_inputs) if can_read_back() else None
         if check_inputs:
             wt = self.in_proj.weight
+            check_parameters_forward_only(self)
             check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
                                    hidden_size=self.hidden_size, heads=self.local_heads, head_dim=self.head_dim,
                                    conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)

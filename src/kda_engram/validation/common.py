@@ -31,6 +31,7 @@ __all__ = [
     "check_same_dtype",
     "check_kernel_device",
     "check_forward_only",
+    "check_parameters_forward_only",
     "check_int",
     "check_real",
     "check_bool",
@@ -93,6 +94,21 @@ def check_forward_only(name: str, x: torch.Tensor) -> None:
             f"{name}: expected a tensor that does not require grad, got one that does; kda-engram is forward-only "
             f"(no gradient flows through it): call it under torch.no_grad() or torch.inference_mode(), or pass "
             f"{name}.detach()")
+
+
+def check_parameters_forward_only(module: torch.nn.Module) -> None:
+    """:func:`check_forward_only` on every parameter of a serving layer, named as in
+    ``module.named_parameters()``: a layer runs it with its host rules, before its
+    first launch, since its kernels take several parameters one launch after another
+    (nothing to do outside grad mode, where a serving engine runs)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            raise ValueError(
+                f"{name}: expected a parameter that does not require grad, got one that does; kda-engram is "
+                f"forward-only (no gradient flows through it): call the layer under torch.no_grad() or "
+                f"torch.inference_mode(), or {name}.requires_grad_(False)")
 
 
 def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
