@@ -26,8 +26,23 @@ def test_the_readme_has_python_blocks_and_the_extractor_finds_them():
     assert python_blocks(sample) == ["x = 1\n", "y = 2\n\nz = 3\n"]
 
 
+def needs_fla(block: str) -> bool:
+    """A block of the fla section: it runs where the ``fla`` extra is installed (CI
+    installs it: ``.ci/run``)."""
+    return "from fla." in block or "import fla" in block
+
+
+def test_the_fla_example_is_a_python_block():
+    # Issue 46: it was a `py` block that no test ran, with q, k, ... undefined.
+    fla_blocks = [b for b in BLOCKS if needs_fla(b)]
+    assert len(fla_blocks) == 1
+    assert "kda_fla.ROUTED" in fla_blocks[0] and "kda_fla.REFUSED" in fla_blocks[0]
+
+
 @pytest.mark.parametrize("number", range(len(BLOCKS)), ids=lambda n: f"block{n}")
 def test_readme_block_runs(number, tmp_path):
+    if needs_fla(BLOCKS[number]):
+        pytest.importorskip("fla.ops.kda", reason="the fla example needs the fla extra: pip install -e '.[fla]'")
     script = tmp_path / f"readme_block_{number}.py"
     script.write_text(BLOCKS[number])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
@@ -35,6 +50,8 @@ def test_readme_block_runs(number, tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, f"README python block {number} failed:\n{BLOCKS[number]}\n{done.stderr[-4000:]}"
+    if needs_fla(BLOCKS[number]):  # served by kda-engram, not fla's fallback
+        assert "ROUTED {'chunk_kda': 1} REFUSED {}" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
 def test_a_failing_block_fails(tmp_path):
@@ -43,3 +60,28 @@ def test_a_failing_block_fails(tmp_path):
     script.write_text("raise SystemExit('boom')\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
+
+
+def _extras() -> dict:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_the_readme_test_command_is_the_ci_command_and_installs_the_fla_extra():
+    command = re.search(r"^python3 -m pip install -q torch.*pytest -q$", (ROOT / "README.md").read_text(), re.M)
+    assert command is not None
+    assert command.group(0) in (ROOT / ".ci" / "run").read_text()
+    assert '".[test,fla]"' in command.group(0)  # CI runs the fla tests and the README's fla example
+
+
+def test_the_extras_declare_what_their_commands_import():
+    """Issue 46: fla-core imports ``packaging`` (and ``einops``) without declaring the
+    first; ``scripts/gpu-check`` runs its workers with pytest-xdist."""
+    extras = _extras()
+    names = {extra: {re.split(r"[<>=!~ ;\[]", req, maxsplit=1)[0].lower() for req in reqs}
+             for extra, reqs in extras.items()}
+    assert {"fla-core", "packaging", "einops"} <= names["fla"]
+    assert {"fla-core", "packaging", "einops"} <= names["peers"]
+    assert "pytest-xdist" in names["test"]
+    assert "import xdist" in (ROOT / "scripts" / "gpu-check").read_text()

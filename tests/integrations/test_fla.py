@@ -135,6 +135,7 @@ def refusal(function, *args, **kwargs):
     return reason
 
 
+@pytest.mark.filterwarnings("ignore:kda-engram. fla's:RuntimeWarning")  # each refusal's first warning
 def test_verifier_refuses_what_we_do_not_serve():
     x, A_log, dt_bias = inputs(1, 8)
     with torch.inference_mode():
@@ -239,3 +240,39 @@ def test_gpu_fla_forward_case_routed(gpu, monkeypatch, op, B, T, Hh, D, cu):
     err_h = (ht.float() - ht_fla.float()).abs().max().item() / max(ht_fla.float().abs().max().item(), 1e-6)
     print(f"\nrouted {op} B={B} T={T} H={Hh} D={D}: rel err o {err:.2e}, state {err_h:.2e}")
     assert err < 2e-2 and err_h < 2e-2, (B, T, Hh, D, err, err_h)
+
+
+def test_a_refusal_is_counted_with_its_reason_and_warned_once():
+    """Issue 46: a refusal was only visible with fla's logging at INFO."""
+    import warnings
+
+    x, _, _ = inputs(1, 8)
+    key = ("chunk_kda", "argument issue46_probe not served")
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="chunk_kda runs on fla's own kernels: argument issue46_probe"):
+            refusal("chunk_kda", **x, issue46_probe=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same reason again: counted, not warned
+            refusal("chunk_kda", **x, issue46_probe=1)
+    assert kf.REFUSED[key] == 2
+
+
+def test_a_positive_log_decay_through_fla_is_an_error_naming_the_gate():
+    """Issue 46: fla's chunk_kda with g = randn (not a log decay) was served and
+    returned all-NaN with no error."""
+    from kda_engram import raise_pending_errors
+
+    x, _, _ = inputs(1, 70, seed=5)
+    h0 = torch.randn(1, H, K, K)
+    with torch.inference_mode(), pytest.raises(ValueError, match="raw_g: with gate='log_decay'") as info:
+        chunk_kda(**x, initial_state=h0, output_final_state=True)
+        raise_pending_errors()
+    assert "\n" not in str(info.value)
+
+
+def test_a_missing_dependency_of_fla_is_named():
+    """Issue 46: fla-core installed but ``packaging`` missing said "needs fla-core"."""
+    code = ("import sys\nsys.modules['packaging'] = None\n"
+            "try:\n    import kda_engram.integrations.fla\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "fla-core is installed but importing it failed" in out and "pip install packaging" in out, out

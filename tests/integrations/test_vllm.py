@@ -99,3 +99,26 @@ def test_fused_kda_gate(beta_threshold):
     assert y.dtype == torch.float32 and y.shape == (5, H, K)
     close(y, want, atol=1e-5)
     close(fused_kda_gate(g, A.view(1, 1, H, 1), K, bias, lower_bound=-5.0), kda_gate(g.view(5, H, K), A, bias, -5.0))
+
+
+@pytest.mark.parametrize("accepted, exc, says", [
+    (torch.tensor([0, 1]), ValueError, "num_accepted_tokens: expected entries in [1, 3]"),
+    (torch.tensor([99, 1]), ValueError, "num_accepted_tokens: expected entries in [1, 3]"),
+    (torch.tensor([1.0, 2.0]), TypeError, "num_accepted_tokens: expected dtype"),
+    (torch.tensor([1, 2, 3]), ValueError, "num_accepted_tokens: expected shape [2]"),
+])
+def test_bad_num_accepted_tokens_are_refused_and_the_pool_is_untouched(accepted, exc, says):
+    """Issue 46: bad values were clamped silently and the pool updated; a wrong length
+    gave a raw torch error."""
+    from ..helpers import refused
+
+    N, S = 2, 3
+    q, k, v = (rnd(N, S, H, K, seed=i) for i in range(3))
+    g, beta = F.logsigmoid(rnd(N, S, H, K, seed=3)), rnd(N, S, H, seed=4).sigmoid()
+    pool = rnd(8, H, K, K, seed=5)
+    before = pool.clone()
+    ssm = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    with refused(exc) as info:
+        fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=ssm, num_accepted_tokens=accepted)
+    assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
+    assert torch.equal(pool, before)

@@ -148,7 +148,11 @@ def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
     batch = EngramBatch.from_query_lens(torch.tensor([9]), torch.tensor([0]))
     cache = torch.full((1, 2), -1, dtype=torch.int64)
     out = layer(hidden, batch, token_ids=ids, history_cache=cache)
-    assert len(seen) == 1 and seen[0].post_wkv is ops.engram_post_wkv and seen[0].finish is ops.engram_gate_finish
+    assert len(seen) == 1
+    # The ops, with their device rules off: the layer ran its own checks before the hash.
+    for kernel, op in ((seen[0].post_wkv, ops.engram_post_wkv), (seen[0].partials, ops.engram_gate_partials),
+                       (seen[0].finish, ops.engram_gate_finish)):
+        assert kernel.func is op and kernel.keywords == {"check_inputs": False}
     torch.testing.assert_close(out, ref_out(layer, w, hidden, ids, [0, 9]).float(), atol=5e-5, rtol=0)
 
 
@@ -276,3 +280,35 @@ def test_gpu_bf16_layer_matches_reference(gpu):
     assert err < 0.05 * want.abs().max().item(), err
     new = naive_next_history(ids, [0, 1, 2, 302, T], layout, history=hist)
     assert cache_g[[6, 2, 0, 1]].cpu().tolist() == new.tolist()
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(hidden=torch.randn(5, 32)), "hidden_states"),  # wrong shape (issue 46: hist[0] was rewritten first)
+    (dict(hidden=torch.randn(5, HC, DIM, dtype=torch.float64)), "hidden_states"),  # wrong dtype
+    (dict(hidden=torch.randn(6, HC, DIM)), "token_ids"),  # 6 streams for 5 token ids
+    (dict(token_mask=torch.ones(4, dtype=torch.bool)), "batch.token_mask"),
+])
+def test_a_refused_forward_leaves_the_history_cache_as_it_was(bad, name):
+    """Every host rule of the layer runs before the hash writes the history (issue 46)."""
+    layer, _ = make_layer()
+    ids = ids_for(5, 1)
+    hidden = bad.get("hidden", hidden_for(5, 2))
+    batch = EngramBatch.from_query_lens(torch.tensor([5]), torch.tensor([0]), token_mask=bad.get("token_mask"))
+    hist = torch.tensor([[1, 42]], dtype=torch.int64)
+    before = hist.clone()
+    with pytest.raises((ValueError, TypeError)) as info:
+        layer(hidden, batch, token_ids=ids, history_cache=hist)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(name), text
+    assert torch.equal(hist, before)
+
+
+def test_a_parameter_that_requires_grad_is_refused_before_the_hash():
+    layer, _ = make_layer()
+    layer.engram.wkv.weight.requires_grad_(True)
+    hist = torch.tensor([[1, 42]], dtype=torch.int64)
+    batch = EngramBatch.from_query_lens(torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(ValueError) as info:
+        layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
+    assert str(info.value).startswith("engram.wkv.weight: expected a parameter that does not require grad")
+    assert hist.tolist() == [[1, 42]]

@@ -454,3 +454,28 @@ def test_allocate_cache_state_dtype():
     assert sc.dtype == torch.bfloat16
     with refused(TypeError, match="state_dtype: expected float32 or bfloat16, got torch.float16"):
         layer.allocate_cache(2, state_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_decode", "unfused_decode"])
+def test_a_parameter_that_requires_grad_is_refused_before_any_write(fused):
+    """Issue 46: kda-engram is forward-only. A parameter that requires grad (under grad
+    mode) is refused with the layer's host rules: the unfused decode path used to write
+    the conv windows before ``kda_decode`` refused ``A_log``."""
+    layer, _ = make_layer(2)
+    layer.fused_decode = fused
+    layer.A_log.requires_grad_(True)
+    sc, cs = layer.allocate_cache(4)
+    gen = torch.Generator().manual_seed(6)
+    sc.copy_(torch.randn(sc.shape, generator=gen))
+    cs.copy_(torch.randn(cs.shape, generator=gen))
+    sc0, cs0 = sc.clone(), cs.clone()
+    batch = KDABatch.from_query_lens(torch.tensor([1, 10]), torch.tensor([0, 1]), torch.tensor([True, False]),
+                                     num_decode=1)
+    x = torch.randn(11, HID, generator=gen)
+    with pytest.raises(ValueError) as info:
+        layer(x, batch, sc, cs)
+    assert str(info.value).startswith("A_log: expected a parameter that does not require grad")
+    assert "\n" not in str(info.value) and "forward-only" in str(info.value)
+    assert torch.equal(sc, sc0) and torch.equal(cs, cs0)
+    with torch.no_grad():
+        assert layer(x, batch, sc, cs).grad_fn is None  # outside grad mode it runs

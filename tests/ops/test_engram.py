@@ -79,3 +79,26 @@ def test_handles():
         ops.resolve(ht, EngramTable)
 
 
+
+
+def test_engram_ops_run_the_functions_device_rules_by_default():
+    """Issue 46: the history ops wrote rows outside the cache that was passed. By
+    default an op runs its function's rules (here: one sync read-back, as the
+    history functions do); ``check_inputs=False`` runs the host rules only."""
+    from ..helpers import refused
+
+    base = torch.full((6, 2), 7, dtype=torch.int64)
+    cache = base[:3]
+    before = base.clone()
+    with refused(ValueError, match="slot_indices") as info:
+        ops.engram_history_scatter(cache, idx([0, 4], "cpu"), torch.zeros(2, 2, dtype=torch.int64))
+    assert str(info.value).startswith("slot_indices")
+    assert torch.equal(base, before)
+    with refused(ValueError, match="slot_indices"):
+        ops.engram_history_gather(cache, idx([5], "cpu"))
+    lay = small_layout()
+    ids = torch.tensor([1, 2, 3, 4])
+    with refused(ValueError, match="cu_seqlens"):
+        ops.ngram_hash(ids, idx([0, 3, 2], "cpu"), ops.handle(lay))
+    with pytest.raises(TypeError, match="check_inputs"):
+        ops.engram_history_gather(cache, idx([0], "cpu"), check_inputs=None)

@@ -137,13 +137,17 @@ def test_wrappers_match_the_entry_points():
 def test_the_op_wrappers_have_their_entry_points_signatures():
     """``ops.chunk_kda_prefill`` / ``ops.kda_prefill_walk`` take the entry point's
     arguments by the same names, in the same order, with the same defaults, but
-    ``out``, ``check_inputs`` (and for the walk ``config``, ``group_workspace``)."""
+    ``out`` (and for the walk ``config``, ``group_workspace``), then the
+    functions' ``check_inputs`` switch (issue 46), keyword-only, default True."""
     for wrapper, entry, host_only in (
         (ops.chunk_kda_prefill, prefill_direct, {"out", "check_inputs", "host_checked"}),
         (ops.kda_prefill_walk, walk_direct, {"out", "check_inputs", "host_checked", "config", "group_workspace"}),
     ):
         want = [p for n, p in inspect.signature(entry).parameters.items() if n not in host_only]
-        assert list(inspect.signature(wrapper).parameters.values()) == want
+        got = list(inspect.signature(wrapper).parameters.values())
+        assert got[:-1] == want
+        assert got[-1].name == "check_inputs" and got[-1].kind is inspect.Parameter.KEYWORD_ONLY
+        assert got[-1].default is True
     with pytest.raises(TypeError, match="unexpected keyword argument 'out'"):
         ops.chunk_kda_prefill(*kda_raw(64, "cpu"), cu_seqlens=idx([0, 64], "cpu"), out=torch.empty(1))
     with pytest.raises(TypeError, match="missing required arguments: cu_seqlens"):
@@ -207,3 +211,34 @@ def test_old_names_warn_and_still_work():
                      (ops.fused_kda_chunk, "kda_prefill_walk"), (ops.fused_kda_decode_step, "kda_layer_decode_step")):
         with pytest.warns(DeprecationWarning, match=new), pytest.raises(TypeError):
             old()  # the alias warns, then the call fails on its missing arguments
+
+
+def test_ops_run_the_functions_device_rules_by_default():
+    """Issue 46: ``ops.kda_decode`` wrote an out-of-range row (outside the tensor that
+    was passed, into its base) with no error. The ops follow the functions' policy:
+    by default the device rules run on guarded launches and the verdict is deferred;
+    ``"sync"`` raises in the call; ``False`` (a captured engine) runs host rules only."""
+    from kda_engram import raise_pending_errors
+
+    from ..helpers import refused
+
+    q, k, v, g, b, A, dt = (x[0, :2] if x.dim() > 1 else x for x in kda_raw(2, "cpu"))
+    big = torch.zeros(8, H, K, K)
+    before = big.clone()
+    with refused(ValueError, match="state_indices") as info:
+        ops.kda_decode(q, k, v, g, b, A, dt, big[:4], idx([0, 5], "cpu"), lower_bound=-5.0)
+    assert "\n" not in str(info.value) and str(info.value).startswith("state_indices")
+    assert torch.equal(big, before)
+    with pytest.raises(ValueError, match="state_indices"):
+        ops.kda_decode(q, k, v, g, b, A, dt, big[:4], idx([0, 5], "cpu"), lower_bound=-5.0, check_inputs="sync")
+    assert torch.equal(big, before)
+    with pytest.raises(TypeError, match="check_inputs"):
+        ops.kda_decode(q, k, v, g, b, A, dt, big[:4], idx([0, 1], "cpu"), check_inputs="yes")
+    # A duplicate row through the prefill op, and its walk's state rows.
+    qp, kp, vp, gp, bp, Ap, dtp = kda_raw(70, "cpu", seed=3)
+    cache = torch.zeros(4, H, K, K)
+    with refused(ValueError, match="state_indices"):
+        ops.chunk_kda_prefill(qp, kp, vp, gp, bp, Ap, dtp, cu_seqlens=idx([0, 64, 70], "cpu"), state_cache=cache,
+                              state_indices=idx([1, 1], "cpu"), has_initial_state=torch.tensor([False, False]))
+    assert torch.equal(cache, torch.zeros_like(cache))
+    raise_pending_errors()

@@ -143,3 +143,17 @@ def test_interpreter_set_after_import_is_one_line():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "TRITON_INTERPRET=1 was set after kda_engram's kernels were imported" in done.stdout
+
+
+def test_check_runs_for_real_on_the_cpu():
+    # issue 46: `kda-engram check` crashed on every call (NameError: check_seed); the other
+    # CLI tests replace run_check with a stub, so this one runs the real command, as a user does.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SRC)
+    done = subprocess.run([sys.executable, "-m", "kda_engram.tools.cli", "check", "--examples", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "check passed: every case within its bound" in done.stdout
+    for kernel in ("[kda-prefill]", "[kda-decode]", "[engram]"):
+        assert kernel in done.stdout, kernel

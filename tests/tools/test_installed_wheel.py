@@ -97,3 +97,11 @@ def test_one_tiny_cpu_benchmark_from_the_installed_package(venv):
           "--part", "engram", "--json", rows], cwd=work, env=env)
     got = json.loads(rows.read_text())
     assert got and all(r["part"] == "engram" and r["P"] == 2 and r["ok"] for r in got)
+
+
+def test_kda_engram_check_from_the_installed_package(venv):
+    # Issue 46: `kda-engram check` crashed on every call (NameError), from the wheel too.
+    python, work, env, _ = venv
+    env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}  # as a user types it on a CPU machine
+    done = _run([python.parent / "kda-engram", "check", "--examples", "1"], cwd=work, env=env)
+    assert "check passed: every case within its bound" in done.stdout

@@ -16,8 +16,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def _run(tmp_path, *extra):
     out = tmp_path / "rows.json"
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # Without TRITON_INTERPRET, as the README's command runs on a CPU machine (issue 46:
+    # it failed with a multi-process traceback unless the variable was set).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
     proc = subprocess.run([sys.executable, "-m", "kda_engram.tools.benchmarks.bench_tp", "--spawn", "2",
                            "--backend", "gloo", "--small", "--json", str(out), *extra],
                           env=env, capture_output=True, text=True, timeout=900)

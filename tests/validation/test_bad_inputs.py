@@ -194,3 +194,49 @@ def test_table_rows_outside_their_column():
     one_line(info, "rows")
     assert "entry [1, 0] = 5 lies outside hash column 0's table [0, 4)" in str(info.value)
     assert table.lookup(torch.tensor([[3, 4], [-1, 7]])).shape[0] == 2
+
+
+# ------------------------------------------------------------------------- issue 46
+
+
+def test_an_input_that_requires_grad_is_refused_under_grad_mode():
+    """kda-engram is forward-only: an input that asks for a gradient is refused in one
+    line (it used to come back as an output with no grad_fn), under no_grad it runs."""
+    x = prefill_raw(8)
+    x["q"] = x["q"].clone().requires_grad_()
+    cu = torch.tensor([0, 8])
+    with pytest.raises(ValueError) as info:
+        chunk_kda_prefill(**x, cu_seqlens=cu)
+    one_line(info, "q")
+    assert "forward-only" in str(info.value)
+    with torch.no_grad():
+        out, _ = chunk_kda_prefill(**x, cu_seqlens=cu)
+    assert out.grad_fn is None
+    d = decode_raw(2)
+    d["raw_beta"] = d["raw_beta"].clone().requires_grad_()
+    cache = torch.zeros(2, H, V, K)
+    with pytest.raises(ValueError) as info:
+        kda_decode(**d, state_cache=cache, state_indices=torch.tensor([0, 1]))
+    one_line(info, "raw_beta")
+    assert torch.equal(cache, torch.zeros_like(cache))
+
+
+def test_a_tensor_on_meta_is_blamed_itself():
+    x = prefill_raw(8)
+    x["q"] = x["q"].to("meta")
+    with pytest.raises(ValueError) as info:
+        chunk_kda_prefill(**x, cu_seqlens=torch.tensor([0, 8]))
+    one_line(info, "q")
+    assert "meta" in str(info.value)
+
+
+def test_allocate_cache_names_a_negative_slot_count():
+    from kda_engram.layers.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(hidden_size=32, num_heads=1, head_dim=16, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError) as info:
+        layer.allocate_cache(-1)
+    one_line(info, "slots")
+    with pytest.raises(TypeError) as info:
+        layer.allocate_cache(2.5)
+    one_line(info, "slots")

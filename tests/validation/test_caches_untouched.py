@@ -248,3 +248,32 @@ def test_kda_decode_past_the_one_program_rules(indices, monkeypatch):
     with refused(ValueError, match="state_indices"):
         kda_decode(**decode_raw(3), state_cache=cache, state_indices=torch.tensor(indices))
     assert_same([cache], [before])
+
+
+def test_a_positive_log_decay_is_refused_and_writes_no_state():
+    """Issue 46: a precomputed log-decay gate with a positive entry was served and
+    returned an all-NaN output with no error (through fla's ``chunk_kda`` too)."""
+    x = prefill_raw(70)
+    g = -torch.rand(1, 70, H, K)
+    g[0, 40, 0, 3] = 0.5
+    cache = with_sentinels(4, H, V, K)
+    before = cache.clone()
+    kw = dict(cu_seqlens=torch.tensor([0, 64, 70]), gate="log_decay", state_cache=cache,
+              state_indices=torch.tensor([1, 2]), has_initial_state=torch.tensor([True, False]))
+    with refused(ValueError, match="raw_g: with gate='log_decay'") as info:
+        chunk_kda_prefill(x["q"], x["k"], x["v"], g, x["raw_beta"], None, None, **kw)
+    assert "\n" not in str(info.value)
+    assert_same([cache], [before])
+    d = decode_raw(2)
+    with refused(ValueError, match="raw_g: with gate='log_decay'"):
+        kda_decode(d["q"], d["k"], d["v"], d["raw_g"].abs(), d["raw_beta"], None, None, cache, torch.tensor([1, 2]),
+                   gate="log_decay")
+    assert_same([cache], [before])
+    dm = decode_raw(2, 2)
+    with refused(ValueError, match="raw_g: with gate='log_decay'"):
+        kda_decode_multi(dm["q"], dm["k"], dm["v"], dm["raw_g"].abs(), dm["raw_beta"], None, None, cache,
+                         torch.tensor([[0, 1], [2, 3]]), gate="log_decay")
+    assert_same([cache], [before])
+    # A log decay <= 0 is served (the same call with the entry fixed).
+    g[0, 40, 0, 3] = -0.5
+    chunk_kda_prefill(x["q"], x["k"], x["v"], g, x["raw_beta"], None, None, **kw)

@@ -1,4 +1,5 @@
-"""Fuzz (hypothesis) of the layer forward and the decode entry point with mixed
+"""Fuzz (hypothesis) of the layer forwards (``KimiDeltaAttention`` and, issue 46,
+``EngramLayer`` with its hash history cache) and the decode entry point with mixed
 valid and invalid batches (issue 36).
 
 The only oracle: a call either raises one line (``ValueError``/``TypeError``) and
@@ -15,10 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kda_engram import raise_pending_errors
+from kda_engram.engram.layout import EngramLayout
+from kda_engram.engram.reference import naive_next_history
 from kda_engram.kda.decode import kda_decode
 from kda_engram.kda.reference import naive_recurrent_kda
+from kda_engram.layers.engram import EngramBatch, EngramLayer
 from kda_engram.layers.kda import KDABatch, KimiDeltaAttention
-from kda_engram.layers.reference import naive_kda_layer
+from kda_engram.layers.reference import naive_engram_layer, naive_kda_layer
 
 HID, HEADS, K, SLOTS = 32, 1, 16, 6
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -171,3 +175,88 @@ def test_kda_decode_refuses_in_one_line_or_matches_the_reference(data):
             assert (cache[idx[b]] - final[b]).abs().max().item() < 1e-4
     for r in set(range(SLOTS)) - {int(i) for i in idx}:
         assert torch.equal(cache[r], before[r])
+
+
+# ------------------------------------------------------------------- Engram layer
+
+DIM, HC, VOCAB, EPS = 32, 2, 30, 1e-6
+ENGRAM_MUTATIONS = [None, None, None, "slot_past_cache", "duplicate_slots", "checkpoint_row_past_cache",
+                    "token_id_past_vocab", "float_token_ids", "token_count", "hidden_shape", "hidden_dtype",
+                    "history_width", "history_dtype", "token_mask_shape", "hidden_requires_grad"]
+_ENGRAM = {}
+
+
+def _engram_layer():
+    if not _ENGRAM:
+        layout = EngramLayout.build(layer_ids=[2, 5], max_ngram=3, n_heads=2, head_dim=16, vocab_size=[40, 50],
+                                    compressed_vocab_size=VOCAB, pad_id=1, seed=3)
+        layer = EngramLayer(layout, 5, DIM, HC, eps=EPS, storage="fp32", dtype=torch.float32, device="cpu")
+        _ENGRAM["layer"], _ENGRAM["weights"] = layer, layer.reset_parameters(torch.Generator().manual_seed(0))
+    return _ENGRAM["layer"], _ENGRAM["weights"]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_engram_layer_refuses_in_one_line_or_matches_the_reference(data):
+    """The Engram layer hashing here (``token_ids`` with ``history_cache``): a refused
+    call leaves the history cache bit-identical (every host rule of the layer runs
+    before the hash writes it), an accepted one matches the reference and writes
+    exactly the named rows."""
+    layer, weights = _engram_layer()
+    lens = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=3), "lengths")
+    N, T = len(lens), sum(lens)
+    rows = data.draw(st.permutations(range(SLOTS)), "rows")[:N]
+    has = data.draw(st.lists(st.booleans(), min_size=N, max_size=N), "has_initial_state")
+    mutation = data.draw(st.sampled_from(ENGRAM_MUTATIONS), "mutation")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), "seed"))
+    cache = torch.randint(-1, VOCAB, (SLOTS, 2), generator=gen)
+    ids = torch.randint(0, VOCAB, (T,), generator=gen)
+    hidden = torch.randn(T, HC, DIM, generator=gen)
+    slots = list(rows)
+    ck, mask = {}, None
+    if mutation == "slot_past_cache":
+        slots[data.draw(st.integers(0, N - 1))] = SLOTS + data.draw(st.integers(0, 1000))
+    elif mutation == "duplicate_slots" and N > 1:
+        slots[-1] = slots[0]
+    elif mutation == "checkpoint_row_past_cache":
+        ck = dict(checkpoint_offsets=torch.tensor([1] + [0] * (N - 1)),
+                  checkpoint_indices=torch.tensor([SLOTS + 3] + [-1] * (N - 1)))
+    elif mutation == "token_id_past_vocab":
+        ids[data.draw(st.integers(0, T - 1))] = VOCAB + data.draw(st.integers(0, 100))
+    elif mutation == "float_token_ids":
+        ids = ids.float()
+    elif mutation == "token_count":
+        hidden = torch.randn(T + data.draw(st.integers(1, 3)), HC, DIM, generator=gen)
+    elif mutation == "hidden_shape":
+        hidden = hidden.reshape(T, HC * DIM)
+    elif mutation == "hidden_dtype":
+        hidden = hidden.double()
+    elif mutation == "history_width":
+        cache = torch.randint(-1, VOCAB, (SLOTS, 3), generator=gen)
+    elif mutation == "history_dtype":
+        cache = cache.float()
+    elif mutation == "token_mask_shape":
+        mask = torch.ones(T + 1, dtype=torch.bool)
+    elif mutation == "hidden_requires_grad":
+        hidden.requires_grad_()
+    else:
+        mutation = None
+    batch = EngramBatch.from_query_lens(torch.tensor(lens), torch.tensor(slots), torch.tensor(has), token_mask=mask,
+                                        **ck)
+    cache0 = cache.clone()
+    out = []
+    if _refused(lambda: out.append(layer(hidden, batch, token_ids=ids, history_cache=cache)), [cache]):
+        assert mutation is not None, "a valid batch was refused"
+        return
+    assert mutation is None, f"accepted an invalid batch ({mutation})"
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    hist = torch.stack([cache0[r] if h else torch.full_like(cache0[r], -1) for r, h in zip(rows, has)])
+    want = naive_engram_layer(layer.layout, layer.layer_id, weights, hidden, ids, cu, eps=EPS, history=hist)
+    assert (out[0].double() - want.double()).abs().max().item() < 1e-4
+    new = naive_next_history(ids, cu, layer.layout, history=hist)
+    for i, r in enumerate(rows):
+        assert cache[r].tolist() == new[i].tolist()
+    for r in set(range(SLOTS)) - set(rows):  # rows nobody named: untouched
+        assert torch.equal(cache[r], cache0[r])

@@ -28,6 +28,7 @@ backend. :data:`ROUTED` and :data:`REFUSED` count what it served and refused.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch
@@ -43,8 +44,14 @@ try:
     import fla.ops.kda  # noqa: F401  (fla's own KDA backends register first)
     from fla.backends import BaseBackend, register
     from fla.ops.kda.chunk import chunk_kda as _fla_chunk_kda
-except ImportError as error:  # the optional extra is missing
-    raise ImportError("kda_engram.integrations.fla needs fla-core: pip install 'kda-engram[fla]'") from error
+except ImportError as error:  # the optional extra, or one of fla-core's own imports, is missing
+    missing = getattr(error, "name", None) or ""
+    if missing == "fla" or missing.startswith("fla."):
+        raise ImportError("kda_engram.integrations.fla needs fla-core 0.6.0: pip install 'kda-engram[fla]' "
+                          "(from a checkout: pip install -e '.[fla]')") from error
+    raise ImportError(f"kda_engram.integrations.fla: fla-core is installed but importing it failed: {error} "
+                      f"(the fla extra installs what it needs: pip install 'kda-engram[fla]', or "
+                      f"pip install {missing or 'the missing module'})") from error
 
 __all__ = ["ENV_VAR", "PRIORITY", "ROUTED", "REFUSED", "KdaEngramBackend"]
 
@@ -66,7 +73,13 @@ _CHUNK_KEYWORDS = {"A_log", "dt_bias", "chunk_size"}
 
 
 def _refuse(function: str, reason: str) -> tuple[bool, str]:
-    REFUSED[(function, reason)] += 1
+    """Count the refusal; the first one of each reason is also a warning (fla only
+    logs it, at INFO), so a call that silently ran on fla's kernels is visible."""
+    key = (function, reason)
+    if key not in REFUSED:
+        warnings.warn(f"kda-engram: fla's {function} runs on fla's own kernels: {reason} "
+                      f"(kda_engram.integrations.fla.REFUSED counts every refusal)", RuntimeWarning, stacklevel=3)
+    REFUSED[key] += 1
     return False, reason
 
 

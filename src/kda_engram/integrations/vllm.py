@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from ..kda.decode import kda_decode_multi
 from ..kda.prefill import chunk_kda_prefill
 from ..kda.reference import kda_gate
+from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
+from ..validation.entry import EntryChecks
 from .common import NotServed, even_cu_seqlens, fold_batch
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
@@ -103,9 +105,14 @@ def fused_recurrent_kda(
     output, no row touched). Without ``ssm_state_indices`` sequence ``n`` reads and
     writes row ``n`` after its last token. ``inplace_final_state=False`` (per-token
     states into a new buffer) is not served: ``ValueError``.
+    ``num_accepted_tokens``: int ``[N]``, each in ``[1, ssm_state_indices.shape[1]]``
+    (checked on the device as the kernels' rules are: a call that breaks it touches
+    no row and its error comes with the next call, see
+    :func:`kda_engram.raise_pending_errors`).
 
     Returns ``(o, initial_state)``: ``o`` ``[*q.shape[:3], V]`` in ``v``'s dtype.
     """
+    checks = None
     if not inplace_final_state:
         raise ValueError("inplace_final_state: only True is served (the state pool is updated in place)")
     if not isinstance(initial_state, torch.Tensor):
@@ -133,6 +140,8 @@ def fused_recurrent_kda(
         state_indices[:, -1:] = rows[:, None]
         start = rows
     else:
+        if check_inputs:
+            check_tensor("ssm_state_indices", ssm_state_indices, dtypes=INDEX_DTYPES, device=q.device)
         if ssm_state_indices.dim() == 1:
             if S != 1:
                 raise ValueError(f"ssm_state_indices: a 1-D [N] index serves one token per sequence, got S={S}")
@@ -143,11 +152,26 @@ def fused_recurrent_kda(
         if num_accepted_tokens is None:
             start = ssm_state_indices[:, 0]
         else:
-            col = (num_accepted_tokens.to(torch.int64) - 1).clamp(0, ssm_state_indices.shape[1] - 1)
+            W = ssm_state_indices.shape[1]
+            if check_inputs:
+                check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES,
+                             device=q.device)
+            col = (num_accepted_tokens.to(torch.int64) - 1).clamp(0, W - 1)
             start = ssm_state_indices.gather(1, col[:, None])[:, 0]
+            if check_inputs and N > 0 and can_read_back():
+                # A rule on device values: queued, the walk started from no row (padding)
+                # when it is broken, the verdict deferred like the kernels' own.
+                checks = EntryChecks(check_inputs)
+                lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
+                checks.add((lo < 1) | (hi > W), f"num_accepted_tokens: expected entries in [1, {W}] (the tokens "
+                           f"accepted per sequence, at most ssm_state_indices' width), got min {{}} and max {{}}",
+                           lo, hi)
+                start = checks.guard(start, -1)
     o = kda_decode_multi(*tokens, None, None, state_cache=initial_state, state_indices=state_indices,
                          initial_state_indices=start, scale=scale, gate="log_decay",
                          qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=False, check_inputs=check_inputs)
+    if checks is not None:
+        checks.run()
     return o.view(*q.shape[:3], o.shape[-1]), initial_state
 
 

@@ -50,6 +50,7 @@ from ..validation.kda import (
     check_decode_inputs,
     check_decode_multi_indices,
     check_input_forms,
+    check_log_decay_values,
     guard_decode_indices,
 )
 from .state_dtype import round_state
@@ -324,9 +325,12 @@ def kda_decode(
     if checks.on:
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
+        check_log_decay_values(gate, raw_g, checks)
         # Launch, then read back: a broken rule turns every row into "none" (the
         # launch then touches no state row) and raises after the launch.
         state_indices = guard_decode_indices(state_indices, batch, state_cache, checks)
+        if gate == "log_decay":  # the index launch guards by its own rules: add the gate's
+            state_indices = checks.guard(state_indices, -1)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _launch(
@@ -394,6 +398,7 @@ def kda_decode_multi(
         B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
                                    lead=2)
         check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
+        check_log_decay_values(gate, raw_g, checks)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:

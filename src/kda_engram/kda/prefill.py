@@ -22,6 +22,7 @@ from ..validation.common import FLOAT_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
 from ..validation.kda import (
     check_input_forms,
+    check_log_decay_values,
     check_lower_bound,
     check_prologue_arguments,
     check_state_arguments,
@@ -195,6 +196,7 @@ def chunk_kda_prefill(
             q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight, conv_state,
             conv_state_indices, conv_has_initial_state, None, checks, scale_optional=True,
         )
+        check_log_decay_values(gate, raw_g, checks)
         if out is not None:
             check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=q.device)
         check_state_arguments(

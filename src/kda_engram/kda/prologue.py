@@ -48,7 +48,7 @@ from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_input_forms, check_lower_bound, check_prologue_arguments
+from ..validation.kda import check_input_forms, check_log_decay_values, check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
 from .deprecated import deprecated_alias
 from .metadata import chunk_row, prepare_chunk_metadata
@@ -717,6 +717,7 @@ def kda_prefill_prologue(
         check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
                                  checks)
+        check_log_decay_values(gate, raw_g, checks)
     # Launch, then read back: a broken rule makes every sequence empty, every
     # chunk row padding (sequence -1) and every conv row "none", so the launches
     # write no conv_state row.

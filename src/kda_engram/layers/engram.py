@@ -44,6 +44,7 @@ hash columns of the table and its shard of ``wkv``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,7 +52,14 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    can_read_back,
+    check_parameters_forward_only,
+    check_tensor,
+)
 from ..validation.entry import EntryChecks
 from ..validation.engram import check_engram_batch, check_hash_arguments
 from ..engram.history import checkpoint_history, gather_history, scatter_history
@@ -228,14 +236,16 @@ def engram_hash_step(
             batch = dataclasses.replace(
                 batch, cu_seqlens=g(batch.cu_seqlens, 0), slot_indices=g(batch.slot_indices, -1),
                 checkpoint_offsets=g(batch.checkpoint_offsets, 0), checkpoint_indices=g(batch.checkpoint_indices, -1))
-    hist = ops.engram_history_gather(history_cache, batch.slot_indices, batch.has_initial_state)
+    # Checked above, once for the step: the ops run their host rules only.
+    hist = ops.engram_history_gather(history_cache, batch.slot_indices, batch.has_initial_state, check_inputs=False)
     rows = ops.ngram_hash(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
-                          token_map=token_map, global_rows=global_rows)
-    new = ops.next_history(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask)
+                          token_map=token_map, global_rows=global_rows, check_inputs=False)
+    new = ops.next_history(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
+                           check_inputs=False)
     if batch.checkpoint_offsets is not None:
         ops.engram_history_checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
-                                      batch.checkpoint_indices, history_cache)
-    ops.engram_history_scatter(history_cache, batch.slot_indices, new)
+                                      batch.checkpoint_indices, history_cache, check_inputs=False)
+    ops.engram_history_scatter(history_cache, batch.slot_indices, new, check_inputs=False)
     if checks is not None:
         checks.run()  # the verdict, after the guarded launches (deferred by default)
     return rows
@@ -406,9 +416,10 @@ class EngramLayer(nn.Module):
         -> this layer's looked-up rows ``[T, n_hash_cols * head_dim]``, replicated."""
         mine = rows[:, self.layer_index]
         if self.tp.world_size == 1:
-            emb = ops.engram_lookup(mine, self._table_handle)
+            emb = ops.engram_lookup(mine, self._table_handle, check_inputs=False)
         else:
-            emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True), dim=1)
+            emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True, check_inputs=False),
+                                     dim=1)
         return emb.reshape(emb.shape[0], -1)
 
     def forward(
@@ -428,22 +439,37 @@ class EngramLayer(nn.Module):
         shared by all Engram layers of the step), or ``token_ids`` with ``batch`` and
         ``history_cache`` to hash here (this advances the history: only for a model
         with a single Engram layer, or once per step). ``batch.token_mask`` (if any)
-        switches the gate off per token. ``check_inputs``: host-only shape checks.
+        switches the gate off per token. ``check_inputs``: every host rule of the
+        layer (the streams, the token mask, the rows or token ids) runs before the
+        hash writes the history cache, then the hash step's own rules
+        (:func:`engram_hash_step`): a refused call leaves the cache as it was.
         """
-        if rows is None:
-            if token_ids is None or batch is None or history_cache is None:
-                raise ValueError("rows: pass rows, or token_ids with batch and history_cache to hash them here")
-            rows = self.hash_step(token_ids, batch, history_cache, token_map=token_map, check_inputs=check_inputs)
         eng = self.engram
+        hashing = rows is None
+        if hashing and (token_ids is None or batch is None or history_cache is None):
+            raise ValueError("rows: pass rows, or token_ids with batch and history_cache to hash them here")
+        token_mask = batch.token_mask if batch is not None else None
         if check_inputs:
+            check_parameters_forward_only(self)
             check_tensor("hidden_states", hidden_states, shape=[None, eng.hc_mult, eng.dim],
                          dtypes=(eng.wkv.weight.dtype,), device=eng.wkv.weight.device)
-            check_tensor("rows", rows, shape=[hidden_states.shape[0], self.layout.n_layers, self.layout.n_hash_cols],
-                         dtypes=INDEX_DTYPES, device=hidden_states.device)
-        token_mask = batch.token_mask if batch is not None else None
+            T = hidden_states.shape[0]
+            if hashing:
+                check_tensor("token_ids", token_ids, shape=[T], dtypes=INDEX_DTYPES, device=hidden_states.device)
+            else:
+                check_tensor("rows", rows, shape=[T, self.layout.n_layers, self.layout.n_hash_cols],
+                             dtypes=INDEX_DTYPES, device=hidden_states.device)
+            if token_mask is not None:
+                check_tensor("batch.token_mask", token_mask, shape=[T], dtypes=(torch.bool,),
+                             device=hidden_states.device)
+        if hashing:
+            rows = self.hash_step(token_ids, batch, history_cache, token_map=token_map, check_inputs=check_inputs)
         emb = self.embeddings(rows)
-        # The module's gate branch, through the torch.ops wrappers (capturable, compilable).
-        kernels = GateKernels(ops.engram_post_wkv, ops.engram_gate_partials, ops.engram_gate_finish)
+        # The module's gate branch, through the torch.ops wrappers (capturable, compilable;
+        # the host rules above are the layer's, the ops run theirs, host only).
+        kernels = GateKernels(functools.partial(ops.engram_post_wkv, check_inputs=False),
+                              functools.partial(ops.engram_gate_partials, check_inputs=False),
+                              functools.partial(ops.engram_gate_finish, check_inputs=False))
         return eng.gate(hidden_states, eng.wkv(emb), token_mask, num_kv_tokens=emb.shape[0], kernels=kernels)
 
     def extra_repr(self) -> str:

@@ -50,7 +50,15 @@ from torch import nn
 from .. import ops
 from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
-from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, DeviceChecks, can_read_back, check_tensor
+from ..validation.common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    can_read_back,
+    check_int,
+    check_parameters_forward_only,
+    check_tensor,
+)
 from ..validation.entry import EntryChecks
 from ..validation.kda import check_kda_batch, check_kda_layer_inputs
 
@@ -296,6 +304,7 @@ class KimiDeltaAttention(nn.Module):
         bytes a decode step moves and the memory of every cached prefix; the
         kernels step the state in fp32 and round it to bf16 (RTNE) once per store.
         Checkpoint buffers must then be bf16 too."""
+        check_int("slots", slots, low=0)
         if state_dtype not in STATE_DTYPES:
             raise TypeError(f"state_dtype: expected float32 or bfloat16, got {state_dtype}")
         device = device or self.in_proj.weight.device
@@ -452,6 +461,7 @@ class KimiDeltaAttention(nn.Module):
         checks = EntryChecks(check_inputs) if can_read_back() else None
         if check_inputs:
             wt = self.in_proj.weight
+            check_parameters_forward_only(self)
             check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
                                    hidden_size=self.hidden_size, heads=self.local_heads, head_dim=self.head_dim,
                                    conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
@@ -485,18 +495,18 @@ class KimiDeltaAttention(nn.Module):
                 proj[:B, :C], raw_g[:B], raw_beta[:B], g_out[:B], self.conv_weight, conv_state,
                 batch.decode_conv_indices, self.A_log, self.dt_bias, self.o_norm_weight, state_cache,
                 batch.decode_state_indices, scale=self.scale, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
-                out_dtype=dt,
+                out_dtype=dt, check_inputs=False,  # checked above, once for the step
             ))
         elif B > 0:
             x = proj[:B, :C]
             conv = ops.kda_conv_decode(x, self.conv_weight, conv_state, batch.decode_conv_indices,
-                                       out_dtype=torch.float32)
+                                       out_dtype=torch.float32, check_inputs=False)
             q = conv[:, : H * K].view(B, H, K)
             k = conv[:, H * K : 2 * H * K].view(B, H, K)
             v = conv[:, 2 * H * K :].view(B, H, V)
             o_d = ops.kda_decode(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
                                  state_cache, batch.decode_state_indices, scale=self.scale,
-                                 lower_bound=self.lower_bound)
+                                 lower_bound=self.lower_bound, check_inputs=False)
             parts.append(self._output_gate(o_d.to(hidden_states.dtype), g_out[:B].view(B, H, V)).reshape(B, H * V))
         if batch.num_prefill > 0:
             Tp = T - B
@@ -515,12 +525,13 @@ class KimiDeltaAttention(nn.Module):
                 checkpoint_offsets=batch.checkpoint_offsets if ckpt else None,
                 checkpoint_state_indices=batch.checkpoint_indices if ckpt else None,
                 conv_weight=self.conv_weight, conv_state=conv_state, conv_state_indices=batch.prefill_conv_indices,
-                conv_has_initial_state=batch.prefill_has_initial_state,
+                conv_has_initial_state=batch.prefill_has_initial_state, check_inputs=False,
             )
             if ckpt:
                 ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,
                                         batch.checkpoint_indices,
-                                        checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
+                                        checkpoint_conv_state if checkpoint_conv_state is not None else conv_state,
+                                        check_inputs=False)
             parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
         if checks is not None:
             checks.run()  # the verdict, after every launch that writes a cache (deferred by default)

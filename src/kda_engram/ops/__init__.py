@@ -8,7 +8,8 @@ it carries a schema that says which arguments it mutates (``mutates_args``), a
 fake (meta) implementation that gives the output shapes from the input shapes
 alone, and an eager implementation that calls the kernel entry point with
 ``check_inputs=False`` (every device read of the checks would be a host sync,
-forbidden under capture and a graph break under compile).
+forbidden under capture and a graph break under compile; the Python functions
+below check before the op, or instead call the entry point with its checks).
 
 Conventions of the ops:
 
@@ -33,12 +34,17 @@ Conventions of the ops:
   :func:`handle`; the op resolves them in a weak registry. Under
   ``torch.compile`` the handle is a constant of the graph.
 
-The Python functions of this package (same names as the entry points) call the
-ops and validate on the host only what needs no device read (shapes, dtypes,
-devices, argument combinations): they are safe under capture and compile.
+The Python functions of this package (same names as the entry points) take the
+entry points' ``check_inputs`` switch (:func:`~kda_engram.ops.common.entry_checks`):
+by default (``True`` or ``"sync"``) they call the entry point with it, so an op call
+is checked as the function is (host rules, device rules on guarded launches, the
+deferred verdict); with ``check_inputs=False``, and while ``torch.compile`` traces,
+they validate on the host only what needs no device read (shapes, dtypes, devices,
+argument combinations) and call the op: safe under capture and compile. A serving
+layer runs its own checks once per step and calls the ops with ``check_inputs=False``.
 ``chunk_kda_prefill`` and ``kda_prefill_walk`` are generated from their entry
 point's own signature (:class:`~kda_engram.ops.common.EntryOp`): same names and
-defaults, minus ``out`` and ``check_inputs``. The ``torch.ops`` names of the
+defaults, minus ``out``, plus the keyword ``check_inputs``. The ``torch.ops`` names of the
 renamed entry points stay as they were (``fused_kda_prologue``,
 ``fused_kda_chunk``, ``fused_kda_decode_step``), and so do those Python names,
 as deprecated aliases.

@@ -13,11 +13,12 @@ import torch
 
 from ..engram.layout import EngramLayout
 from ..engram.table import EngramTable
+from ..validation.entry import check_mode
 
 Tensor = torch.Tensor
 NAMESPACE = "kda_engram"
 
-__all__ = ["NAMESPACE", "EntryOp", "handle", "kernel_op", "opt_float", "resolve"]
+__all__ = ["NAMESPACE", "EntryOp", "entry_checks", "handle", "kernel_op", "opt_float", "resolve"]
 
 # --------------------------------------------------------------------- object handles
 
@@ -54,6 +55,19 @@ def resolve(h: int, kind: type):
 def opt_float(x):
     """A Python float (or None) for a ``float?`` schema argument."""
     return None if x is None else float(x)
+
+
+def entry_checks(check_inputs) -> bool:
+    """Whether an op's Python wrapper hands the call to its entry point with
+    ``check_inputs`` (the functions' policy: every host rule, the device rules
+    queued, guarded launches, the deferred or ``"sync"`` verdict) instead of
+    crossing the op: yes when ``check_inputs`` is ``True`` or ``"sync"`` and
+    ``torch.compile`` is not tracing. While it traces (no read-back there), and with
+    ``check_inputs=False`` (what a CUDA-graph-captured or compiled engine passes),
+    the wrapper runs the host rules (no device read) and calls the custom op,
+    whose eager implementation checks nothing."""
+    check_mode(check_inputs)  # True, False or "sync"; anything else is a TypeError
+    return check_inputs is not False and not torch.compiler.is_compiling()
 
 
 # ------------------------------------------------------------------- registration

@@ -19,7 +19,7 @@ from ..engram.sharded_gate import send_width
 from ..engram.table import EngramTable
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ..validation.engram import check_gate_common, check_gate_scalars, check_hash_arguments, check_tp_rank
-from .common import handle, kernel_op, resolve
+from .common import entry_checks, handle, kernel_op, resolve
 
 Tensor = torch.Tensor
 
@@ -48,8 +48,13 @@ def _engram_post_wkv_op(
 
 
 def engram_post_wkv(hidden_states, kv, q_weight, k_weight, *, eps: float, clamp_value: float = 1e-6,
-                    token_mask=None, num_kv_tokens: int | None = None) -> Tensor:
-    """:func:`kda_engram.engram.gate.engram_post_wkv` as an op (host checks run: they read no device memory)."""
+                    token_mask=None, num_kv_tokens: int | None = None, check_inputs=True) -> Tensor:
+    """:func:`kda_engram.engram.gate.engram_post_wkv` as an op. ``check_inputs`` as in
+    the function (:func:`~kda_engram.ops.common.entry_checks`); ``False``: the host
+    rules only (they read no device memory)."""
+    if entry_checks(check_inputs):
+        return _engram_post_wkv(hidden_states, kv, q_weight, k_weight, eps=eps, clamp_value=clamp_value,
+                                token_mask=token_mask, num_kv_tokens=num_kv_tokens, check_inputs=check_inputs)
     check_gate_common(hidden_states, q_weight, k_weight, token_mask, None)
     check_gate_scalars(eps, clamp_value)
     check_tensor("kv", kv, shape=[None, (hidden_states.shape[1] + 1) * hidden_states.shape[2]], dtypes=FLOAT_DTYPES,
@@ -72,8 +77,13 @@ def _engram_gate_partials_op(
                                  check_inputs=False)
 
 
-def engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, *, rank: int, tp_size: int) -> Tensor:
-    """:func:`kda_engram.engram.sharded_gate.engram_gate_partials` as an op."""
+def engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, *, rank: int, tp_size: int,
+                         check_inputs=True) -> Tensor:
+    """:func:`kda_engram.engram.sharded_gate.engram_gate_partials` as an op;
+    ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        return _engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, rank=rank, tp_size=tp_size,
+                                     check_inputs=check_inputs)
     check_gate_common(hidden_states, q_weight, k_weight, None, None)
     check_tp_rank(rank, tp_size)
     return _engram_gate_partials_op(hidden_states, kv_local, q_weight, k_weight, rank, tp_size)
@@ -89,8 +99,12 @@ def _engram_gate_finish_op(
 
 
 def engram_gate_finish(hidden_states, gathered, *, tp_size: int, eps: float, clamp_value: float = 1e-6,
-                       token_mask=None) -> Tensor:
-    """:func:`kda_engram.engram.sharded_gate.engram_gate_finish` as an op."""
+                       token_mask=None, check_inputs=True) -> Tensor:
+    """:func:`kda_engram.engram.sharded_gate.engram_gate_finish` as an op;
+    ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        return _engram_gate_finish(hidden_states, gathered, tp_size=tp_size, eps=eps, clamp_value=clamp_value,
+                                   token_mask=token_mask, check_inputs=check_inputs)
     check_gate_common(hidden_states, None, None, token_mask, None, with_weights=False)
     check_gate_scalars(eps, clamp_value)
     check_tensor("gathered", gathered, shape=[None, None], dtypes=FLOAT_DTYPES, device=hidden_states.device)
@@ -115,6 +129,11 @@ def _ngram_hash_op(
                        token_map=token_map, global_rows=global_rows, check_inputs=False)
 
 
+def _layout(layout) -> EngramLayout:
+    """The layout behind a handle (eager only: the functions take the object)."""
+    return resolve(layout, EngramLayout) if isinstance(layout, int) else layout
+
+
 def _max_ngram(layout) -> int | None:
     # A handle is not resolved here (a weakref lookup breaks a Dynamo graph); the
     # history width is then not checked on the host.
@@ -122,11 +141,14 @@ def _max_ngram(layout) -> int | None:
 
 
 def ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, token_map=None,
-               global_rows: bool = False) -> Tensor:
+               global_rows: bool = False, check_inputs=True) -> Tensor:
     """:func:`kda_engram.engram.hashing.ngram_hash` as an op; ``layout`` (an
     ``EngramLayout`` or its :func:`handle`) travels as a handle. Call it once
     eagerly before a CUDA-graph capture: the layout's device arrays are copied to
-    the device on first use."""
+    the device on first use. ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        return _ngram_hash(token_ids, cu_seqlens, _layout(layout), history=history, dead_mask=dead_mask,
+                           token_map=token_map, global_rows=global_rows, check_inputs=check_inputs)
     check_hash_arguments(token_ids, cu_seqlens, _max_ngram(layout), 0, token_map, history, dead_mask, None)
     return _ngram_hash_op(token_ids, cu_seqlens, handle(layout), history, dead_mask, token_map, bool(global_rows))
 
@@ -145,9 +167,13 @@ def _next_history_op(
                          check_inputs=False)
 
 
-def next_history(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None) -> Tensor:
+def next_history(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, check_inputs=True) -> Tensor:
     """:func:`kda_engram.engram.hashing.next_history` as an op (a new tensor: the
-    in-place ``out=history`` form is :func:`engram_history_scatter`'s job)."""
+    in-place ``out=history`` form is :func:`engram_history_scatter`'s job);
+    ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        return _next_history(token_ids, cu_seqlens, _layout(layout), history=history, dead_mask=dead_mask,
+                             check_inputs=check_inputs)
     check_hash_arguments(token_ids, cu_seqlens, _max_ngram(layout), 0, None, history, dead_mask, None)
     return _next_history_op(token_ids, cu_seqlens, handle(layout), history, dead_mask)
 
@@ -166,10 +192,16 @@ def _engram_lookup_op(rows: Tensor, table: int, local: bool) -> Tensor:
     return tab.lookup(rows, check_inputs=False)
 
 
-def engram_lookup(rows, table, *, local: bool = False) -> Tensor:
+def engram_lookup(rows, table, *, local: bool = False, check_inputs=True) -> Tensor:
     """:meth:`EngramTable.lookup` (``local=False``: all columns, zeros where other
     ranks own them) or :meth:`EngramTable.lookup_local` as an op; ``rows [T, n_cols]``;
-    ``table`` an ``EngramTable`` or its :func:`handle`."""
+    ``table`` an ``EngramTable`` or its :func:`handle`; ``check_inputs`` as in
+    :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        tab = resolve(table, EngramTable) if isinstance(table, int) else table
+        if not isinstance(tab, EngramTable):
+            raise TypeError(f"table: expected an EngramTable or its handle, got {type(table).__name__}")
+        return (tab.lookup_local if local else tab.lookup)(rows, check_inputs=check_inputs)
     check_tensor("rows", rows, shape=[None, None], dtypes=INDEX_DTYPES)
     return _engram_lookup_op(rows, handle(table), bool(local))
 
@@ -184,8 +216,11 @@ def _engram_history_gather_op(cache: Tensor, slot_indices: Tensor, has_initial_s
     return _gather_history(cache, slot_indices, has_initial_state, check_inputs=False)
 
 
-def engram_history_gather(cache, slot_indices, has_initial_state=None) -> Tensor:
-    """:func:`kda_engram.engram.history.gather_history` as an op."""
+def engram_history_gather(cache, slot_indices, has_initial_state=None, *, check_inputs=True) -> Tensor:
+    """:func:`kda_engram.engram.history.gather_history` as an op; ``check_inputs`` as
+    in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        return _gather_history(cache, slot_indices, has_initial_state, check_inputs=check_inputs)
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
     check_tensor("slot_indices", slot_indices, shape=[None], dtypes=INDEX_DTYPES, device=cache.device)
     return _engram_history_gather_op(cache, slot_indices, has_initial_state)
@@ -196,8 +231,12 @@ def _engram_history_scatter_op(cache: Tensor, slot_indices: Tensor, history: Ten
     _scatter_history(cache, slot_indices, history, check_inputs=False)
 
 
-def engram_history_scatter(cache, slot_indices, history) -> None:
-    """:func:`kda_engram.engram.history.scatter_history` as an op (``cache`` mutated)."""
+def engram_history_scatter(cache, slot_indices, history, *, check_inputs=True) -> None:
+    """:func:`kda_engram.engram.history.scatter_history` as an op (``cache``
+    mutated); ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        _scatter_history(cache, slot_indices, history, check_inputs=check_inputs)
+        return
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
     check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
                  device=cache.device)
@@ -214,8 +253,13 @@ def _engram_history_checkpoint_op(
 
 
 def engram_history_checkpoint(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,
-                              cache) -> None:
-    """:func:`kda_engram.engram.history.checkpoint_history` as an op (``cache`` mutated)."""
+                              cache, *, check_inputs=True) -> None:
+    """:func:`kda_engram.engram.history.checkpoint_history` as an op (``cache``
+    mutated); ``check_inputs`` as in :func:`engram_post_wkv`."""
+    if entry_checks(check_inputs):
+        _checkpoint_history(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices, cache,
+                            check_inputs=check_inputs)
+        return
     check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
     check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=token_ids.device)
     _engram_history_checkpoint_op(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,

@@ -1,6 +1,7 @@
 """The KDA entry points as custom ops: decode, the prefill and its two stages, the
 conv, the layer's decode step."""
 
+import inspect
 from typing import Optional
 
 import torch
@@ -32,7 +33,7 @@ from ..validation.kda import (
     check_state_structure,
 )
 from ..validation.common import INDEX_DTYPES, check_tensor
-from .common import EntryOp, kernel_op, opt_float
+from .common import EntryOp, entry_checks, kernel_op, opt_float
 
 Tensor = torch.Tensor
 
@@ -80,9 +81,13 @@ def _kda_decode_multi_op(
 
 
 def kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, *,
-               scale: float | None = None, lower_bound: float | None = None) -> Tensor:
+               scale: float | None = None, lower_bound: float | None = None, check_inputs=True) -> Tensor:
     """:func:`kda_engram.kda.decode.kda_decode` as an op (``state_cache`` mutated).
-    Host-side shape checks only; index ranges are the caller's contract."""
+    ``check_inputs`` as in the function (:func:`~kda_engram.ops.common.entry_checks`):
+    ``False`` runs the host rules only, the row indices are then the caller's contract."""
+    if entry_checks(check_inputs):
+        return _kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, scale=scale,
+                           lower_bound=lower_bound, check_inputs=check_inputs)
     (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
                                    lead=1)
     check_decode_indices(state_indices, batch, state_cache, None)
@@ -92,8 +97,12 @@ def kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indi
 
 def kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
                      initial_state_indices=None, *, scale: float | None = None,
-                     lower_bound: float | None = None) -> Tensor:
-    """:func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache`` mutated)."""
+                     lower_bound: float | None = None, check_inputs=True) -> Tensor:
+    """:func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache``
+    mutated); ``check_inputs`` as in :func:`kda_decode`."""
+    if entry_checks(check_inputs):
+        return _kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                                 initial_state_indices, scale=scale, lower_bound=lower_bound, check_inputs=check_inputs)
     B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
                                lead=2)
     check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, None)
@@ -137,9 +146,14 @@ def _kda_prefill_prologue_op(
 
 def kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale: float, lower_bound: float | None,
                          cu_seqlens, conv_weight=None, conv_state=None, conv_state_indices=None,
-                         conv_has_initial_state=None, chunk_indices=None) -> dict[str, Tensor]:
+                         conv_has_initial_state=None, chunk_indices=None, *, check_inputs=True) -> dict[str, Tensor]:
     """:func:`kda_engram.kda.prologue.kda_prefill_prologue` as an op (``conv_state``
-    mutated); returns the same dict of operands."""
+    mutated); returns the same dict of operands. ``check_inputs`` as in :func:`kda_decode`."""
+    if entry_checks(check_inputs):
+        got = _kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                    conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                    check_inputs=check_inputs)
+        return {n: got[n] for n in PROLOGUE_OUTPUTS}
     check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight,
                              conv_state, conv_state_indices, conv_has_initial_state, chunk_indices, None)
     out = _kda_prefill_prologue_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, float(scale), opt_float(lower_bound),
@@ -200,10 +214,21 @@ _WALK = EntryOp(
 )
 
 
-def kda_prefill_walk(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
+def _with_check_inputs(entry_op: EntryOp):
+    """The op's signature plus the keyword ``check_inputs`` (default True)."""
+    extra = inspect.Parameter("check_inputs", inspect.Parameter.KEYWORD_ONLY, default=True)
+    sig = entry_op.signature
+    return sig.replace(parameters=[*sig.parameters.values(), extra])
+
+
+def kda_prefill_walk(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tensor | None]:
     """:func:`kda_engram.kda.chunk.kda_prefill_walk` as an op (the same arguments
-    but those the op cannot take, see ``_WALK``). Returns ``(out, final_state | None)``."""
+    but those the op cannot take, see ``_WALK``). Returns ``(out, final_state | None)``.
+    ``check_inputs`` as in :func:`kda_decode`."""
     a = _WALK.bind(args, kwargs)
+    if entry_checks(check_inputs):
+        out, final = _kda_prefill_walk(**a, check_inputs=check_inputs)
+        return out, (final if a["output_final_state"] else None)
     _structure_rules(a)
     T, H, K, V = check_chunk_operands(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None)
     check_scale(a["scale"], allow_none=False)
@@ -217,7 +242,7 @@ def kda_prefill_walk(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
     return out, (final if a["output_final_state"] else None)
 
 
-kda_prefill_walk.__signature__ = _WALK.signature
+kda_prefill_walk.__signature__ = _with_check_inputs(_WALK)
 
 
 def _prefill_impl(a):
@@ -239,13 +264,16 @@ _PREFILL = EntryOp(
 )
 
 
-def chunk_kda_prefill(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
+def chunk_kda_prefill(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tensor | None]:
     """:func:`kda_engram.kda.prefill.chunk_kda_prefill` as an op, with its
-    signature but ``out`` and ``check_inputs`` (see ``_PREFILL``): ``state_cache``,
-    ``checkpoint_state`` and ``conv_state`` mutated, ``out`` allocated by the op.
-    The host rules run here, once (no device read: capture- and compile-safe).
-    Returns ``(out, final_state | None)``."""
+    signature but ``out`` (see ``_PREFILL``): ``state_cache``, ``checkpoint_state``
+    and ``conv_state`` mutated, ``out`` allocated by the op. ``check_inputs`` as in
+    :func:`kda_decode`: by default the function's own checks; with ``False`` (or
+    while ``torch.compile`` traces) the host rules run here, once (no device read:
+    capture- and compile-safe). Returns ``(out, final_state | None)``."""
     a = _PREFILL.bind(args, kwargs)
+    if entry_checks(check_inputs):
+        return _chunk_kda_prefill(**a, check_inputs=check_inputs)
     _structure_rules(a)
     check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
     _, H, K, V = check_prologue_arguments(
@@ -259,7 +287,7 @@ def chunk_kda_prefill(*args, **kwargs) -> tuple[Tensor, Tensor | None]:
     return out, (final if a["output_final_state"] else None)
 
 
-chunk_kda_prefill.__signature__ = _PREFILL.signature
+chunk_kda_prefill.__signature__ = _with_check_inputs(_PREFILL)
 
 
 # --------------------------------------------------------------------------- KDA conv
@@ -273,8 +301,13 @@ def _kda_conv_decode_op(
     return _kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out_dtype=out_dtype, check_inputs=False)
 
 
-def kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out_dtype: torch.dtype | None = None) -> Tensor:
-    """:func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state`` mutated)."""
+def kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out_dtype: torch.dtype | None = None,
+                    check_inputs=True) -> Tensor:
+    """:func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state`` mutated);
+    ``check_inputs`` as in :func:`kda_decode`."""
+    if entry_checks(check_inputs):
+        return _kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out_dtype=out_dtype,
+                                check_inputs=check_inputs)
     check_conv_decode(x, conv_weight, conv_state, conv_state_indices, None, None)
     return _kda_conv_decode_op(x, conv_weight, conv_state, conv_state_indices, out_dtype)
 
@@ -286,8 +319,14 @@ def _kda_conv_checkpoint_op(
     _kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, check_inputs=False)
 
 
-def kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state) -> None:
-    """:func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state`` mutated)."""
+def kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, *,
+                        check_inputs=True) -> None:
+    """:func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state``
+    mutated); ``check_inputs`` as in :func:`kda_decode`."""
+    if entry_checks(check_inputs):
+        _kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state,
+                             check_inputs=check_inputs)
+        return
     check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, None)
     _kda_conv_checkpoint_op(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state)
 
@@ -317,11 +356,20 @@ def _kda_layer_decode_step_op(
 def kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
                           o_norm_weight, state_cache, state_indices, *, scale: float | None = None,
                           lower_bound: float | None = None, norm_eps: float = 1e-5,
-                          out_dtype: torch.dtype | None = None) -> Tensor:
+                          out_dtype: torch.dtype | None = None, check_inputs=True) -> Tensor:
     """:func:`kda_engram.kda.fused_decode.kda_layer_decode_step` as an op (one token
     or S tokens per sequence with the default initial rows; ``state_cache`` and
-    ``conv_state`` mutated, ``out`` allocated by the op). Host-side shape checks
-    only; index ranges are the caller's contract."""
+    ``conv_state`` mutated, ``out`` allocated by the op). ``check_inputs`` as in
+    :func:`kda_decode`."""
+    if entry_checks(check_inputs):
+        out = None  # the function's default: x's dtype
+        shaped = isinstance(x, Tensor) and isinstance(state_cache, Tensor) and state_cache.dim() == 4
+        if out_dtype is not None and shaped:
+            H, V = state_cache.shape[1], state_cache.shape[2]
+            out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype, device=x.device)
+        return _kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
+                                      dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
+                                      lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=check_inputs)
     check_fused_decode_arguments(None, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
                                  dt_bias, o_norm_weight, state_cache, state_indices, None, None, scale, lower_bound,
                                  norm_eps, None)

@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from .reporting import Checks, Stage, pick_device
+from .reporting import Checks, Stage, check_seed, pick_device
 
 
 def _kda_inputs(rng: random.Random, lengths, H, dtype, device, gen):

@@ -30,6 +30,8 @@ __all__ = [
     "check_tensor",
     "check_same_dtype",
     "check_kernel_device",
+    "check_forward_only",
+    "check_parameters_forward_only",
     "check_int",
     "check_real",
     "check_bool",
@@ -66,6 +68,7 @@ def check_tensor(
     """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    check_forward_only(name, x)
     if shape is not None:
         ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
         if not ok:
@@ -82,6 +85,32 @@ def check_tensor(
     return x
 
 
+def check_forward_only(name: str, x: torch.Tensor) -> None:
+    """``x`` does not ask for a gradient: the kernels are forward-only (their outputs
+    have no ``grad_fn``), so a tensor that requires grad under grad mode is refused
+    rather than silently detached. Host-only (two attribute reads)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name}: expected a tensor that does not require grad, got one that does; kda-engram is forward-only "
+            f"(no gradient flows through it): call it under torch.no_grad() or torch.inference_mode(), or pass "
+            f"{name}.detach()")
+
+
+def check_parameters_forward_only(module: torch.nn.Module) -> None:
+    """:func:`check_forward_only` on every parameter of a serving layer, named as in
+    ``module.named_parameters()``: a layer runs it with its host rules, before its
+    first launch, since its kernels take several parameters one launch after another
+    (nothing to do outside grad mode, where a serving engine runs)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            raise ValueError(
+                f"{name}: expected a parameter that does not require grad, got one that does; kda-engram is "
+                f"forward-only (no gradient flows through it): call the layer under torch.no_grad() or "
+                f"torch.inference_mode(), or {name}.requires_grad_(False)")
+
+
 def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
     """All ``tensors`` share one dtype."""
     dtypes = {t.dtype for t in tensors}
@@ -91,8 +120,12 @@ def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> N
 
 
 def check_kernel_device(name: str, x: torch.Tensor) -> None:
-    """``x`` lives where a Triton kernel can run: a CUDA/ROCm device, or any device
-    when the interpreter runs the kernels (``TRITON_INTERPRET=1``)."""
+    """``x`` lives where a Triton kernel can run: a CUDA/ROCm device, or the CPU when
+    the interpreter runs the kernels (``TRITON_INTERPRET=1``); never ``meta`` (no
+    data), so a misplaced first tensor is blamed, not the next one compared to it."""
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name}: the kernels need tensors on a CUDA/ROCm device (or the CPU under "
+                         f"TRITON_INTERPRET=1), got one on {x.device}")
     if x.device.type != "cuda" and not platform.interpreting():
         raise ValueError(
             f"{name}: the kernels need tensors on a CUDA/ROCm device, got one on {x.device}; "

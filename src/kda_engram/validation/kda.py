@@ -52,6 +52,7 @@ __all__ = [
     "check_scale",
     "check_lower_bound",
     "check_input_forms",
+    "check_log_decay_values",
     "check_state_structure",
     "check_cu_seqlens",
     "check_prefill_inputs",
@@ -86,6 +87,16 @@ def check_lower_bound(lower_bound) -> None:
 
 
 GATE_FORMS = ("raw", "log_decay")
+
+
+def check_log_decay_values(gate, raw_g: torch.Tensor, checks: DeviceChecks | None) -> None:
+    """Queue (device values): with ``gate="log_decay"`` every entry of ``raw_g`` is the
+    log of a decay, so ``<= 0``; a positive one makes the state grow without bound
+    (the output turns to inf / NaN). Nothing for ``gate="raw"``."""
+    if checks is None or gate != "log_decay" or raw_g.numel() == 0:
+        return
+    checks.add((raw_g > 0).any(), "raw_g: with gate='log_decay' every entry is a log decay and must be <= 0 "
+                                  "(a positive one makes the state grow without bound), got a positive entry")
 
 
 def check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm=True, beta_sigmoid=True) -> None:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 -m kda_engram.tools.benchmarks.bench_tp              # NCCL on 4 GPUs, the full cases
     torchrun --nproc-per-node 2 -m kda_engram.tools.benchmarks.bench_tp --json tp2.json
-    python -m kda_engram.tools.benchmarks.bench_tp --spawn 2 --backend gloo --small  # CPU ranks (kernels under TRITON_INTERPRET=1)
+    python -m kda_engram.tools.benchmarks.bench_tp --spawn 2 --backend gloo --small  # CPU ranks (it sets TRITON_INTERPRET=1)
 
 Every rank builds the layers from the same seeded full checkpoint, so each also runs
 the unsharded layer (P = 1) locally as the reference. Two parts:
@@ -247,6 +247,12 @@ def main(argv=None) -> int:
     import socket
 
     import torch.multiprocessing as mp
+
+    if args.backend == "gloo" or (args.backend is None and not torch.cuda.is_available()):
+        # CPU ranks: the kernels run under the Triton interpreter, which must be on
+        # before a process imports them; each spawned rank is a fresh interpreter that
+        # inherits this (an explicit TRITON_INTERPRET=0 is kept, and refused by the kernels).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
