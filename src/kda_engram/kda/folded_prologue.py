@@ -38,7 +38,7 @@ from .prologue import (
     prologue_dot_dtype,
 )
 
-__all__ = ["FOLD_WARPS", "prepare_folded_prologue"]
+__all__ = ["FOLD_WARPS", "allocate_folded_operands", "prepare_folded_prologue"]
 
 #: Warps of the fold launch: 4 compile to 253 registers and no spill on sm_90a
 #: (2 spill 616 B per thread; 8 take 206 registers).
@@ -156,6 +156,24 @@ def _kda_prologue_fold_kernel(
     _store_rows(af_h, t3_, m3, o_a, _mm(q33, T33) * c3, BS, 3 * BS)
 
 
+def allocate_folded_operands(q: torch.Tensor, v: torch.Tensor, num_chunks: int) -> dict:
+    """New tensors of the folded contract for ``q [1, T, H, K]``: ``qg, kd, t_fold``
+    ``[1, T, H, K]`` and ``a_fold [1, T, H, 64]`` in ``q``'s dtype, ``decay [num_chunks,
+    H, K]`` fp32, and ``v`` (the value band the walk reads) as given. Shared by every
+    prologue that writes the contract (the Triton one here, the Gluon one in
+    :mod:`kda_engram.kda.hopper.prologue`)."""
+    _, T, H, K = q.shape
+    dev = q.device
+    return dict(
+        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        kd=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        t_fold=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
+        a_fold=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
+        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
+        v=v,
+    )
+
+
 def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
                             conv_weight=None, conv_state=None, conv_state_indices=None,
                             conv_has_initial_state=None, *, num_warps=None, gate="raw", qk_l2norm=True,
@@ -173,14 +191,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
     num_chunks = chunk_indices.shape[0]
     intra_warps = _launch_warps(num_warps, dev, K, V)[0]
     fold_warps = FOLD_WARPS if num_warps is None else _launch_warps(num_warps, dev, K, V)[1]
-    out = dict(
-        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        kd=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        t_fold=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        a_fold=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
-        v=v,
-    )
+    out = allocate_folded_operands(q, v, num_chunks)
     if num_chunks == 0 or H == 0:
         return lambda: out
     dot_dtype = prologue_dot_dtype(q)

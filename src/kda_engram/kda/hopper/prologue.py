@@ -43,14 +43,13 @@ The kernel's order of operations is modelled in torch by
 
 from __future__ import annotations
 
-import math
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ..folded_prologue import allocate_folded_operands
 
 __all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "bench", "gluon_folded_prologue", "gluon_prologue_unsupported"]
 
@@ -362,16 +361,8 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
     if why is not None:
         raise ValueError(f"gluon_folded_prologue: {why}")
     _, T, H, K = q.shape
-    dev = q.device
     num_chunks = chunk_indices.shape[0]
-    out = dict(
-        qg=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        kd=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        t_fold=torch.empty(1, T, H, K, dtype=q.dtype, device=dev),
-        a_fold=torch.empty(1, T, H, CHUNK_SIZE, dtype=q.dtype, device=dev),
-        decay=torch.empty(num_chunks, H, K, dtype=torch.float32, device=dev),
-        v=v,
-    )
+    out = allocate_folded_operands(q, v, num_chunks)
     if num_chunks == 0 or H == 0:
         return lambda: out
     if dt_bias.dim() == 1:
