@@ -76,12 +76,10 @@ def patch_device(calls, arch: str, compute_units: int) -> set[str]:
     import kda_engram.platform as platform
 
     _import_kernel_modules()
-    cdna = {"gfx942": 3, "gfx950": 4}.get(arch, 0)
     facts = {
         "is_gpu": lambda device=None: True,
         "num_compute_units": lambda device=None: compute_units,
         "arch": lambda device=None: arch,
-        "cdna_version": lambda device=None: cdna,
         "interpreting": lambda: False,
     }
     for fn in facts.values():

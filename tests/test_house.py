@@ -7,6 +7,10 @@
   ``reference.py`` beside what they check and are named ``naive_*`` (besides the
   few building blocks they share, listed below); no other module defines one.
 * One import style: inside the package, imports of the package are relative.
+* No kept-for-nobody names: 0.1.0 has no users to keep old names for, so the
+  package defines no deprecated alias (no ``DeprecationWarning``, no
+  ``kda/deprecated.py``) and registers each ``torch.ops`` op under its Python
+  function's name.
 """
 
 from __future__ import annotations
@@ -100,3 +104,31 @@ def test_the_import_check_can_fail(tmp_path):
                                  "def f():\n    import kda_engram.kda\n")
     assert absolute_package_imports(pkg) == ["kda_engram/gate.py:1: kda_engram.platform",
                                              "kda_engram/gate.py:4: kda_engram.kda"]
+
+
+def deprecation_warnings(src: Path = SRC) -> list[str]:
+    """``path:line`` of every ``DeprecationWarning`` the package would raise."""
+    return [f"{path.relative_to(src.parent)}:{number}" for path in sorted(src.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "DeprecationWarning" in line]
+
+
+def test_no_deprecated_alias():
+    assert not (SRC / "kda" / "deprecated.py").exists()
+    assert deprecation_warnings() == []
+
+
+def test_the_deprecation_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text("import warnings\nwarnings.warn('old', DeprecationWarning)\n")
+    assert deprecation_warnings(tmp_path) == [f"{tmp_path.name}/m.py:2"]
+
+
+def test_ops_are_named_as_their_functions():
+    import torch
+
+    import kda_engram.ops as ops
+
+    for name in ops.__all__:
+        if callable(getattr(ops, name)) and name not in ("handle", "resolve"):
+            assert hasattr(torch.ops.kda_engram, name), name
+    for old in ("fused_kda_prologue", "fused_kda_chunk", "fused_kda_decode_step"):
+        assert not hasattr(ops, old) and not hasattr(torch.ops.kda_engram, old), old

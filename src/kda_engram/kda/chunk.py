@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
-from ..launch_config import ChunkConfig, chunk_launch, scan_precision_for, walk_tile
+from ..launch_config import ChunkConfig, chunk_launch, walk_tile
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import check_tensor
 from ..validation.entry import EntryChecks
@@ -50,7 +50,6 @@ from ..validation.kda import (
     check_state_structure,
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
-from .deprecated import deprecated_alias
 from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 from .state_dtype import STATE_DTYPES
@@ -59,7 +58,6 @@ __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
     "chunk_config",
     "check_state_arguments",
-    "fused_kda_chunk",
     "kda_prefill_walk",
 ]
 
@@ -199,7 +197,7 @@ def kda_prefill_walk(
     ``num_stages_pass1``, ``BV_scan``, ``BJ_scan`` (contraction block of the
     scan's product), ``num_warps_scan``, ``num_stages_scan`` and
     ``scan_precision``: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``, default from
-    ``_scan_precision``).
+    :func:`~kda_engram.launch_config.scan_precision_for`, ``"ieee"`` under the interpreter).
 
     Parallel chunk groups (:mod:`kda_engram.kda.groups`): ``groups=None`` lets
     :func:`~kda_engram.kda.groups.chunk_groups` choose ``G`` from the machine fit,
@@ -384,25 +382,6 @@ def kda_prefill_walk(
     )
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return out, final_state
-
-
-#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
-fused_kda_chunk = deprecated_alias(kda_prefill_walk, "fused_kda_chunk",
-                                   "kda_engram.kda.chunk.kda_prefill_walk")
-
-
-def _scan_precision(ieee_operands: bool, device) -> str:
-    """Input precision of the group scan's fp32 products ``S_g M_g``.
-
-    ``"tf32x3"`` (three TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about
-    fp32's 2^-24 relative rounding to within a few bits) where the walk's own
-    dots run on bf16/fp16 operands on NVIDIA: the scan then costs a fraction of
-    the FMA product and stays far below the walk's bf16 rounding (timings:
-    docs/design/kda_prefill.md). ``"ieee"`` for fp32 operands (the tests' exact path,
-    where the walk itself is fp32), under the interpreter, and on AMD, which has
-    no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it. The rule is
-    :func:`kda_engram.launch_config.scan_precision_for`."""
-    return scan_precision_for(ieee_operands, "cpu" if interpreting() else arch(device))
 
 
 def _resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,

@@ -50,7 +50,6 @@ from ..platform import arch, interpreting, is_gpu
 from ..validation.entry import EntryChecks
 from ..validation.kda import check_input_forms, check_log_decay_values, check_lower_bound, check_prologue_arguments
 from .conv import conv_prefill_bands
-from .deprecated import deprecated_alias
 from .metadata import chunk_row, prepare_chunk_metadata
 
 # Largest diagonal-block shift s (log2 units) the factored path accepts: its
@@ -730,7 +729,3 @@ def kda_prefill_prologue(
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return operands
 
-
-#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
-fused_kda_prologue = deprecated_alias(kda_prefill_prologue, "fused_kda_prologue",
-                                      "kda_engram.kda.prologue.kda_prefill_prologue")
