@@ -50,7 +50,7 @@ from ..validation.kda import (
     check_state_structure,
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
-from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
+from .groups import group_workspace_layout, resolve_groups
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 from .state_dtype import STATE_DTYPES
 
@@ -272,7 +272,7 @@ def kda_prefill_walk(
     if num_seqs > MAX_GRID_DIM or H > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
 
-    n_groups, min_len = _resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
+    n_groups, min_len = resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
     ckpt_bf16 = checkpoint_offsets is not None and checkpoint_state.dtype == torch.bfloat16
     if ckpt_bf16 and n_groups > 1:
         # A bf16 checkpoint rounds the carried state mid-walk; the groups' start
@@ -383,16 +383,3 @@ def kda_prefill_walk(
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return out, final_state
 
-
-def _resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,
-                    device) -> tuple[int, int]:
-    """``(G, min_len)``: forced or from the heuristic (host-only, no device reads)."""
-    for name, val in (("groups", groups), ("min_group_chunks", min_group_chunks)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-            raise ValueError(f"{name}: expected None or an int >= 1, got {val!r}")
-    if groups is None:
-        if num_seqs == 0:
-            return 1, 1
-        n = chunk_groups((T // CHUNK_SIZE) // num_seqs, num_seqs, H, device, head_k=K, head_v=V)
-        return n, MIN_GROUP_CHUNKS if min_group_chunks is None else min_group_chunks
-    return groups, 1 if min_group_chunks is None else min_group_chunks
