@@ -62,7 +62,7 @@ def _import_kernel_modules():
     for name in ("kda_engram.engram.hashing", "kda_engram.engram.table", "kda_engram.engram.gate",
                  "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
                  "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
-                 "kda_engram.kda.prologue", "kda_engram.kda.folded_prologue", "kda_engram.kda.hopper.walk",
+                 "kda_engram.kda.prologue", "kda_engram.kda.hopper.folded_prologue", "kda_engram.kda.hopper.walk",
                  "kda_engram.kda.hopper.prologue",
                  "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.tools.demo"):
         importlib.import_module(name)

@@ -1,4 +1,4 @@
-"""The Hopper prefill path (kda/hopper/, kda/folded_prologue.py) and its dispatch.
+"""The Hopper prefill path (kda/hopper/, kda/hopper/folded_prologue.py) and its dispatch.
 
 CPU (interpreter): the folded prologue against ``reference.naive_chunk_operands`` (fp32),
 and the path choice (``prefill_path``) with its refusals. GPU (sm_90): every
@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from kda_engram.kda.folded_prologue import prepare_folded_prologue
+from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
 from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda

@@ -46,13 +46,12 @@ from ..validation.kda import (
     check_cu_seqlens,
     check_scale,
     check_state_arguments,
-    check_state_dtype_match,
     check_state_structure,
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
 from .groups import group_workspace_layout, resolve_groups
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
-from .state_dtype import STATE_DTYPES
+from .state import allocate_final_state, checkpoint_buffer
 
 __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
@@ -88,30 +87,6 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     """
     nh = max(num_seqs * num_heads, 1)
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
-
-
-def checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache):
-    """Where the snapshots go: ``checkpoint_state``, or the state cache itself when
-    snapshots are asked for (``checkpoint_offsets``) without a buffer. Why the
-    ``None`` form: a custom op cannot take one buffer as two mutated arguments."""
-    if checkpoint_state is None and checkpoint_offsets is not None:
-        return state_cache
-    return checkpoint_state
-
-
-def allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets, shape,
-                         device) -> torch.Tensor:
-    """The returned final state ``torch.empty(shape)``: ``final_state_dtype``, else
-    ``initial_state``'s dtype, else fp32; it must match a checkpoint buffer in use
-    (one state dtype per call). Shared by both prefill paths."""
-    if final_state_dtype is None:
-        final_state_dtype = initial_state.dtype if initial_state is not None else torch.float32
-    if final_state_dtype not in STATE_DTYPES:
-        raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {final_state_dtype}")
-    final_state = torch.empty(*shape, dtype=final_state_dtype, device=device)
-    check_state_dtype_match(["final_state_dtype", "checkpoint_state"],
-                            [final_state, checkpoint_state if checkpoint_offsets is not None else None])
-    return final_state
 
 
 def kda_prefill_walk(

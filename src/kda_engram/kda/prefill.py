@@ -35,12 +35,13 @@ from ..validation.kda import (
     check_state_arguments,
     check_state_structure,
 )
-from .chunk import checkpoint_buffer, kda_prefill_walk
+from .chunk import kda_prefill_walk
 from .groups import resolve_groups
 from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)
 from .metadata import prepare_chunk_metadata
 from .prefill_paths import BACKENDS, PrefillBackend, PrefillCall, Verdict, refusal, register, verify
 from .prologue import prepare_kda_prologue
+from .state import checkpoint_buffer
 
 __all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_path", "prefill_verdict"]
 

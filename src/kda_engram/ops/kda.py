@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..constants import CHUNK_SIZE
-from ..kda.chunk import allocate_final_state, checkpoint_buffer
+from ..kda.state import allocate_final_state, checkpoint_buffer
 from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from ..kda.conv import kda_conv_decode as _kda_conv_decode

@@ -1,5 +1,5 @@
 """The Hopper prefill path: the folded prologue (two Triton launches,
-:mod:`kda_engram.kda.folded_prologue`) then the Gluon walk (one launch,
+:mod:`kda_engram.kda.hopper.folded_prologue`) then the Gluon walk (one launch,
 :mod:`kda_engram.kda.hopper.walk`).
 
 :func:`hopper_verdict` (the registered verifier of the ``"hopper"`` backend,
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ...platform import arch, interpreting
-from ..chunk import allocate_final_state
-from ..folded_prologue import prepare_folded_prologue
 from ..prefill_paths import PrefillBackend, PrefillCall, Verdict, register
+from ..state import allocate_final_state
+from .folded_prologue import prepare_folded_prologue
 from .walk import folded_walk, tma_compatible
 
 __all__ = ["HOPPER_HEAD_DIMS", "hopper_kda_prefill", "hopper_verdict"]

@@ -58,7 +58,7 @@ import torch
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 from ...kda.chunk import chunk_config, kda_prefill_walk
-from ...kda.folded_prologue import prepare_folded_prologue
+from ...kda.hopper.folded_prologue import prepare_folded_prologue
 from ...kda.groups import chunk_groups
 from ...kda.hopper.walk import folded_walk
 from ...constants import CHUNK_SIZE
