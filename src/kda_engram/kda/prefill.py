@@ -85,25 +85,32 @@ def grouped_verdict(call: PrefillCall) -> Verdict:
     return True, None
 
 
-def prefill_verdict(call: PrefillCall) -> Verdict:
-    """Whether ``chunk_kda_prefill(path="auto")`` serves ``call``, and if not, the
-    fallback's refusal (:func:`~kda_engram.kda.prefill_paths.refusal`)."""
-    for name in auto_order():
+def _serving(call: PrefillCall, path: str) -> tuple[PrefillBackend | None, str | None]:
+    """``(backend, None)``: the backend that serves ``call`` on ``path`` (for ``"auto"``
+    the first of :func:`auto_order` whose verifier says yes); else ``(None, refusal)``
+    with the refusal of the last backend asked (for ``"auto"``, the fallback's)."""
+    for name in (path,) if path != "auto" else auto_order():
         ok, reason = verify(name, call)
         if ok:
-            return True, None
-    return False, refusal(name, reason)
+            return BACKENDS[name], None
+    return None, refusal(name, reason)
+
+
+def prefill_verdict(call: PrefillCall, path: str = "auto") -> Verdict:
+    """Whether ``chunk_kda_prefill(path=path)`` serves ``call`` and, if not, the one-line
+    refusal it raises after ``"path: "`` (:func:`~kda_engram.kda.prefill_paths.refusal`)."""
+    backend, why = _serving(call, path)
+    return backend is not None, why
 
 
 def _backend(call: PrefillCall, path: str) -> PrefillBackend:
     """The backend that serves ``call`` on ``path``, or a ``ValueError`` saying why none does."""
     if path not in PREFILL_PATHS:
         raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
-    for name in (path,) if path != "auto" else auto_order():
-        ok, reason = verify(name, call)
-        if ok:
-            return BACKENDS[name]
-    raise ValueError(f"path: {refusal(name, reason)}")
+    backend, why = _serving(call, path)
+    if backend is None:
+        raise ValueError(f"path: {why}")
+    return backend
 
 
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
