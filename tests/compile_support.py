@@ -62,7 +62,7 @@ def _import_kernel_modules():
     for name in ("kda_engram.engram.hashing", "kda_engram.engram.table", "kda_engram.engram.gate",
                  "kda_engram.engram.sharded_gate", "kda_engram.engram.history", "kda_engram.kda.chunk",
                  "kda_engram.kda.conv", "kda_engram.kda.decode", "kda_engram.kda.fused_decode",
-                 "kda_engram.kda.prologue", "kda_engram.kda.folded_prologue", "kda_engram.kda.hopper.walk",
+                 "kda_engram.kda.prologue", "kda_engram.kda.hopper.folded_prologue", "kda_engram.kda.hopper.walk",
                  "kda_engram.kda.hopper.prologue",
                  "kda_engram.kda.metadata", "kda_engram.layers", "kda_engram.ops", "kda_engram.tools.demo"):
         importlib.import_module(name)
@@ -76,12 +76,10 @@ def patch_device(calls, arch: str, compute_units: int) -> set[str]:
     import kda_engram.platform as platform
 
     _import_kernel_modules()
-    cdna = {"gfx942": 3, "gfx950": 4}.get(arch, 0)
     facts = {
         "is_gpu": lambda device=None: True,
         "num_compute_units": lambda device=None: compute_units,
         "arch": lambda device=None: arch,
-        "cdna_version": lambda device=None: cdna,
         "interpreting": lambda: False,
     }
     for fn in facts.values():

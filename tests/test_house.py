@@ -7,6 +7,14 @@
   ``reference.py`` beside what they check and are named ``naive_*`` (besides the
   few building blocks they share, listed below); no other module defines one.
 * One import style: inside the package, imports of the package are relative.
+* No kept-for-nobody names: 0.1.0 has no users to keep old names for, so the
+  package defines no deprecated alias (no ``DeprecationWarning``, no
+  ``kda/deprecated.py``) and registers each ``torch.ops`` op under its Python
+  function's name.
+* Rooms: no module imports another module's private name (``_x``), but for the
+  ``@triton.jit`` kernels and helpers a kernels module shares with its launchers;
+  the Hopper path's modules live under ``kda/hopper/``; ``experiments/`` holds
+  experiments, not GPU checks of the package (those are ``@pytest.mark.gpu`` tests).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ DATE = re.compile(r"\b(19|20)\d\d-[01]\d-[0-3]\d\b")
 
 #: Public functions of a reference.py that are not references of a kernel but the
 #: pieces the references share (and, for kda_gate, a public formula of the package).
-REFERENCE_BUILDING_BLOCKS = {"compute_dtype", "kda_gate", "l2norm", "shard_kv_by_dim", "stored_state"}
+REFERENCE_BUILDING_BLOCKS = {"compute_dtype", "gate_from_sums", "kda_gate", "l2norm", "shard_kv_by_dim", "stored_state"}
 #: Names that say "reference" in the retired spellings.
 RETIRED_REFERENCE_NAME = re.compile(r"(_ref|_reference)$")
 
@@ -100,3 +108,83 @@ def test_the_import_check_can_fail(tmp_path):
                                  "def f():\n    import kda_engram.kda\n")
     assert absolute_package_imports(pkg) == ["kda_engram/gate.py:1: kda_engram.platform",
                                              "kda_engram/gate.py:4: kda_engram.kda"]
+
+
+def deprecation_warnings(src: Path = SRC) -> list[str]:
+    """``path:line`` of every ``DeprecationWarning`` the package would raise."""
+    return [f"{path.relative_to(src.parent)}:{number}" for path in sorted(src.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "DeprecationWarning" in line]
+
+
+def test_no_deprecated_alias():
+    assert not (SRC / "kda" / "deprecated.py").exists()
+    assert deprecation_warnings() == []
+
+
+def test_the_deprecation_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text("import warnings\nwarnings.warn('old', DeprecationWarning)\n")
+    assert deprecation_warnings(tmp_path) == [f"{tmp_path.name}/m.py:2"]
+
+
+def test_ops_are_named_as_their_functions():
+    import torch
+
+    import kda_engram.ops as ops
+
+    for name in ops.__all__:
+        if callable(getattr(ops, name)) and name not in ("handle", "resolve"):
+            assert hasattr(torch.ops.kda_engram, name), name
+    for old in ("fused_kda_prologue", "fused_kda_chunk", "fused_kda_decode_step"):
+        assert not hasattr(ops, old) and not hasattr(torch.ops.kda_engram, old), old
+
+
+def private_imports(src: Path = SRC) -> list[str]:
+    """``path:line: module.name`` of every private name (``_x``) a module imports from
+    another module of the package, but for ``@triton.jit`` / ``@gluon.jit`` functions
+    (kernels and their helpers live in a kernels module and are launched or called
+    from beside it)."""
+    def jitted(module_path: Path) -> set[str]:
+        names = set()
+        for node in ast.parse(module_path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    (d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "")) == "jit"
+                    for d in (dec.func if isinstance(dec, ast.Call) else dec for dec in node.decorator_list)):
+                names.add(node.name)
+        return names
+
+    bad = []
+    for path in sorted(src.rglob("*.py")):
+        package = path.parent if path.name != "__init__.py" else path.parent
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package
+            for _ in range(node.level - 1):
+                base = base.parent
+            target = base.joinpath(*(node.module or "").split(".")) if node.module else base
+            file = target.with_suffix(".py") if target.with_suffix(".py").exists() else target / "__init__.py"
+            if not file.exists():
+                continue
+            allowed = jitted(file)
+            bad += [f"{path.relative_to(src.parent)}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__") and a.name not in allowed]
+    return bad
+
+
+def test_no_private_name_imported_across_modules():
+    assert private_imports() == []
+
+
+def test_the_private_import_check_can_fail(tmp_path):
+    pkg = tmp_path / "kda_engram"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import triton\n@triton.jit\ndef _k():\n    pass\ndef _helper():\n    pass\n")
+    (pkg / "b.py").write_text("from .a import _helper, _k\n")
+    assert private_imports(pkg) == ["kda_engram/b.py:1: a._helper"]
+
+
+def test_rooms():
+    assert not (SRC / "kda" / "folded_prologue.py").exists()
+    assert (SRC / "kda" / "hopper" / "folded_prologue.py").exists()
+    experiments = SRC.parents[1] / "experiments"
+    assert sorted(p.name for p in experiments.rglob("check_*gpu*.py")) == []

@@ -1,5 +1,5 @@
 """The platform policies of the specification, exercised on the CPU with a test
-double for the device facts (arch, compute units, CDNA generation): the
+double for the device facts (arch, compute units): the
 shard-the-Engram-gate policy and the chunk-group heuristic on MI300X (gfx942,
 304 CUs) and MI355X (gfx950, 256 CUs), next to the H200 (sm_90, 132 SMs)."""
 
@@ -14,7 +14,7 @@ from kda_engram.launch_config import arch_facts, chunk_launch
 
 C = 64  # tokens per chunk
 
-DEVICES = {"gfx942": (304, 3), "gfx950": (256, 4), "sm_90": (132, 0)}
+DEVICES = {"gfx942": 304, "gfx950": 256, "sm_90": 132}
 
 
 @pytest.fixture
@@ -24,14 +24,14 @@ def device_facts(monkeypatch):
     wherever a module imported the functions by name)."""
     import kda_engram.kda.groups as groups
 
-    names = ("arch", "num_compute_units", "cdna_version", "interpreting", "is_gpu")
+    names = ("arch", "num_compute_units", "interpreting", "is_gpu")
     originals = {name: getattr(platform, name) for name in names}
     fakes = set()  # ids of the stand-ins, so a second use() replaces them again
 
     def use(arch: str):
-        cus, cdna = DEVICES[arch]
+        cus = DEVICES[arch]
         fake = {"arch": lambda device=None: arch, "num_compute_units": lambda device=None: cus,
-                "cdna_version": lambda device=None: cdna, "interpreting": lambda: False,
+                "interpreting": lambda: False,
                 "is_gpu": lambda device=None: True}
         fakes.update(id(fn) for fn in fake.values())
         for mod_name, module in list(sys.modules.items()):
@@ -55,7 +55,6 @@ def test_the_double_reaches_the_platform(device_facts, arch):
     device_facts(arch)
     assert platform.arch("cuda") == arch
     assert platform.num_compute_units("cuda") == arch_facts(arch).compute_units
-    assert platform.cdna_version("cuda") == {"gfx942": 3, "gfx950": 4}.get(arch, 0)
 
 
 # ----------------------------------------------------------------------------- shard the Engram gate

@@ -284,9 +284,11 @@ def walk_tile(programs_per_bv, head_v: int, arch: str, compute_units: int) -> di
 
 def scan_precision_for(ieee_operands: bool, arch: str) -> str:
     """The group scan's product precision: ``tf32x3`` on NVIDIA with bf16/fp16
-    operands (a fraction of the FMA product's time at about fp32 rounding; numbers in
-    ``kda/chunk.py``); ``ieee`` for fp32 operands, on the CPU, and on AMD (Triton 3.6
-    has no ``tf32x3`` there, and gfx950 no ``tf32`` at all)."""
+    operands (a fraction of the FMA product's time at about fp32 rounding, far below
+    the walk's bf16 rounding; numbers in ``docs/design/kda_prefill.md``); ``ieee`` for
+    fp32 operands (the tests' exact path), on the CPU, and on AMD (Triton 3.6 has no
+    ``tf32x3`` there, and gfx950 no ``tf32`` at all). ``config={"scan_precision": ...}``
+    overrides it."""
     if ieee_operands or arch == "cpu" or _is_amd(arch):
         return "ieee"
     return "tf32x3"

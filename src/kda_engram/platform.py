@@ -73,11 +73,6 @@ def arch(device: torch.device | str | int | None = None) -> str:
     return f"sm_{props.major}{props.minor}"
 
 
-def cdna_version(device: torch.device | str | int | None = None) -> int:
-    """AMD CDNA generation: 3 for gfx942 (MI300), 4 for gfx950 (MI350), 0 otherwise."""
-    return {"gfx942": 3, "gfx950": 4}.get(arch(device), 0)
-
-
 def is_gpu(device: torch.device) -> bool:
     """Whether tensors on ``device`` are run by compiled kernels (not the interpreter)."""
     return device.type == "cuda" and not interpreting()

@@ -20,6 +20,8 @@ from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 import kda_engram.integrations.fla as kf  # noqa: E402
 
 from ..helpers import first_fit_autotune  # noqa: E402
+from kda_engram.kda.prefill import prefill_verdict  # noqa: E402
+from kda_engram.kda.prefill_paths import PrefillCall  # noqa: E402
 from kda_engram.kda.reference import kda_gate, naive_recurrent_kda  # noqa: E402
 
 H, K = 2, 32
@@ -142,7 +144,10 @@ def test_verifier_refuses_what_we_do_not_serve():
         assert backend_of(_operation_registries["kda"]).verify("chunk_kda", **x) == (True, None)
         gva = dict(x, v=torch.randn(1, 8, 2 * H, K), g=torch.randn(1, 8, 2 * H, K), beta=torch.randn(1, 8, 2 * H))
         assert "GVA" in refusal("chunk_kda", **gva)
-        assert "K=48" in refusal("chunk_kda", **inputs(1, 8, K=48)[0])
+        wide = inputs(1, 8, K=48)[0]
+        assert "K=48" in refusal("chunk_kda", **wide)
+        # The prefill registry's answer, in its words (issue 45): what chunk_kda_prefill raises.
+        assert refusal("chunk_kda", **wide) == prefill_verdict(PrefillCall(wide["q"], wide["v"]))[1]
         assert "allow_neg_eigval" in refusal("chunk_kda", **x, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
         assert "return_intermediate_states" in refusal("chunk_kda", **x, return_intermediate_states=True)
         assert "context parallelism" in refusal("chunk_kda", **x, cp_context=object())

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
+from kda_engram.kda.decode import decode_tiling, kda_decode, kda_decode_multi, launch_decode
 from kda_engram.kda.reference import naive_recurrent_kda
 
 from ..helpers import assert_untouched, make_step, refused
@@ -98,7 +98,7 @@ def test_every_tile_size(block_v, num_warps):
     before = cache.clone()
     ref_o, ref_state = reference_step(inputs, before, idx, None, scale=0.3)
     out = torch.empty(B, H, V)
-    _launch(
+    launch_decode(
         *inputs.values(), cache, idx, idx, out, 0.3, None, steps=1, init_stride=1, idx_strides=(1, 0),
         block_v=block_v, num_warps=num_warps,
     )

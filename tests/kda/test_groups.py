@@ -134,20 +134,6 @@ def test_heuristic_picks_measured_optima(h200):
         assert chunk_groups(L // C, N, H, "cuda") in ok, (N, L, H)
 
 
-def test_scan_precision_policy(monkeypatch):
-    # tf32x3 only where the walk's dots are bf16/fp16 on NVIDIA; ieee for fp32
-    # operands, on AMD (no tf32x3) and under the interpreter.
-    monkeypatch.setattr(chunk_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
-    assert chunk_mod._scan_precision(False, "cuda") == "tf32x3"
-    assert chunk_mod._scan_precision(True, "cuda") == "ieee"
-    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "gfx942")
-    assert chunk_mod._scan_precision(False, "cuda") == "ieee"
-    monkeypatch.setattr(chunk_mod, "interpreting", lambda: True)
-    monkeypatch.setattr(chunk_mod, "arch", lambda device=None: "sm_90")
-    assert chunk_mod._scan_precision(False, "cuda") == "ieee"
-
-
 def test_scan_launch_knobs_leave_the_result_unchanged():
     # The scan's launch knobs change nothing in the result (interpreter, fp32).
     H, K, V = 1, 32, 32

@@ -1,4 +1,4 @@
-"""The Hopper prefill path (kda/hopper/, kda/folded_prologue.py) and its dispatch.
+"""The Hopper prefill path (kda/hopper/, kda/hopper/folded_prologue.py) and its dispatch.
 
 CPU (interpreter): the folded prologue against ``reference.naive_chunk_operands`` (fp32),
 and the path choice (``prefill_path``) with its refusals. GPU (sm_90): every
@@ -11,11 +11,12 @@ and accuracy no worse than the portable path (and fla's, where importable) at
 """
 
 import math
+import re
 
 import pytest
 import torch
 
-from kda_engram.kda.folded_prologue import prepare_folded_prologue
+from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
 from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
@@ -58,6 +59,32 @@ def test_path_choice_on_the_cpu():
         chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, path="fast")
     with pytest.raises(ValueError, match="Hopper path cannot serve"):
         chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, path="hopper")
+
+
+def test_paths_are_registered_backends_that_answer_in_one_voice():
+    """Issue 45: ``chunk_kda_prefill(path=...)``, ``prefill_path`` and ``prefill_verdict``
+    (the fla integration's) ask one registry and refuse in its words."""
+    from kda_engram.kda.prefill import prefill_verdict
+    from kda_engram.kda.prefill_paths import BACKENDS, PrefillCall, refusal, verify
+
+    assert {"portable", "grouped", "hopper"} <= BACKENDS.keys()
+    assert {b.path for b in BACKENDS.values()} == {"portable", "hopper"}
+    raw, cu = make_raw([10], H=2, K=16, V=16)
+    call = PrefillCall(raw["q"], raw["v"], cu_seqlens=cu)
+    assert verify("portable", call) == (True, None) and prefill_verdict(call) == (True, None)
+    ok, reason = verify("hopper", call)
+    assert not ok and reason.startswith("needs a CUDA device")
+    for run in (lambda: prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper"),
+                lambda: chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, path="hopper")):
+        with pytest.raises(ValueError) as info:
+            run()
+        assert str(info.value) == f"path: {refusal('hopper', reason)}"
+    wide = torch.zeros(1, 4, 2, 48)
+    ok, reason = verify("portable", PrefillCall(wide, wide, cu_seqlens=cu))
+    assert not ok and "K=48" in reason
+    assert prefill_verdict(PrefillCall(wide, wide, cu_seqlens=cu)) == (False, refusal("portable", reason))
+    with pytest.raises(ValueError, match="^" + re.escape(f"path: {refusal('portable', reason)}") + "$"):
+        prefill_path(wide, wide, None, cu_seqlens=cu, path="portable")
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -227,16 +254,19 @@ def test_gpu_hopper_accuracy_32k_no_worse_than_fla(gpu, gate):
 
 
 def test_auto_picks_hopper_only_where_the_portable_walk_takes_one_group(monkeypatch):
+    import dataclasses
+
     import kda_engram.kda.prefill as prefill
+    from kda_engram.kda.prefill_paths import BACKENDS
 
     raw, cu = make_raw([10], H=2, K=16, V=16)
-    monkeypatch.setattr(prefill, "hopper_unsupported", lambda *a, **k: None)
+    monkeypatch.setitem(BACKENDS, "hopper", dataclasses.replace(BACKENDS["hopper"], verify=lambda call: (True, None)))
     monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", True)
-    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (1, 1))
+    monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "hopper"
-    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (4, 8))
+    monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (4, 8))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper") == "hopper"
     monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", False)
-    monkeypatch.setattr(prefill, "_resolve_groups", lambda *a: (1, 1))
+    monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.folded_prologue import prepare_folded_prologue
+from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.hopper.prologue import gluon_folded_prologue, gluon_prologue_unsupported
 from kda_engram.kda.hopper.prologue_model import model_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata

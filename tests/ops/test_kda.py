@@ -196,23 +196,6 @@ def test_state_structure_runs_once_per_prefill(monkeypatch):
     assert len(calls) == 1
 
 
-def test_old_names_warn_and_still_work():
-    import kda_engram.kda as kda
-
-    q, k, v, g, b, A, dt = kda_raw(64, "cpu")
-    cu = idx([0, 64], "cpu")
-    for old, new in ((kda.fused_kda_prologue, kda.kda_prefill_prologue),
-                     (ops.fused_kda_prologue, ops.kda_prefill_prologue)):
-        with pytest.warns(DeprecationWarning, match="kda_prefill_prologue"):
-            got = old(q, k, v, g, b, A, dt, K**-0.5, None, cu)
-        want = new(q, k, v, g, b, A, dt, K**-0.5, None, cu)
-        assert all(torch.equal(got[n], want[n]) for n in ("qg", "w", "u", "aqk"))
-    for old, new in ((kda.fused_kda_chunk, "kda_prefill_walk"), (kda.fused_kda_decode_step, "kda_layer_decode_step"),
-                     (ops.fused_kda_chunk, "kda_prefill_walk"), (ops.fused_kda_decode_step, "kda_layer_decode_step")):
-        with pytest.warns(DeprecationWarning, match=new), pytest.raises(TypeError):
-            old()  # the alias warns, then the call fails on its missing arguments
-
-
 def test_ops_run_the_functions_device_rules_by_default():
     """Issue 46: ``ops.kda_decode`` wrote an out-of-range row (outside the tensor that
     was passed, into its base) with no error. The ops follow the functions' policy:

@@ -104,7 +104,7 @@ def test_kda_prefill_walk():
 
 
 @pytest.mark.parametrize("groups", [1, 2])
-def test_fused_kda_chunk_bad_cu_seqlens(groups):
+def test_prefill_walk_bad_cu_seqlens(groups):
     """A decreasing cu_seqlens (the chunk offsets then index garbage): the guarded
     launches, serial or grouped, write no cache row and no output row."""
     T = 140
@@ -127,7 +127,7 @@ def test_fused_kda_chunk_bad_cu_seqlens(groups):
     ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 80, 70]))),
     ("chunk_indices", dict(chunk_indices=torch.tensor([[0, 0], [0, 1], [1, 3]]))),
 ])
-def test_fused_kda_prologue(name, bad):
+def test_prefill_prologue(name, bad):
     T = 70
     raw = prefill_raw(T)
     conv = with_sentinels(3, CONV_C, 3, seed=4)

@@ -130,7 +130,7 @@ def test_verdict_gathered_before_the_launch(monkeypatch):
     from kda_engram.validation.common import DeviceChecks
 
     order = []
-    finish, launch = DeviceChecks._finish, decode._launch
+    finish, launch = DeviceChecks._finish, decode.launch_decode
 
     def traced_finish(self):
         if self._values is None and self._rules:
@@ -142,7 +142,7 @@ def test_verdict_gathered_before_the_launch(monkeypatch):
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(DeviceChecks, "_finish", traced_finish)
-    monkeypatch.setattr(decode, "_launch", traced_launch)
+    monkeypatch.setattr(decode, "launch_decode", traced_launch)
     kda_decode(**decode_args(with_sentinels(6, H, V, K), [0, 2]))
     assert order == ["verdict", "launch"]
     kda_engram.raise_pending_errors()

@@ -217,8 +217,8 @@ def test_kernels_take_constants_from_constants():
     import importlib
     import inspect
 
-    for name in ("kda.chunk", "kda.decode", "kda.prologue", "kda.conv", "kda.metadata", "kda.prefill",
-                 "engram.gate", "engram.sharded_gate", "engram.table", "engram.hashing"):
+    for name in ("kda.chunk", "kda.chunk_kernels", "kda.decode", "kda.prologue", "kda.prologue_kernels", "kda.conv",
+                 "kda.metadata", "kda.prefill", "engram.gate", "engram.sharded_gate", "engram.table", "engram.hashing"):
         source = inspect.getsource(importlib.import_module(f"kda_engram.{name}"))
         assert "from .reference import" not in source and "reference import" not in source, name
 

@@ -136,12 +136,12 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
             raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
         geom = dict(HEAD=16, TAIL=0, CHUNK=chunk, LOOP=True)
         lanes = chunk
-    _check_num_warps(num_warps)
+    check_num_warps(num_warps)
     geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
     return GateGeometry(**geom).as_dict()  # validated
 
 
-def _check_num_warps(num_warps: int | None) -> None:
+def check_num_warps(num_warps: int | None) -> None:
     if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
         raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
 

@@ -227,7 +227,7 @@ def _keys_values(kv: torch.Tensor, num_tokens: int, hc: int, dim: int, num_kv_to
     return full[:, : hc * dim].reshape(num_tokens, hc, dim), full[:, hc * dim :]
 
 
-def _gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask):
+def gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask):
     """Gate ``[T, hc]`` from the full-dim sums ``key_sq = sum key^2`` and
     ``dot = sum hidden*q*k*key``."""
     hidden_rms = torch.rsqrt((hidden * hidden).mean(-1) + eps)
@@ -261,7 +261,7 @@ def naive_engram_post_wkv(
     qk = (q_weight.to(dtype) * k_weight.to(dtype))[None]
     key_sq = (keys * keys).sum(-1)
     dot = (hidden * qk * keys).sum(-1)
-    gate = _gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask)
+    gate = gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask)
     return (hidden + gate[..., None] * value[:, None, :]).to(hidden_states.dtype)
 
 
@@ -313,5 +313,5 @@ def naive_engram_gate_sharded(
         dot = dot + (hidden[..., cols] * qk[..., cols] * keys).sum(-1)
         value_slices.append(local[:, hc * width :].to(dtype))
     value = torch.cat(value_slices, dim=1)
-    gate = _gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask)
+    gate = gate_from_sums(hidden, key_sq, dot, dim, eps, clamp_value, token_mask)
     return (hidden + gate[..., None] * value[:, None, :]).to(hidden_states.dtype)

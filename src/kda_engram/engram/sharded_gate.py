@@ -36,7 +36,7 @@ from ..validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
 from ..validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
 from ..validation.entry import settle_pending
 from .gate import (
-    _check_num_warps,
+    check_num_warps,
     _load_qk,
     _row_piece,
     _signed_sqrt_gate,
@@ -295,7 +295,7 @@ def engram_gate_partials(
         chunk = min(triton.next_power_of_2(width), max(16, PARTIALS_MAX_CHUNK // block))
     elif chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
-    _check_num_warps(num_warps)
+    check_num_warps(num_warps)
     lanes = chunk * block
     _engram_gate_partials_kernel[(triton.cdiv(T, block) * (hc + 1),)](
         hidden_states, kv_local, q_weight, k_weight, out, send_f32,

@@ -33,10 +33,10 @@ from collections import Counter
 
 import torch
 
-from ..constants import DECODE_MAX_HEAD_DIM, KDA_HEAD_DIMS, STATE_DTYPES
+from ..constants import STATE_DTYPES
 from ..kda.decode import kda_decode_multi
-from ..kda.prefill import chunk_kda_prefill
-from ..platform import interpreting
+from ..kda.prefill import chunk_kda_prefill, prefill_verdict
+from ..kda.prefill_paths import PrefillCall
 from ..validation.common import FLOAT_DTYPES
 from .common import NotServed, capturing, even_cu_seqlens, fold_batch
 
@@ -84,10 +84,13 @@ def _refuse(function: str, reason: str) -> tuple[bool, str]:
 
 
 def _common_plan(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, A_log, dt_bias,
-                 max_head_dim):
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, A_log, dt_bias):
     """Host-only mapping of an fla call onto our input forms (no allocation, no
-    device read). Raises :class:`NotServed` with the reason."""
+    device read). Raises :class:`NotServed` with the reason. Whether our kernels serve
+    the device and the head dims is the prefill registry's answer
+    (:func:`kda_engram.kda.prefill.prefill_verdict`, in its words): the decode kernel
+    that serves a batched ``fused_recurrent_kda_fwd`` runs where the portable prefill
+    runs, on the same head dims."""
     if torch.is_grad_enabled():
         raise NotServed("kda-engram serves inference only (autograd is on)")
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
@@ -98,8 +101,6 @@ def _common_plan(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
             raise NotServed(f"{name}: dtype {x.dtype} not served")
         if x.device != q.device:
             raise NotServed(f"{name}: on {x.device}, q on {q.device}")
-    if q.device.type != "cuda" and not interpreting():
-        raise NotServed(f"the kernels run on CUDA/ROCm devices (or under TRITON_INTERPRET=1), got {q.device}")
     if q.dim() != 4 or k.shape != q.shape:
         raise NotServed(f"q, k: expected one [B, T, H, K] shape, got {list(q.shape)} and {list(k.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -110,9 +111,9 @@ def _common_plan(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2no
     if v.shape[2] != H:
         raise NotServed(f"GVA (HV={v.shape[2]} != H={H}) not served")
     V = v.shape[3]
-    dims = tuple(d for d in KDA_HEAD_DIMS if d <= max_head_dim)
-    if K not in dims or V not in dims:
-        raise NotServed(f"head dims K={K}, V={V}: served {dims}")
+    ok, reason = prefill_verdict(PrefillCall(q, v, cu_seqlens=cu_seqlens))
+    if not ok:
+        raise NotServed(reason)
     if tuple(g.shape) != (B, T, H, K):
         raise NotServed(f"g: expected {[B, T, H, K]}, got {list(g.shape)}")
     if tuple(beta.shape) != (B, T, H):
@@ -203,7 +204,7 @@ class KdaEngramBackend(BaseBackend):
             raise NotServed(f"initial_state: dtype {initial_state.dtype} not served (float32 or bfloat16)")
         plan = _common_plan(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-                            state_v_first, kwargs.get("A_log"), kwargs.get("dt_bias"), max_head_dim=max(KDA_HEAD_DIMS))
+                            state_v_first, kwargs.get("A_log"), kwargs.get("dt_bias"))
         plan["check_inputs"] = not (use_graph or capturing())
         return plan
 
@@ -264,8 +265,7 @@ class KdaEngramBackend(BaseBackend):
                 raise NotServed(f"inplace_final_state on a {initial_state.dtype} state (float32 or bfloat16 served)")
         plan = _common_plan(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel,
                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-                            state_v_first, A_log, dt_bias,
-                            max_head_dim=DECODE_MAX_HEAD_DIM if cu_seqlens is None else max(KDA_HEAD_DIMS))
+                            state_v_first, A_log, dt_bias)
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != v.shape):
             raise NotServed("out: expected v's shape")
         plan["check_inputs"] = not capturing()

@@ -2,8 +2,7 @@
 
 Entry points: :func:`chunk_kda_prefill` (the prefill: :func:`kda_prefill_prologue`
 then :func:`kda_prefill_walk`), :func:`kda_decode`, :func:`kda_decode_multi` and
-:func:`kda_layer_decode_step` (the layer's whole decode step in one launch). The
-``fused_kda_*`` names are deprecated aliases (:mod:`kda_engram.kda.deprecated`).
+:func:`kda_layer_decode_step` (the layer's whole decode step in one launch).
 
 Importing this package compiles nothing: Triton kernels are built on first use.
 On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing, so the
@@ -11,12 +10,12 @@ kernels run under the Triton interpreter.
 """
 
 from ..constants import CHUNK_SIZE
-from .chunk import KDA_CHECKPOINT_ALIGNMENT, fused_kda_chunk, kda_prefill_walk
+from .chunk import KDA_CHECKPOINT_ALIGNMENT, kda_prefill_walk
 from .decode import kda_decode, kda_decode_multi
-from .fused_decode import fused_kda_decode_step, kda_layer_decode_step
+from .fused_decode import kda_layer_decode_step
 from .metadata import prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
 from .prefill import chunk_kda_prefill
-from .prologue import fused_kda_prologue, kda_prefill_prologue
+from .prologue import kda_prefill_prologue
 from .reference import kda_gate, naive_chunk_kda, naive_group_chunk_kda, naive_recurrent_kda
 from .state_dtype import STATE_DTYPES
 
@@ -25,9 +24,6 @@ __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
     "STATE_DTYPES",
     "chunk_kda_prefill",
-    "fused_kda_chunk",
-    "fused_kda_decode_step",
-    "fused_kda_prologue",
     "kda_decode",
     "kda_decode_multi",
     "kda_gate",

@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
-from ..launch_config import ChunkConfig, chunk_launch, scan_precision_for, walk_tile
+from ..launch_config import ChunkConfig, chunk_launch, walk_tile
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import check_tensor
 from ..validation.entry import EntryChecks
@@ -46,20 +46,17 @@ from ..validation.kda import (
     check_cu_seqlens,
     check_scale,
     check_state_arguments,
-    check_state_dtype_match,
     check_state_structure,
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
-from .deprecated import deprecated_alias
-from .groups import MIN_GROUP_CHUNKS, chunk_groups, group_workspace_layout
+from .groups import group_workspace_layout, resolve_groups
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
-from .state_dtype import STATE_DTYPES
+from .state import allocate_final_state, checkpoint_buffer
 
 __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
     "chunk_config",
     "check_state_arguments",
-    "fused_kda_chunk",
     "kda_prefill_walk",
 ]
 
@@ -90,30 +87,6 @@ def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.devic
     """
     nh = max(num_seqs * num_heads, 1)
     return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
-
-
-def checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache):
-    """Where the snapshots go: ``checkpoint_state``, or the state cache itself when
-    snapshots are asked for (``checkpoint_offsets``) without a buffer. Why the
-    ``None`` form: a custom op cannot take one buffer as two mutated arguments."""
-    if checkpoint_state is None and checkpoint_offsets is not None:
-        return state_cache
-    return checkpoint_state
-
-
-def allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets, shape,
-                         device) -> torch.Tensor:
-    """The returned final state ``torch.empty(shape)``: ``final_state_dtype``, else
-    ``initial_state``'s dtype, else fp32; it must match a checkpoint buffer in use
-    (one state dtype per call). Shared by both prefill paths."""
-    if final_state_dtype is None:
-        final_state_dtype = initial_state.dtype if initial_state is not None else torch.float32
-    if final_state_dtype not in STATE_DTYPES:
-        raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {final_state_dtype}")
-    final_state = torch.empty(*shape, dtype=final_state_dtype, device=device)
-    check_state_dtype_match(["final_state_dtype", "checkpoint_state"],
-                            [final_state, checkpoint_state if checkpoint_offsets is not None else None])
-    return final_state
 
 
 def kda_prefill_walk(
@@ -199,7 +172,7 @@ def kda_prefill_walk(
     ``num_stages_pass1``, ``BV_scan``, ``BJ_scan`` (contraction block of the
     scan's product), ``num_warps_scan``, ``num_stages_scan`` and
     ``scan_precision``: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``, default from
-    ``_scan_precision``).
+    :func:`~kda_engram.launch_config.scan_precision_for`, ``"ieee"`` under the interpreter).
 
     Parallel chunk groups (:mod:`kda_engram.kda.groups`): ``groups=None`` lets
     :func:`~kda_engram.kda.groups.chunk_groups` choose ``G`` from the machine fit,
@@ -274,7 +247,7 @@ def kda_prefill_walk(
     if num_seqs > MAX_GRID_DIM or H > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
 
-    n_groups, min_len = _resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
+    n_groups, min_len = resolve_groups(groups, min_group_chunks, T, num_seqs, H, K, V, device)
     ckpt_bf16 = checkpoint_offsets is not None and checkpoint_state.dtype == torch.bfloat16
     if ckpt_bf16 and n_groups > 1:
         # A bf16 checkpoint rounds the carried state mid-walk; the groups' start
@@ -385,35 +358,3 @@ def kda_prefill_walk(
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return out, final_state
 
-
-#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
-fused_kda_chunk = deprecated_alias(kda_prefill_walk, "fused_kda_chunk",
-                                   "kda_engram.kda.chunk.kda_prefill_walk")
-
-
-def _scan_precision(ieee_operands: bool, device) -> str:
-    """Input precision of the group scan's fp32 products ``S_g M_g``.
-
-    ``"tf32x3"`` (three TF32 tensor-core products, hi*hi + hi*lo + lo*hi, about
-    fp32's 2^-24 relative rounding to within a few bits) where the walk's own
-    dots run on bf16/fp16 operands on NVIDIA: the scan then costs a fraction of
-    the FMA product and stays far below the walk's bf16 rounding (timings:
-    docs/design/kda_prefill.md). ``"ieee"`` for fp32 operands (the tests' exact path,
-    where the walk itself is fp32), under the interpreter, and on AMD, which has
-    no ``tf32x3``. ``config={"scan_precision": ...}`` overrides it. The rule is
-    :func:`kda_engram.launch_config.scan_precision_for`."""
-    return scan_precision_for(ieee_operands, "cpu" if interpreting() else arch(device))
-
-
-def _resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,
-                    device) -> tuple[int, int]:
-    """``(G, min_len)``: forced or from the heuristic (host-only, no device reads)."""
-    for name, val in (("groups", groups), ("min_group_chunks", min_group_chunks)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-            raise ValueError(f"{name}: expected None or an int >= 1, got {val!r}")
-    if groups is None:
-        if num_seqs == 0:
-            return 1, 1
-        n = chunk_groups((T // CHUNK_SIZE) // num_seqs, num_seqs, H, device, head_k=K, head_v=V)
-        return n, MIN_GROUP_CHUNKS if min_group_chunks is None else min_group_chunks
-    return groups, 1 if min_group_chunks is None else min_group_chunks

@@ -386,7 +386,7 @@ def _kda_group_scan_kernel(
     in-place state cache, pass two's last group writes the row this read comes
     from, and launch order puts this read first), then
     ``S_{g+1} = S_g M_g + H_g`` with an fp32 state (the scan carries it across
-    the whole sequence; products at ``PRECISION``, see ``_scan_precision``),
+    the whole sequence; products at ``PRECISION``, see ``launch_config.scan_precision_for``),
     writing every live group's start state."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1).to(tl.int64)

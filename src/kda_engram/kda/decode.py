@@ -55,7 +55,7 @@ from ..validation.kda import (
 )
 from .state_dtype import round_state
 
-__all__ = ["kda_decode", "kda_decode_multi", "decode_tiling"]
+__all__ = ["kda_decode", "kda_decode_multi", "decode_tiling", "launch_decode"]
 
 
 @triton.jit
@@ -215,9 +215,9 @@ def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int
     return k_dim * dt_bias.stride(0), dt_bias.stride(0)
 
 
-def _launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
-            scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
-            native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
+def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
+                  scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
+                  native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
     """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
     point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
     B = q.shape[0]
@@ -333,7 +333,7 @@ def kda_decode(
             state_indices = checks.guard(state_indices, -1)
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _launch(
+    launch_decode(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
@@ -408,7 +408,7 @@ def kda_decode_multi(
     state_indices, initial_state_indices = checks.guard_many((state_indices, -1), (initial_state_indices, -1))
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
-    _launch(
+    launch_decode(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
         idx_strides=state_indices.stride(), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,

@@ -46,10 +46,9 @@ from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda import check_fused_decode_arguments
 from .decode import _l2_normalize, _log_decay
-from .deprecated import deprecated_alias
 from .state_dtype import round_state
 
-__all__ = ["kda_layer_decode_step", "fused_kda_decode_step", "CONV_WIDTH"]
+__all__ = ["kda_layer_decode_step", "CONV_WIDTH"]
 
 
 @triton.jit
@@ -366,7 +365,3 @@ def kda_layer_decode_step(
     checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
-
-#: Deprecated: the old name (:mod:`kda_engram.kda.deprecated`).
-fused_kda_decode_step = deprecated_alias(kda_layer_decode_step, "fused_kda_decode_step",
-                                         "kda_engram.kda.fused_decode.kda_layer_decode_step")

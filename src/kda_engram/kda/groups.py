@@ -36,6 +36,7 @@ import math
 
 import torch
 
+from ..constants import CHUNK_SIZE
 from ..platform import arch, num_compute_units
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "group_workspace",
     "group_workspace_layout",
     "group_workspace_numel",
+    "resolve_groups",
 ]
 
 # Below this many chunks per group the fixed cost of a group (its start state
@@ -234,3 +236,22 @@ def group_workspace(
     if n == 0:
         return None
     return torch.empty(n, dtype=torch.float32, device=device)
+
+
+def resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: int, V: int,
+                   device) -> tuple[int, int]:
+    """``(G, min_len)`` of a walk over ``T`` tokens in ``num_seqs`` sequences:
+    ``groups`` forced (``min_len`` 1 unless given) or :func:`chunk_groups`' pick with
+    ``(T // 64) // num_seqs`` chunks per sequence as the static proxy (``min_len``
+    :data:`MIN_GROUP_CHUNKS` unless given). Host facts only, no device read; a
+    ``groups`` or ``min_group_chunks`` that is not ``None`` or an int >= 1 is a
+    ``ValueError``."""
+    for name, val in (("groups", groups), ("min_group_chunks", min_group_chunks)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name}: expected None or an int >= 1, got {val!r}")
+    if groups is None:
+        if num_seqs == 0:
+            return 1, 1
+        n = chunk_groups((T // CHUNK_SIZE) // num_seqs, num_seqs, H, device, head_k=K, head_v=V)
+        return n, MIN_GROUP_CHUNKS if min_group_chunks is None else min_group_chunks
+    return groups, 1 if min_group_chunks is None else min_group_chunks

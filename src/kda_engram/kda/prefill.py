@@ -7,6 +7,12 @@
    on chip and writes the output (and the final state, the state-cache rows and
    the checkpoints).
 
+That is the portable path. Each path is a registered backend
+(:mod:`kda_engram.kda.prefill_paths`): ``"portable"`` and ``"grouped"`` (its walk cut
+into chunk groups) here, ``"hopper"`` in :mod:`kda_engram.kda.hopper.prefill`; the call
+takes the one ``path=`` names, or with ``"auto"`` the first of :func:`auto_order` whose
+verifier says yes (:func:`prefill_path`).
+
 Everything between and around the launches (chunk metadata, workspaces) is
 computed on the device from static shapes, so with ``check_inputs=False`` a
 whole prefill runs with no host synchronisation and can be captured in a CUDA
@@ -17,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..constants import CHUNK_SIZE
+from ..constants import CHUNK_SIZE, KDA_HEAD_DIMS
+from ..platform import interpreting, is_gpu
 from ..validation.common import FLOAT_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
 from ..validation.kda import (
@@ -28,12 +35,15 @@ from ..validation.kda import (
     check_state_arguments,
     check_state_structure,
 )
-from .chunk import _resolve_groups, checkpoint_buffer, kda_prefill_walk
-from .hopper import hopper_kda_prefill, hopper_unsupported
+from .chunk import kda_prefill_walk
+from .groups import resolve_groups
+from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)
 from .metadata import prepare_chunk_metadata
+from .prefill_paths import BACKENDS, PrefillBackend, PrefillCall, Verdict, refusal, register, verify
 from .prologue import prepare_kda_prologue
+from .state import checkpoint_buffer
 
-__all__ = ["PREFILL_PATHS", "chunk_kda_prefill", "prefill_path"]
+__all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_path", "prefill_verdict"]
 
 PREFILL_PATHS = ("auto", "hopper", "portable")
 
@@ -43,30 +53,79 @@ PREFILL_PATHS = ("auto", "hopper", "portable")
 AUTO_PICKS_HOPPER = True
 
 
+def auto_order() -> tuple[str, ...]:
+    """The backends ``path="auto"`` asks, in order; the first whose verifier says yes
+    serves the call. ``"grouped"`` first: where the portable walk cuts the sequences
+    into chunk groups (long sequences on few heads) their parallel walk beats one CTA
+    per sequence and head, Hopper's included; ``"portable"`` last, the fallback."""
+    return ("grouped", "hopper", "portable") if AUTO_PICKS_HOPPER else ("grouped", "portable")
+
+
+def portable_verdict(call: PrefillCall) -> Verdict:
+    """The ``"portable"`` backend's verifier: the device runs the kernels (a CUDA/ROCm
+    GPU, or any device under the interpreter) and the head dims are served."""
+    if not (is_gpu(call.q.device) or interpreting()):
+        return False, f"needs a CUDA/ROCm device (or TRITON_INTERPRET=1), got {call.q.device}"
+    K, V = call.q.shape[3], call.v.shape[3]
+    if K not in KDA_HEAD_DIMS or V not in KDA_HEAD_DIMS:
+        return False, f"needs head dims K, V in {KDA_HEAD_DIMS}, got K={K}, V={V}"
+    return True, None
+
+
+def grouped_verdict(call: PrefillCall) -> Verdict:
+    """The ``"grouped"`` backend's verifier: the portable path serves the call and its
+    walk cuts the sequences into chunk groups (:func:`~kda_engram.kda.groups.resolve_groups`)."""
+    ok, reason = portable_verdict(call)
+    if not ok:
+        return ok, reason
+    H, K, V = call.q.shape[2], call.q.shape[3], call.v.shape[3]
+    n_groups, _ = resolve_groups(call.groups, None, call.tokens, call.num_seqs, H, K, V, call.q.device)
+    if n_groups == 1:
+        return False, "takes one chunk group here (the serial walk)"
+    return True, None
+
+
+def _serving(call: PrefillCall, path: str) -> tuple[PrefillBackend | None, str | None]:
+    """``(backend, None)``: the backend that serves ``call`` on ``path`` (for ``"auto"``
+    the first of :func:`auto_order` whose verifier says yes); else ``(None, refusal)``
+    with the refusal of the last backend asked (for ``"auto"``, the fallback's)."""
+    for name in (path,) if path != "auto" else auto_order():
+        ok, reason = verify(name, call)
+        if ok:
+            return BACKENDS[name], None
+    return None, refusal(name, reason)
+
+
+def prefill_verdict(call: PrefillCall, path: str = "auto") -> Verdict:
+    """Whether ``chunk_kda_prefill(path=path)`` serves ``call`` and, if not, the one-line
+    refusal it raises after ``"path: "`` (:func:`~kda_engram.kda.prefill_paths.refusal`)."""
+    backend, why = _serving(call, path)
+    return backend is not None, why
+
+
+def _backend(call: PrefillCall, path: str) -> PrefillBackend:
+    """The backend that serves ``call`` on ``path``, or a ``ValueError`` saying why none does."""
+    if path not in PREFILL_PATHS:
+        raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
+    backend, why = _serving(call, path)
+    if backend is None:
+        raise ValueError(f"path: {why}")
+    return backend
+
+
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
     """The path :func:`chunk_kda_prefill` takes for this call: ``"hopper"`` or ``"portable"``.
 
-    ``path="portable"`` always gives the portable path; ``"hopper"`` the Hopper
-    path or a ``ValueError`` saying why it cannot serve the call; ``"auto"`` (while
-    :data:`AUTO_PICKS_HOPPER`) the
-    Hopper path where it serves the call and the portable walk would not cut the
-    sequences into chunk groups (long sequences on few heads, where the groups'
-    parallel walk is faster than one CTA per sequence and head). Host facts only:
-    no device value is read."""
-    if path not in PREFILL_PATHS:
-        raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
-    if path == "portable":
-        return "portable"
-    reason = hopper_unsupported(q, v, out, groups=groups, conv_weight=conv_weight)
-    if path == "hopper":
-        if reason is not None:
-            raise ValueError(f"path: the Hopper path cannot serve this call: it {reason}")
-        return "hopper"
-    if reason is not None or not AUTO_PICKS_HOPPER:
-        return "portable"
-    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
-    n_groups, _ = _resolve_groups(groups, None, T, cu_seqlens.numel() - 1, H, K, V, q.device)
-    return "hopper" if n_groups == 1 else "portable"
+    ``path="portable"`` gives the portable path; ``"hopper"`` the Hopper
+    path; ``"auto"`` the first backend of :func:`auto_order` that serves the call: the
+    Hopper path (while :data:`AUTO_PICKS_HOPPER`) where it serves the call and the
+    portable walk would not cut the sequences into chunk groups (long sequences on few
+    heads, where the groups' parallel walk is faster than one CTA per sequence and
+    head), else the portable one. A path that cannot serve the call is a ``ValueError``
+    saying why (the backends' verifiers, :mod:`kda_engram.kda.prefill_paths`). Host
+    facts only: no device value is read."""
+    call = PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight)
+    return _backend(call, path).path
 
 
 def chunk_kda_prefill(
@@ -208,7 +267,7 @@ def chunk_kda_prefill(
     T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
     if scale is None:
         scale = K**-0.5
-    chosen = prefill_path(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight, path=path)
+    backend = _backend(PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight), path)
     # Launch, then read back: a broken rule turns the batch into empty sequences
     # whose rows are all "none", so the launches below touch no cache, no
     # checkpoint row and no conv row. (No-ops without queued rules.)
@@ -221,27 +280,39 @@ def chunk_kda_prefill(
     chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
-    if chosen == "hopper":
-        result = hopper_kda_prefill(
-            q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-            chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out, initial_state=initial_state,
-            output_final_state=output_final_state, state_cache=state_cache, state_indices=state_indices,
-            has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
-            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
-            conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
-            conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
-            gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-        )
-        checks.run()
-        return result
-    launch_prologue = prepare_kda_prologue(
+    result = backend.run(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+        chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out, initial_state=initial_state,
+        output_final_state=output_final_state, state_cache=state_cache, state_indices=state_indices,
+        has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+        checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
+        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
+        conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
+        gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, groups=groups,
+    )
+    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
+    return result
+
+
+def portable_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower_bound, cu_seqlens,
+                         chunk_offsets, chunk_indices, out, initial_state=None, output_final_state=False,
+                         state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
+                         checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
+                         conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None, gate="raw",
+                         qk_l2norm=True, beta_sigmoid=True, groups=None):
+    """The prefill on the portable path (the ``"portable"`` and ``"grouped"`` backends):
+    :func:`~kda_engram.kda.prologue.prepare_kda_prologue` then
+    :func:`~kda_engram.kda.chunk.kda_prefill_walk`, which cuts the sequences into chunk
+    groups where ``groups`` (or its heuristic) says so. Returns ``(out, final_state |
+    None)`` as :func:`chunk_kda_prefill` does (no checks here: the caller has validated
+    and guarded every argument)."""
+    ops = prepare_kda_prologue(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
         conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
         conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
         gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
-    )
-    ops = launch_prologue()
-    result = kda_prefill_walk(
+    )()
+    return kda_prefill_walk(
         ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
         initial_state, output_final_state,
         chunk_offsets=chunk_offsets,
@@ -253,8 +324,12 @@ def chunk_kda_prefill(
         has_initial_state=has_initial_state,
         groups=groups,
         final_state_dtype=final_state_dtype,
-        check_inputs=False,  # validated above; the operands come from the prologue
+        check_inputs=False,  # validated by the caller; the operands come from the prologue
         host_checked=True,
     )
-    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
-    return result
+
+
+register(PrefillBackend("portable", path="portable", title="the portable path", verify=portable_verdict,
+                        run=portable_kda_prefill))
+register(PrefillBackend("grouped", path="portable", title="the grouped walk", verify=grouped_verdict,
+                        run=portable_kda_prefill))

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..constants import STATE_DTYPES  # noqa: F401 (re-exported)
 
-__all__ = ["STATE_DTYPES", "rtne_bf16", "round_state", "store_value"]
+__all__ = ["STATE_DTYPES", "rtne_bf16", "round_state"]
 
 
 @triton.jit
@@ -42,15 +42,6 @@ def _to_bf16(x, NATIVE: tl.constexpr):
         return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
     else:
         return rtne_bf16(x)
-
-
-@triton.jit
-def store_value(x, STATE_BF16: tl.constexpr, NATIVE: tl.constexpr = False):
-    """The value a fp32 state tile is stored as: itself, or rounded to bf16."""
-    if STATE_BF16:
-        return _to_bf16(x, NATIVE)
-    else:
-        return x
 
 
 @triton.jit

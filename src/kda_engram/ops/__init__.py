@@ -44,10 +44,8 @@ argument combinations) and call the op: safe under capture and compile. A servin
 layer runs its own checks once per step and calls the ops with ``check_inputs=False``.
 ``chunk_kda_prefill`` and ``kda_prefill_walk`` are generated from their entry
 point's own signature (:class:`~kda_engram.ops.common.EntryOp`): same names and
-defaults, minus ``out``, plus the keyword ``check_inputs``. The ``torch.ops`` names of the
-renamed entry points stay as they were (``fused_kda_prologue``,
-``fused_kda_chunk``, ``fused_kda_decode_step``), and so do those Python names,
-as deprecated aliases.
+defaults, minus ``out``, plus the keyword ``check_inputs``. Each op's ``torch.ops``
+name is its Python function's name.
 
 Modules: :mod:`~kda_engram.ops.kda` (KDA), :mod:`~kda_engram.ops.engram`
 (Engram), :mod:`~kda_engram.ops.common` (handles, registration).
@@ -67,9 +65,6 @@ from .engram import (
 )
 from .kda import (
     chunk_kda_prefill,
-    fused_kda_chunk,
-    fused_kda_decode_step,
-    fused_kda_prologue,
     kda_conv_checkpoint,
     kda_conv_decode,
     kda_decode,
@@ -100,7 +95,4 @@ __all__ = [
     "engram_history_gather",
     "engram_history_scatter",
     "engram_history_checkpoint",
-    "fused_kda_prologue",
-    "fused_kda_chunk",
-    "fused_kda_decode_step",
 ]

@@ -7,13 +7,12 @@ from typing import Optional
 import torch
 
 from ..constants import CHUNK_SIZE
-from ..kda.chunk import allocate_final_state, checkpoint_buffer
+from ..kda.state import allocate_final_state, checkpoint_buffer
 from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from ..kda.conv import kda_conv_decode as _kda_conv_decode
 from ..kda.decode import kda_decode as _kda_decode
 from ..kda.decode import kda_decode_multi as _kda_decode_multi
-from ..kda.deprecated import deprecated_alias
 from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
@@ -46,9 +45,6 @@ __all__ = [
     "kda_layer_decode_step",
     "kda_prefill_prologue",
     "kda_prefill_walk",
-    "fused_kda_chunk",
-    "fused_kda_decode_step",
-    "fused_kda_prologue",
 ]
 
 
@@ -130,8 +126,7 @@ def _prologue_fake(a):
     )
 
 
-# The op name stays the historical one (graphs and engines may hold it).
-@kernel_op("fused_kda_prologue", mutates_args=("conv_state",), fake=_prologue_fake)
+@kernel_op("kda_prefill_prologue", mutates_args=("conv_state",), fake=_prologue_fake)
 def _kda_prefill_prologue_op(
     q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
     scale: float, lower_bound: Optional[float], cu_seqlens: Tensor,
@@ -206,7 +201,7 @@ def _walk_impl(a):
 #: ``config`` (a Python object; tuning only) and ``group_workspace`` (allocated by
 #: the op), plus ``check_inputs`` / ``host_checked`` (the wrapper checks).
 _WALK = EntryOp(
-    "fused_kda_chunk", _kda_prefill_walk,
+    "kda_prefill_walk", _kda_prefill_walk,
     host_only=("out", "check_inputs", "config", "group_workspace", "host_checked"),
     mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", impl=_walk_impl,
     fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
@@ -339,7 +334,7 @@ def _layer_decode_out(a):
     return torch.empty(*a.x.shape[:-1], H * V, dtype=a.out_dtype or a.x.dtype, device=a.x.device)
 
 
-@kernel_op("fused_kda_decode_step", mutates_args=("conv_state", "state_cache"), fake=_layer_decode_out)
+@kernel_op("kda_layer_decode_step", mutates_args=("conv_state", "state_cache"), fake=_layer_decode_out)
 def _kda_layer_decode_step_op(
     x: Tensor, raw_g: Tensor, raw_beta: Tensor, g_out: Tensor, conv_weight: Tensor, conv_state: Tensor,
     conv_state_indices: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor, state_cache: Tensor,
@@ -377,10 +372,3 @@ def kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, co
                                      dt_bias, o_norm_weight, state_cache, state_indices, opt_float(scale),
                                      opt_float(lower_bound), float(norm_eps), out_dtype)
 
-
-#: Deprecated old names (:mod:`kda_engram.kda.deprecated`).
-fused_kda_prologue = deprecated_alias(kda_prefill_prologue, "fused_kda_prologue",
-                                      "kda_engram.ops.kda_prefill_prologue")
-fused_kda_chunk = deprecated_alias(kda_prefill_walk, "fused_kda_chunk", "kda_engram.ops.kda_prefill_walk")
-fused_kda_decode_step = deprecated_alias(kda_layer_decode_step, "fused_kda_decode_step",
-                                         "kda_engram.ops.kda_layer_decode_step")

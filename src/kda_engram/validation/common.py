@@ -271,7 +271,7 @@ class DeviceChecks:
                 positions.append((flag_base[j] + flag, tuple(detail_base[j] + d for d in details)))
         self._values, self._positions, self._n_flags = values, positions, n_flags
         if values.is_cuda:
-            self._ready = _side_slot(values.device).mark_ready()
+            self._ready = side_slot(values.device).mark_ready()
 
     def seal(self) -> None:
         """Gather the queued rules now, before the launches they guard: the read-back
@@ -332,12 +332,12 @@ class DeviceChecks:
         if not self._rules:
             return
         rules, positions, values, ready = self._take()
-        message = _broken(rules, positions, read_back(values, ready))
+        message = broken_rule_message(rules, positions, read_back(values, ready))
         if message is not None:
             raise ValueError(message)
 
 
-def _broken(rules, positions, got: list[int]) -> str | None:
+def broken_rule_message(rules, positions, got: list[int]) -> str | None:
     """The message of the first broken rule of a read-back verdict, else None."""
     for rule, (flag, details) in zip(rules, positions):
         if got[flag]:
@@ -405,7 +405,7 @@ def _kept_tensor(n: int, device=None, pin_memory: bool = False) -> torch.Tensor:
 _SIDE = threading.local()
 
 
-def _side_slot(device: torch.device) -> _SideSlot:
+def side_slot(device: torch.device) -> _SideSlot:
     slots = getattr(_SIDE, "slots", None)
     if slots is None:
         slots = _SIDE.slots = {}
@@ -423,7 +423,7 @@ def read_back(values: torch.Tensor, ready=None) -> list[int]:
     for."""
     if not values.is_cuda or ready is None:
         return values.tolist()
-    slot = _side_slot(values.device)
+    slot = side_slot(values.device)
     n = values.numel()
     if slot.host.numel() < n:
         slot.host = _kept_tensor(max(n, 64), pin_memory=True)

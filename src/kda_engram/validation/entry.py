@@ -41,7 +41,7 @@ import warnings
 
 import torch
 
-from .common import DeviceChecks, _broken, _side_slot, can_read_back
+from .common import DeviceChecks, broken_rule_message, side_slot, can_read_back
 
 __all__ = ["EntryChecks", "raise_pending_errors", "settle_pending", "check_mode", "default_check_bound_ms"]
 
@@ -82,7 +82,7 @@ class _Pending:
         if not values.is_cuda:
             self.got = values.tolist()  # a CPU tensor: nothing to wait for
             return
-        slot = _side_slot(values.device)
+        slot = side_slot(values.device)
         n = values.numel()
         self.entry = host, marker, event = slot.take_buffer(n + 1)
         marker[n] = 0  # set to 1 by the second copy, once the verdict has landed
@@ -111,7 +111,7 @@ class _Pending:
             self.got = marker[:n].tolist()
             self.slot.give_back(self.entry)
             self.device_values = self.slot = self.entry = None
-        message = _broken(self.rules, self.positions, self.got)
+        message = broken_rule_message(self.rules, self.positions, self.got)
         if message is None:
             return None
         return f"{message} (from an earlier {self.origin} call, which wrote no cache)"

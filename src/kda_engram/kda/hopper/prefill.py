@@ -1,9 +1,10 @@
 """The Hopper prefill path: the folded prologue (two Triton launches,
-:mod:`kda_engram.kda.folded_prologue`) then the Gluon walk (one launch,
+:mod:`kda_engram.kda.hopper.folded_prologue`) then the Gluon walk (one launch,
 :mod:`kda_engram.kda.hopper.walk`).
 
-:func:`hopper_unsupported` says, in one line, why a call cannot take this path
-(``None`` when it can); :func:`hopper_kda_prefill` runs it with the contract of
+:func:`hopper_verdict` (the registered verifier of the ``"hopper"`` backend,
+:mod:`kda_engram.kda.prefill_paths`) says whether a call can take this path and, if
+not, why in one line; :func:`hopper_kda_prefill` runs it with the contract of
 :func:`kda_engram.kda.chunk_kda_prefill` (arguments assumed valid, guarded by the
 caller). Why a separate path: the portable walk's operands (``w, u, kg_t, aqk``)
 cost the prologue a second ``[64, V]`` solve and the walk 0.5 KB more per
@@ -15,37 +16,40 @@ from __future__ import annotations
 import torch
 
 from ...platform import arch, interpreting
-from ..chunk import allocate_final_state
-from ..folded_prologue import prepare_folded_prologue
+from ..prefill_paths import PrefillBackend, PrefillCall, Verdict, register
+from ..state import allocate_final_state
+from .folded_prologue import prepare_folded_prologue
 from .walk import folded_walk, tma_compatible
 
-__all__ = ["HOPPER_HEAD_DIMS", "hopper_kda_prefill", "hopper_unsupported"]
+__all__ = ["HOPPER_HEAD_DIMS", "hopper_kda_prefill", "hopper_verdict"]
 
 HOPPER_HEAD_DIMS = (128,)  # K = V: the head size compiled and checked on the GPU
 
 
-def hopper_unsupported(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, *, groups: int | None,
-                       conv_weight: torch.Tensor | None) -> str | None:
-    """Why the Hopper path cannot serve this call (one line), or ``None``."""
+def hopper_verdict(call: PrefillCall) -> Verdict:
+    """Whether the Hopper path serves ``call`` and, if not, why (one line): the
+    ``"hopper"`` backend's verifier (:mod:`kda_engram.kda.prefill_paths`)."""
+    q, v, out = call.q, call.v, call.out
     dev = q.device
     if dev.type != "cuda" or interpreting():
-        return f"needs a CUDA device running compiled kernels (got {dev.type}{', interpreter' if interpreting() else ''})"
+        return False, (f"needs a CUDA device running compiled kernels "
+                       f"(got {dev.type}{', interpreter' if interpreting() else ''})")
     if arch(dev) != "sm_90":
-        return f"needs an sm_90 GPU (Hopper), got {arch(dev)}"
+        return False, f"needs an sm_90 GPU (Hopper), got {arch(dev)}"
     if q.dtype != torch.bfloat16:  # the dtype its GPU tests check
-        return f"needs bf16 inputs, got {q.dtype}"
+        return False, f"needs bf16 inputs, got {q.dtype}"
     K, V = q.shape[3], v.shape[3]
     if K not in HOPPER_HEAD_DIMS or V not in HOPPER_HEAD_DIMS or K != V:
-        return f"needs K = V in {HOPPER_HEAD_DIMS}, got K = {K}, V = {V}"
+        return False, f"needs K = V in {HOPPER_HEAD_DIMS}, got K = {K}, V = {V}"
     if q.shape[1] == 0:
-        return "an empty batch (T = 0) needs no walk"
-    if groups is not None and groups != 1:
-        return f"has no chunk groups (groups={groups})"
-    if conv_weight is None and not tma_compatible(v):
-        return "v must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
+        return False, "an empty batch (T = 0) needs no walk"
+    if call.groups is not None and call.groups != 1:
+        return False, f"has no chunk groups (groups={call.groups})"
+    if call.conv_weight is None and not tma_compatible(v):
+        return False, "v must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
     if out is not None and not tma_compatible(out):
-        return "out must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
-    return None
+        return False, "out must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
+    return True, None
 
 
 def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower_bound, cu_seqlens,
@@ -53,10 +57,11 @@ def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower
                        state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
                        checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
                        conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None, gate="raw",
-                       qk_l2norm=True, beta_sigmoid=True):
+                       qk_l2norm=True, beta_sigmoid=True, groups=None):
     """The prefill on the Hopper path: returns ``(out, final_state | None)`` exactly as
     :func:`kda_engram.kda.chunk_kda_prefill` does (no checks here: the caller has
-    validated and guarded every argument, and :func:`hopper_unsupported` said yes).
+    validated and guarded every argument, and :func:`hopper_verdict` said yes; so
+    ``groups`` is ``None`` or 1: the path has no chunk groups).
 
     ``out`` ``[1, T, H, V]`` is written only inside the sequences; it may be ``v``
     (each chunk's ``v`` tile is read before its ``o`` tile is stored, by the same CTA)."""
@@ -77,4 +82,8 @@ def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower
                 checkpoint_state=checkpoint_state if checkpoint_offsets is not None else None,
                 checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices)
     return out, final_state
+
+
+register(PrefillBackend("hopper", path="hopper", title="the Hopper path", verify=hopper_verdict,
+                        run=hopper_kda_prefill))
 

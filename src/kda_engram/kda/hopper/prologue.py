@@ -3,7 +3,7 @@ raw_beta`` to the operands of the Gluon walk (:mod:`kda_engram.kda.hopper.walk`)
 the intra-chunk products on tensor cores (``warpgroup_mma``).
 
 Same outputs, layouts, dtypes and masking as
-:func:`kda_engram.kda.folded_prologue.prepare_folded_prologue` (the contract of
+:func:`kda_engram.kda.hopper.folded_prologue.prepare_folded_prologue` (the contract of
 :func:`kda_engram.kda.reference.naive_chunk_operands`, keys ``qg, kd, t_fold,
 a_fold, decay``). Why: the two Triton launches take 2.34 ms at 16x2k_H32 on an H100
 (255 registers, M = 16 ``tl.dot`` operands replicated in every warp, sub-chunks
@@ -49,7 +49,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
-from ..folded_prologue import allocate_folded_operands
+from .folded_prologue import allocate_folded_operands
 
 __all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "bench", "gluon_folded_prologue", "gluon_prologue_unsupported"]
 
@@ -344,7 +344,7 @@ def gluon_prologue_unsupported(q, lower_bound, *, gate="raw", num_warps=None) ->
 def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
                           conv_weight=None, conv_state=None, conv_state_indices=None, conv_has_initial_state=None,
                           *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True, maxnreg=None):
-    """Drop-in for :func:`kda_engram.kda.folded_prologue.prepare_folded_prologue`
+    """Drop-in for :func:`kda_engram.kda.hopper.folded_prologue.prepare_folded_prologue`
     (same arguments, assumed valid; same ``launch()`` returning ``dict(qg, kd,
     t_fold, a_fold, decay, v)``), one Gluon launch instead of two Triton ones.
 
@@ -403,7 +403,7 @@ def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: floa
     returns ``{name: ms}``."""
     import triton
 
-    from ..folded_prologue import prepare_folded_prologue
+    from .folded_prologue import prepare_folded_prologue
     from ..metadata import prepare_chunk_metadata
 
     dev = torch.device("cuda")

@@ -40,7 +40,7 @@ import sys
 import torch
 
 from ...engram.gate import engram_post_wkv
-from ...engram.reference import _gate_from_sums, shard_kv_by_dim
+from ...engram.reference import gate_from_sums, shard_kv_by_dim
 from ...engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
 from .common import bench_ms as _bench
 from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
@@ -106,7 +106,7 @@ def reference_math(hidden, kv, q, k):
     keys = kv[:, : hc * dim].float().view(T, hc, dim)
     value = kv[:, hc * dim :].float()
     qk = (q.float() * k.float())[None]
-    gate = _gate_from_sums(h, (keys * keys).sum(-1), (h * qk * keys).sum(-1), dim, EPS, CLAMP, None)
+    gate = gate_from_sums(h, (keys * keys).sum(-1), (h * qk * keys).sum(-1), dim, EPS, CLAMP, None)
     return (h + gate[..., None] * value[:, None, :]).to(hidden.dtype)
 
 

@@ -55,7 +55,7 @@ import sys
 
 import torch
 
-from ...kda.decode import _launch, decode_tiling, kda_decode, kda_decode_multi
+from ...kda.decode import decode_tiling, kda_decode, kda_decode_multi, launch_decode
 from .common import bench_ms as bench
 from .common import copy_bandwidth, write_json
 from ...validation.entry import default_check_bound_ms
@@ -139,7 +139,7 @@ def ours_fn(x, idx, cache, S, out, block_v=None, num_warps=None, check_inputs=Fa
     if block_v is not None:
         init = idx if S is None else idx[:, 0]
         strides = (idx.stride(0), 0) if S is None else idx.stride()
-        return lambda: _launch(
+        return lambda: launch_decode(
             *x.values(), cache, init, idx, out, None, LOWER_BOUND, steps=S or 1,
             init_stride=init.stride(0), idx_strides=strides, block_v=block_v, num_warps=num_warps,
             native_round=native_round,

@@ -58,13 +58,13 @@ import torch
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 from ...kda.chunk import chunk_config, kda_prefill_walk
-from ...kda.folded_prologue import prepare_folded_prologue
+from ...kda.hopper.folded_prologue import prepare_folded_prologue
 from ...kda.groups import chunk_groups
-from ...kda.hopper import hopper_unsupported
 from ...kda.hopper.walk import folded_walk
 from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
+from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
 from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
@@ -320,7 +320,7 @@ def _serving_rows(name, x, lengths, heads, device, quick) -> list[dict]:
 def _hopper_stages(x, out, offs, idx, quick):
     """``(folded prologue ms, Gluon walk ms)`` of the Hopper path on its own, or Nones
     where it cannot serve the inputs."""
-    if hopper_unsupported(x["q"], x["v"], out, groups=None, conv_weight=None) is not None:
+    if not verify("hopper", PrefillCall(x["q"], x["v"], out, cu_seqlens=x["cu"]))[0]:
         return None, None
     pro = prepare_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
                                   LOWER_BOUND, x["cu"], idx)
@@ -365,7 +365,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             fns = {"default": _ours_call(x, out, check_inputs=True), "nocheck": _ours_call(x, out),
                    "portable": _ours_call(x, out, path="portable")}
             picked_path = prefill_path(x["q"], x["v"], out, cu_seqlens=x["cu"])
-            hopper_reason = hopper_unsupported(x["q"], x["v"], out, groups=None, conv_weight=None)
+            hopper_reason = verify("hopper", PrefillCall(x["q"], x["v"], out, cu_seqlens=x["cu"]))[1]
             if hopper_reason is None:
                 try:
                     o_h, _ = _ours_call(x, path="hopper")()

@@ -30,7 +30,8 @@ from ...kda import kda_prefill_walk, kda_prefill_prologue
 from ...kda.groups import chunk_groups
 from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
-from .bench_kda_prefill import HEAD_DIM, LOWER_BOUND, _bench, kernel_times, make_inputs
+from .bench_kda_prefill import HEAD_DIM, LOWER_BOUND, kernel_times, make_inputs
+from .common import bench_ms as _bench
 
 SCAN_CASES = ((1, 131072, 4, 32), (1, 32768, 4, 16))  # (sequences, length, heads, forced G)
 GROUP_CASES = ((1, 32768, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 8), (2, 32768, 4), (1, 16384, 4),

@@ -7,7 +7,7 @@ with ``T = (I + A_kk)^-1`` and ``M = T diag(beta)``, ``t_fold = M^T kg`` and
 ``a_fold = A_qk M``, so the walk reads ``v`` itself and needs neither ``w`` nor
 ``u`` (``u - w S^T = M (v - kd S^T)``).
 
-1. The first launch is the prologue's (:func:`~kda_engram.kda.prologue._kda_prologue_intra_kernel`
+1. The first launch is the prologue's (:func:`~kda_engram.kda.prologue_kernels._kda_prologue_intra_kernel`
    with ``FOLDED``): L2 norms, gate, cumsum, ``qg``, ``kd``, ``decay``, ``A_qk``
    (into the ``a_fold`` buffer), the ``kg`` rows (into the ``t_fold`` buffer) and
    ``A_kk`` into an fp32 workspace; it never reads ``v``.
@@ -26,17 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import CHUNK_SIZE, SUB_CHUNK
-from .prologue import (
-    _launch_warps,
-    _load_rows,
-    _mm,
-    _program_chunk,
-    _store_rows,
-    _tri_inv,
-    intra_launcher,
-    prologue_dot_dtype,
-)
+from ...constants import CHUNK_SIZE, SUB_CHUNK
+from ..prologue import intra_launcher, launch_warps, prologue_dot_dtype
+from ..prologue_kernels import _load_rows, _mm, _program_chunk, _store_rows, _tri_inv
 
 __all__ = ["FOLD_WARPS", "allocate_folded_operands", "prepare_folded_prologue"]
 
@@ -189,8 +181,8 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
     V = v.shape[3]
     dev = q.device
     num_chunks = chunk_indices.shape[0]
-    intra_warps = _launch_warps(num_warps, dev, K, V)[0]
-    fold_warps = FOLD_WARPS if num_warps is None else _launch_warps(num_warps, dev, K, V)[1]
+    intra_warps = launch_warps(num_warps, dev, K, V)[0]
+    fold_warps = FOLD_WARPS if num_warps is None else launch_warps(num_warps, dev, K, V)[1]
     out = allocate_folded_operands(q, v, num_chunks)
     if num_chunks == 0 or H == 0:
         return lambda: out
