@@ -238,3 +238,12 @@ def first_fit_autotune():
             for key in set(tuner.cache) - keys:
                 del tuner.cache[key]
             tuner.__dict__.pop("first_fit_found", None)
+
+
+def sm90_or_skip(device, what: str) -> None:
+    """Skip a GPU test of an sm_90-only kernel (``what`` names it) on any other GPU."""
+    import pytest
+
+    major, _ = torch.cuda.get_device_capability(device)
+    if major != 9:
+        pytest.skip(f"{what} needs sm_90, this GPU is sm_{major}x")

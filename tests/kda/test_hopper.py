@@ -21,7 +21,7 @@ from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
 from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
 
-from ..helpers import make_raw, rel_rmse
+from ..helpers import make_raw, rel_rmse, sm90_or_skip
 
 # ----------------------------------------------------------------------------- CPU
 
@@ -90,12 +90,6 @@ def test_paths_are_registered_backends_that_answer_in_one_voice():
 # ----------------------------------------------------------------------------- GPU
 
 
-def _hopper_or_skip(device):
-    major, _ = torch.cuda.get_device_capability(device)
-    if major != 9:
-        pytest.skip(f"the Hopper path needs sm_90, this GPU is sm_{major}x")
-
-
 def _inputs(lengths, heads, device, seed=0, gate="random"):
     raw, cu = make_raw(lengths, H=heads, K=128, V=128, seed=seed, device=device)
     raw.update({n: raw[n].to(torch.bfloat16) for n in ("q", "k", "v", "raw_g", "raw_beta")})
@@ -112,7 +106,7 @@ def _inputs(lengths, heads, device, seed=0, gate="random"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
 def test_gpu_hopper_ragged_matches_fp64_and_portable(gpu, lower_bound):
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Hopper path")
     lengths = [1, 63, 64, 65, 0, 300, 1000, 1]
     heads = 4
     raw, cu = _inputs(lengths, heads, gpu, seed=5)
@@ -142,7 +136,7 @@ def test_gpu_hopper_ragged_matches_fp64_and_portable(gpu, lower_bound):
 def test_gpu_hopper_cache_checkpoints_out_is_v(gpu, state_dtype, indexed):
     """The serving call: paged cache (a -1 row, has_initial_state), 64-aligned
     checkpoints, out=v; rows not given stay untouched; equal to the portable path."""
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Hopper path")
     lengths = [128, 1, 0, 65, 200]
     heads, N = 2, 5
     raw, cu = _inputs(lengths, heads, gpu, seed=6)
@@ -185,7 +179,7 @@ def test_gpu_hopper_cache_checkpoints_out_is_v(gpu, state_dtype, indexed):
 def test_gpu_hopper_conv_strided_bands_and_determinism(gpu):
     """The conv path over strided bands of one projection, strided raw_g / raw_beta
     slices, a conv state: equal to the portable path; two runs bitwise equal."""
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Hopper path")
     heads, D = 4, 128
     lengths = [300, 0, 64, 77]
     T, N = sum(lengths), len(lengths)
@@ -234,7 +228,7 @@ def test_gpu_hopper_accuracy_32k_no_worse_than_fla(gpu, gate):
     """1 x 32768 tokens, 2 heads, random initial state, against the fp64 recurrence
     (run on the GPU): the Hopper path within 1.25x of the portable path's error and
     no worse than fla's (where fla imports) plus 10%."""
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Hopper path")
     lower_bound = None if gate.endswith("softplus") else -5.0
     raw, cu = _inputs([32768], 2, gpu, seed=9, gate=gate.split("-")[0])
     h0 = torch.randn(1, 2, 128, 128, device=gpu) * 0.1

@@ -25,7 +25,7 @@ from kda_engram.kda.hopper.prologue_model import model_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.reference import naive_chunk_operands
 
-from ..helpers import make_raw, rel_rmse
+from ..helpers import make_raw, rel_rmse, sm90_or_skip
 
 KEYS = ("qg", "kd", "t_fold", "a_fold")
 LENGTHS = [37, 64, 0, 130, 1, 200]
@@ -143,12 +143,6 @@ def test_launcher_refuses_what_it_cannot_serve():
 # ----------------------------------------------------------------------------- GPU
 
 
-def _hopper_or_skip(device):
-    major, _ = torch.cuda.get_device_capability(device)
-    if major != 9:
-        pytest.skip(f"the Gluon prologue needs sm_90, this GPU is sm_{major}x")
-
-
 def _gpu_inputs(lengths, H, device, seed):
     raw, cu = _raw(lengths, H, seed, correlated=False)
     raw = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "raw_g", "raw_beta") else t).to(device)
@@ -177,7 +171,7 @@ def _full_chunk_errors(x, ref, key, T):
 @pytest.mark.gpu
 @pytest.mark.gpu_mem(16)
 def test_gpu_gluon_prologue_16x2k_h32_matches_triton_and_fp64(gpu):
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon prologue")
     lengths, H = [2048] * 16, 32
     raw, cu, offsets, indices = _gpu_inputs(lengths, H, gpu, seed=11)
     T = sum(lengths)
@@ -200,7 +194,7 @@ def test_gpu_gluon_prologue_16x2k_h32_matches_triton_and_fp64(gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, -1.0])
 def test_gpu_gluon_prologue_ragged_matches_triton_fp64_and_model(gpu, lower_bound):
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon prologue")
     lengths, H = [1, 63, 64, 65, 0, 300, 1000, 1], 4
     raw, cu, offsets, indices = _gpu_inputs(lengths, H, gpu, seed=12)
     glu, tri = _both(raw, cu, indices, lower_bound)
@@ -227,7 +221,7 @@ def test_gpu_walk_on_gluon_prologue_matches_hopper_path(gpu, shape):
     from kda_engram.kda.hopper.walk import folded_walk
     from kda_engram.kda.reference import naive_recurrent_kda
 
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon prologue")
     lengths, H = shape
     raw, cu, offsets, indices = _gpu_inputs(lengths, H, gpu, seed=13)
     N = len(lengths)
@@ -263,6 +257,6 @@ def test_gpu_gluon_prologue_bench(gpu, capsys):
     """Prints the Gluon vs the Triton folded prologue at 16x2k_H32 (run with ``-s``)."""
     from kda_engram.kda.hopper.prologue import bench
 
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon prologue")
     with capsys.disabled():
         bench()

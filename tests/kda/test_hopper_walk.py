@@ -28,6 +28,8 @@ from kda_engram.kda.hopper.walk import folded_walk
 from kda_engram.kda.metadata import prepare_chunk_offsets
 from kda_engram.kda.reference import naive_chunk_operands, naive_recurrent_kda
 
+from ..helpers import sm90_or_skip
+
 C = 64  # tokens per chunk
 LENGTHS = [1000, 0, 1, 63, 64, 65, 2048, 37, 0]
 TOL_REF = 5e-3
@@ -53,12 +55,6 @@ GATES = {
 def _rel(x, ref) -> float:
     x, ref = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def _hopper_or_skip(device):
-    major, _ = torch.cuda.get_device_capability(device)
-    if major != 9:
-        pytest.skip(f"the Gluon walk needs sm_90, this GPU is sm_{major}x")
 
 
 def _emulated_walk(st, cu_seqlens, scale, initial_state):
@@ -142,7 +138,7 @@ def _walk(kin, scale, initial_state, final_state=True, **opts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", list(GATES))
 def test_gpu_walk_ragged_matches_fp64_and_the_recipe(gpu, gate):
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon walk")
     d = _case(LENGTHS, gate, gpu)
     o, s = _walk(d["kin"], d["scale"], d["init"])
     assert bool(torch.isfinite(o.float()).all()), "an o row inside the batch was not written"
@@ -162,7 +158,7 @@ def test_gpu_walk_ragged_matches_fp64_and_the_recipe(gpu, gate):
 @pytest.mark.gpu
 def test_gpu_walk_variants(gpu):
     """Same inputs (the first gate): V-half CTAs, synchronous wgmma, no initial state, no final state."""
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon walk")
     d = _case(LENGTHS, next(iter(GATES)), gpu)
     o_emu, s_emu = d["emu"]
     for name, opts in (("vb=64 (V-half CTAs, 4 warps)", dict(vb=64)), ("synchronous wgmma", dict(use_async=False))):
@@ -185,7 +181,7 @@ def test_gpu_walk_masks_rows_past_the_sequence_end(gpu):
     every operand row past its end and in the pad columns of its tail row's ``a_fold``
     (the contract says zeros) change no bit of ``o`` or the state, and the walk writes
     no ``o`` row past the end."""
-    _hopper_or_skip(gpu)
+    sm90_or_skip(gpu, "the Gluon walk")
     d = _case([65, 127], next(iter(GATES)), gpu)
     kin = dict(d["kin"], cu_seqlens=d["kin"]["cu_seqlens"][:2].clone(),
                chunk_offsets=d["kin"]["chunk_offsets"][:2].clone())
