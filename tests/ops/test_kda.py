@@ -23,11 +23,13 @@ def op_args(entry, *args, **kwargs):
     """An :class:`~kda_engram.ops.common.EntryOp`'s positional arguments, bound by name."""
     return tuple(entry.bind(args, kwargs).values())
 
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_kda_decode_ops(device):
     q, k, v, g, b, A, dt = (x[0, :2] if x.dim() > 1 else x for x in kda_raw(2, device))
     cache = rnd(3, H, K, K, seed=9, device=device, scale=0.3)
-    opcheck(ops.kda._kda_decode_op, (q, k, v, g, b, A, dt, cache, idx([2, -1], device), None, -5.0))
+    opcheck(ops.kda_decode.op, op_args(ops.kda_decode, q, k, v, g, b, A, dt, cache, idx([2, -1], device),
+                                         lower_bound=-5.0))
     qm, km, vm, gm, bm = (x.reshape(1, 2, *x.shape[1:]) for x in (q, k, v, g, b))
     opcheck(ops.kda._kda_decode_multi_op, (qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device),
                                            idx([2], device), 0.2, None))
@@ -51,14 +53,14 @@ def test_opcheck_kda_prefill_ops(device):
     operands = [opr[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
     cache = rnd(4, H, K, K, seed=13, device=device, scale=0.3)
     state_idx, ck_off, ck_idx = idx([1, 2], device), idx([0, 64], device), idx([-1, 3], device)
-    walk = ops.kda._WALK
+    walk = ops.kda_prefill_walk
     # Checkpoints into the state cache itself (checkpoint_state=None), then a final state.
     opcheck(walk.op, op_args(walk, *operands, K**-0.5, cu, None, False, checkpoint_offsets=ck_off,
                              checkpoint_state_indices=ck_idx, state_cache=cache, state_indices=state_idx,
                              has_initial_state=has))
     opcheck(walk.op, op_args(walk, *operands, K**-0.5, cu, None, True))
     ck = torch.zeros(2, H, K, K, device=device)
-    prefill = ops.kda._PREFILL
+    prefill = ops.chunk_kda_prefill
     opcheck(prefill.op, op_args(prefill, q, k, v, g, b, A, dt, cu_seqlens=cu, lower_bound=-5.0, state_cache=cache,
                                 state_indices=state_idx, has_initial_state=has, checkpoint_state=ck,
                                 checkpoint_offsets=ck_off, conv_weight=cw, conv_state=conv,

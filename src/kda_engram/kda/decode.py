@@ -331,6 +331,16 @@ def kda_decode(
         state_indices = guard_decode_indices(state_indices, batch, state_cache, checks)
         if gate == "log_decay":  # the index launch guards by its own rules: add the gate's
             state_indices = checks.guard(state_indices, -1)
+    out = run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, scale=scale,
+                         lower_bound=lower_bound, out=out, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+    checks.run()  # the verdict (index range and distinctness): deferred, see validation.entry
+    return out
+
+
+def run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, *, scale=None,
+                   lower_bound=None, out=None, gate="raw", qk_l2norm=True, beta_sigmoid=True) -> torch.Tensor:
+    """:func:`kda_decode`'s launch without any rule: the caller has run them (and
+    guarded ``state_indices``); the eager body of its op (:mod:`kda_engram.ops.kda`)."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     launch_decode(
@@ -338,7 +348,6 @@ def kda_decode(
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
-    checks.run()  # the verdict (index range and distinctness): deferred, see validation.entry
     return out
 
 

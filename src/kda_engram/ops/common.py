@@ -119,38 +119,66 @@ def _schema_type(annotation, name: str, alias: str | None) -> str:
 
 
 class EntryOp:
-    """A custom op made from a kernel entry point's own signature, so that the
-    argument list exists once: on the entry point.
+    """One custom op and its public Python wrapper, made from a kernel entry point's
+    own signature, so that the argument list exists once: on the entry point.
 
-    * the schema is the entry point's parameters minus ``host_only`` (arguments
-      that do not cross the op), typed from their annotations; ``mutates_args``
-      are the caches it writes in place;
-    * ``impl(a)`` (the eager implementation: it calls the entry point with
-      ``check_inputs=False``) and ``fake(a)`` take one namespace of the arguments
-      by name (``a.q``, ``a.state_cache``);
-    * :attr:`signature` is the entry point's signature without ``host_only``: the
-      public Python wrapper's, with the same names, order and defaults
-      (:meth:`bind` fills the defaults and refuses an unknown name)."""
+    * the schema is the entry point's parameters minus ``check_inputs`` and
+      ``host_only`` (arguments that do not cross the op), typed from their
+      annotations; ``handles`` names the arguments that cross as an integer
+      :func:`handle` (``{"layout": EngramLayout}``); ``mutates_args`` are the caches
+      the op writes in place;
+    * ``rules(a)`` are the entry point's host rules (shapes, dtypes, devices,
+      combinations: no device read), the same validation functions the entry point
+      runs, on the call's arguments by name (a dict it may normalise, e.g. a scalar
+      to ``float``); ``run(a)`` is the eager implementation, the entry point's launch
+      without any rule (the wrapper has run them, once); ``fake(a)`` gives the
+      outputs from the arguments alone; ``run`` and ``fake`` take one namespace of
+      the arguments by name (``a.q``, ``a.state_cache``, handles resolved for
+      ``run``); ``result(a, value)`` turns the op's value into the entry point's
+      (default: as it is).
 
-    def __init__(self, name: str, entry, *, host_only: tuple[str, ...], mutates_args: tuple[str, ...],
-                 returns: str, impl, fake):
+    :attr:`function` is the public wrapper, with the entry point's signature (less
+    ``host_only``) and the keyword ``check_inputs``:
+
+    * ``check_inputs=True`` or ``"sync"`` (and not while ``torch.compile`` traces):
+      the entry point itself, with every rule, guarded launches and the deferred
+      verdict (:func:`entry_checks`);
+    * ``False`` (a CUDA-graph-captured or compiled engine), or while ``torch.compile``
+      traces: ``rules`` then the op;
+    * ``function.unchecked(...)``: the op alone, for a caller that has run the same
+      rules itself (the layers check a whole step once);
+    * ``function.op`` is the custom op, ``function.bind(args, kwargs)`` the call's
+      arguments by name in the op's order."""
+
+    def __init__(self, name: str, entry, *, run, rules, fake, returns: str, mutates_args: tuple[str, ...] = (),
+                 host_only: tuple[str, ...] = (), handles: dict | None = None, result=None, doc: str | None = None):
         sig = inspect.signature(entry)
+        host_only = (*host_only, "check_inputs")
         unknown = set(host_only) - set(sig.parameters)
         if unknown:
             raise ValueError(f"host_only: {sorted(unknown)} are not parameters of {entry.__name__}")
+        self.handles = dict(handles or {})
         params = [p for n, p in sig.parameters.items() if n not in host_only]
         self.signature = sig.replace(parameters=params)
         self.names = tuple(p.name for p in params)
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         aliases = iter("abcdefgh")
-        fields = [f"{_schema_type(p.annotation, p.name, next(aliases) if p.name in mutates_args else None)} {p.name}"
-                  for p in params]
+        fields = []
+        for p in params:
+            alias = next(aliases) if p.name in mutates_args else None
+            kind = "int" if p.name in self.handles else p.annotation
+            fields.append(f"{_schema_type(kind, p.name, alias)} {p.name}")
         self.schema = f"({', '.join(fields)}) -> {returns}"
-        names = self.names
+        self.entry, self.rules = entry, rules
+        self.result = result if result is not None else (lambda a, value: value)
+        names, kinds = self.names, self.handles
 
         def eager_impl(*args):
-            return impl(types.SimpleNamespace(**dict(zip(names, args))))
+            a = dict(zip(names, args))
+            for n, cls in kinds.items():
+                a[n] = resolve(a[n], cls)
+            return run(types.SimpleNamespace(**a))
 
         def fake_impl(*args):
             return fake(types.SimpleNamespace(**dict(zip(names, args))))
@@ -158,6 +186,7 @@ class EntryOp:
         self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", eager_impl, mutates_args=mutates_args,
                                           schema=self.schema)
         self.op.register_fake(fake_impl)
+        self.function = self._wrapper(name, doc or "")
 
     def bind(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name, in the op's order, defaults filled in
@@ -176,6 +205,41 @@ class EntryOp:
             raise TypeError(f"missing required arguments: {', '.join(missing)}")
         return {n: call[n] if n in call else self.defaults[n] for n in self.names}
 
-    def __call__(self, call: dict):
-        """Run the op on a :meth:`bind` result."""
-        return self.op(*(call[n] for n in self.names))
+    def cross(self, a: dict):
+        """Run the op on a :meth:`bind` result (objects become their handles) and
+        give the entry point's kind of value."""
+        value = self.op(*(handle(a[n]) if n in self.handles else a[n] for n in self.names))
+        return self.result(a, value)
+
+    def _wrapper(self, name: str, doc: str):
+        entry, rules, kinds = self.entry, self.rules, self.handles
+
+        def function(*args, check_inputs=True, **kwargs):
+            a = self.bind(args, kwargs)
+            if entry_checks(check_inputs):
+                for n, cls in kinds.items():
+                    a[n] = _as_object(n, a[n], cls)
+                return entry(**a, check_inputs=check_inputs)
+            rules(a)
+            return self.cross(a)
+
+        def unchecked(*args, **kwargs):
+            return self.cross(self.bind(args, kwargs))
+
+        extra = inspect.Parameter("check_inputs", inspect.Parameter.KEYWORD_ONLY, default=True)
+        function.__signature__ = self.signature.replace(parameters=[*self.signature.parameters.values(), extra])
+        function.__name__ = function.__qualname__ = name
+        function.__doc__ = doc
+        function.__wrapped_entry__ = entry
+        function.op, function.bind, function.unchecked = self.op, self.bind, unchecked
+        unchecked.__signature__ = self.signature
+        unchecked.__name__ = unchecked.__qualname__ = f"{name}.unchecked"
+        return function
+
+
+def _as_object(name: str, value, cls):
+    """A handle argument as its object (the entry points take the object)."""
+    obj = resolve(value, cls) if isinstance(value, int) else value
+    if not isinstance(obj, cls):
+        raise TypeError(f"{name}: expected an {cls.__name__} or its handle, got {type(value).__name__}")
+    return obj

@@ -12,6 +12,7 @@ from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from ..kda.conv import kda_conv_decode as _kda_conv_decode
 from ..kda.decode import kda_decode as _kda_decode
+from ..kda.decode import run_kda_decode
 from ..kda.decode import kda_decode_multi as _kda_decode_multi
 from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
@@ -55,16 +56,6 @@ def _empty_state(H: int, V: int, K: int, device) -> Tensor:
 # ------------------------------------------------------------------------- KDA decode
 
 
-@kernel_op("kda_decode", mutates_args=("state_cache",), fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype,
-                                                                                  device=a.v.device))
-def _kda_decode_op(
-    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
-    state_cache: Tensor, state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float],
-) -> Tensor:
-    return _kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                       scale=scale, lower_bound=lower_bound, check_inputs=False)
-
-
 @kernel_op("kda_decode_multi", mutates_args=("state_cache",),
            fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype, device=a.v.device))
 def _kda_decode_multi_op(
@@ -76,19 +67,24 @@ def _kda_decode_multi_op(
                              initial_state_indices, scale=scale, lower_bound=lower_bound, check_inputs=False)
 
 
-def kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, *,
-               scale: float | None = None, lower_bound: float | None = None, check_inputs=True) -> Tensor:
-    """:func:`kda_engram.kda.decode.kda_decode` as an op (``state_cache`` mutated).
-    ``check_inputs`` as in the function (:func:`~kda_engram.ops.common.entry_checks`):
-    ``False`` runs the host rules only, the row indices are then the caller's contract."""
-    if entry_checks(check_inputs):
-        return _kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, scale=scale,
-                           lower_bound=lower_bound, check_inputs=check_inputs)
-    (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
-                                   lead=1)
-    check_decode_indices(state_indices, batch, state_cache, None)
-    return _kda_decode_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                          opt_float(scale), opt_float(lower_bound))
+def _decode_rules(a):
+    """:func:`~kda_engram.kda.decode.kda_decode`'s host rules (no device read)."""
+    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
+    (batch,) = check_decode_inputs(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+                                   a["state_cache"], None, a["scale"], a["lower_bound"], lead=1)
+    check_decode_indices(a["state_indices"], batch, a["state_cache"], None)
+    a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
+
+
+kda_decode = EntryOp(
+    "kda_decode", _kda_decode, host_only=("out",), mutates_args=("state_cache",), returns="Tensor",
+    rules=_decode_rules, run=lambda a: run_kda_decode(**vars(a)),
+    fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype, device=a.v.device),
+    doc=""":func:`kda_engram.kda.decode.kda_decode` as an op (``state_cache`` mutated,
+    ``out`` allocated by the op). ``check_inputs`` as in the function
+    (:class:`~kda_engram.ops.common.EntryOp`): ``False`` runs the host rules only, the
+    row indices are then the caller's contract.""",
+).function
 
 
 def kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
@@ -189,41 +185,8 @@ def _structure_rules(a):
         a["checkpoint_state"] = None
 
 
-def _walk_impl(a):
-    T, H, V, K = a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3]
-    out = torch.empty(1, T, H, V, dtype=a.u.dtype, device=a.u.device)
-    _, final = _kda_prefill_walk(**vars(a), out=out, check_inputs=False, host_checked=True)
-    return out, (final if final is not None else _empty_state(H, V, K, a.u.device))
-
-
-#: The walk's op: every argument of :func:`kda_engram.kda.chunk.kda_prefill_walk`
-#: but ``out`` (allocated by the op: an op's output cannot alias an input),
-#: ``config`` (a Python object; tuning only) and ``group_workspace`` (allocated by
-#: the op), plus ``check_inputs`` / ``host_checked`` (the wrapper checks).
-_WALK = EntryOp(
-    "kda_prefill_walk", _kda_prefill_walk,
-    host_only=("out", "check_inputs", "config", "group_workspace", "host_checked"),
-    mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", impl=_walk_impl,
-    fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
-                                         a.u.device),
-)
-
-
-def _with_check_inputs(entry_op: EntryOp):
-    """The op's signature plus the keyword ``check_inputs`` (default True)."""
-    extra = inspect.Parameter("check_inputs", inspect.Parameter.KEYWORD_ONLY, default=True)
-    sig = entry_op.signature
-    return sig.replace(parameters=[*sig.parameters.values(), extra])
-
-
-def kda_prefill_walk(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tensor | None]:
-    """:func:`kda_engram.kda.chunk.kda_prefill_walk` as an op (the same arguments
-    but those the op cannot take, see ``_WALK``). Returns ``(out, final_state | None)``.
-    ``check_inputs`` as in :func:`kda_decode`."""
-    a = _WALK.bind(args, kwargs)
-    if entry_checks(check_inputs):
-        out, final = _kda_prefill_walk(**a, check_inputs=check_inputs)
-        return out, (final if a["output_final_state"] else None)
+def _walk_rules(a):
+    """:func:`~kda_engram.kda.chunk.kda_prefill_walk`'s host rules (no device read)."""
     _structure_rules(a)
     T, H, K, V = check_chunk_operands(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None)
     check_scale(a["scale"], allow_none=False)
@@ -233,42 +196,40 @@ def kda_prefill_walk(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tensor
         check_tensor("chunk_offsets", a["chunk_offsets"], shape=[a["cu_seqlens"].numel()], dtypes=INDEX_DTYPES,
                      device=a["qg"].device)
     a["scale"] = float(a["scale"])
-    out, final = _WALK(a)
+
+
+def _walk_run(a):
+    T, H, V, K = a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3]
+    out = torch.empty(1, T, H, V, dtype=a.u.dtype, device=a.u.device)
+    _, final = _kda_prefill_walk(**vars(a), out=out, check_inputs=False, host_checked=True)
+    return out, (final if final is not None else _empty_state(H, V, K, a.u.device))
+
+
+def _no_empty_final(a, value):
+    out, final = value
     return out, (final if a["output_final_state"] else None)
 
 
-kda_prefill_walk.__signature__ = _with_check_inputs(_WALK)
+#: The walk's op: every argument of :func:`kda_engram.kda.chunk.kda_prefill_walk`
+#: but ``out`` (allocated by the op: an op's output cannot alias an input),
+#: ``config`` (a Python object; tuning only) and ``group_workspace`` (allocated by
+#: the op).
+kda_prefill_walk = EntryOp(
+    "kda_prefill_walk", _kda_prefill_walk,
+    host_only=("out", "config", "group_workspace", "host_checked"),
+    mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", rules=_walk_rules, run=_walk_run,
+    fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
+                                         a.u.device),
+    result=_no_empty_final,
+    doc=""":func:`kda_engram.kda.chunk.kda_prefill_walk` as an op (the same arguments
+    but ``out``, ``config`` and ``group_workspace``; ``state_cache`` and
+    ``checkpoint_state`` mutated). Returns ``(out, final_state | None)``.
+    ``check_inputs`` as in :func:`kda_decode`.""",
+).function
 
 
-def _prefill_impl(a):
-    H, K, V = a.q.shape[2], a.q.shape[3], a.v.shape[3]
-    out, final = _chunk_kda_prefill(**vars(a), check_inputs=False, host_checked=True)
-    return out, (final if final is not None else _empty_state(H, V, K, a.q.device))
-
-
-#: The prefill's op: every argument of :func:`kda_engram.kda.prefill.chunk_kda_prefill`
-#: but ``out`` (allocated by the op: an op's output cannot alias an input, and
-#: ``out=v`` would make a mutated argument alias another) and ``check_inputs`` /
-#: ``host_checked`` (the wrapper runs the host rules; the op reads no device value).
-_PREFILL = EntryOp(
-    "chunk_kda_prefill", _chunk_kda_prefill,
-    host_only=("out", "check_inputs", "host_checked"),
-    mutates_args=("state_cache", "checkpoint_state", "conv_state"), returns="(Tensor, Tensor)", impl=_prefill_impl,
-    fake=lambda a: _prefill_outputs_fake(a, a.q.shape[1], a.q.shape[2], a.v.shape[3], a.q.shape[3], a.v.dtype,
-                                         a.v.device),
-)
-
-
-def chunk_kda_prefill(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tensor | None]:
-    """:func:`kda_engram.kda.prefill.chunk_kda_prefill` as an op, with its
-    signature but ``out`` (see ``_PREFILL``): ``state_cache``, ``checkpoint_state``
-    and ``conv_state`` mutated, ``out`` allocated by the op. ``check_inputs`` as in
-    :func:`kda_decode`: by default the function's own checks; with ``False`` (or
-    while ``torch.compile`` traces) the host rules run here, once (no device read:
-    capture- and compile-safe). Returns ``(out, final_state | None)``."""
-    a = _PREFILL.bind(args, kwargs)
-    if entry_checks(check_inputs):
-        return _chunk_kda_prefill(**a, check_inputs=check_inputs)
+def _prefill_rules(a):
+    """:func:`~kda_engram.kda.prefill.chunk_kda_prefill`'s host rules (no device read)."""
     _structure_rules(a)
     check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
     _, H, K, V = check_prologue_arguments(
@@ -278,11 +239,31 @@ def chunk_kda_prefill(*args, check_inputs=True, **kwargs) -> tuple[Tensor, Tenso
     )
     _state_host_rules(a, H, K, V, a["q"].device)
     a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
-    out, final = _PREFILL(a)
-    return out, (final if a["output_final_state"] else None)
 
 
-chunk_kda_prefill.__signature__ = _with_check_inputs(_PREFILL)
+def _prefill_run(a):
+    H, K, V = a.q.shape[2], a.q.shape[3], a.v.shape[3]
+    out, final = _chunk_kda_prefill(**vars(a), check_inputs=False, host_checked=True)
+    return out, (final if final is not None else _empty_state(H, V, K, a.q.device))
+
+
+#: The prefill's op: every argument of :func:`kda_engram.kda.prefill.chunk_kda_prefill`
+#: but ``out`` (allocated by the op: an op's output cannot alias an input, and
+#: ``out=v`` would make a mutated argument alias another).
+chunk_kda_prefill = EntryOp(
+    "chunk_kda_prefill", _chunk_kda_prefill,
+    host_only=("out", "host_checked"),
+    mutates_args=("state_cache", "checkpoint_state", "conv_state"), returns="(Tensor, Tensor)", rules=_prefill_rules,
+    run=_prefill_run, result=_no_empty_final,
+    fake=lambda a: _prefill_outputs_fake(a, a.q.shape[1], a.q.shape[2], a.v.shape[3], a.q.shape[3], a.v.dtype,
+                                         a.v.device),
+    doc=""":func:`kda_engram.kda.prefill.chunk_kda_prefill` as an op, with its
+    signature but ``out``: ``state_cache``, ``checkpoint_state`` and ``conv_state``
+    mutated, ``out`` allocated by the op. ``check_inputs`` as in :func:`kda_decode`:
+    by default the function's own checks; with ``False`` (or while ``torch.compile``
+    traces) the host rules run here, once (no device read: capture- and
+    compile-safe). Returns ``(out, final_state | None)``.""",
+).function
 
 
 # --------------------------------------------------------------------------- KDA conv
