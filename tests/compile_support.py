@@ -210,6 +210,7 @@ def drive_hopper_variants() -> None:
     checkpoints), both gate forms and the conv path."""
     import torch
 
+    from kda_engram.bundles import ConvArgs, KDAInputs, StateArgs
     from kda_engram.kda.hopper import hopper_kda_prefill
     from kda_engram.kda.metadata import prepare_chunk_metadata
 
@@ -217,24 +218,28 @@ def drive_hopper_variants() -> None:
     cu = torch.tensor([0, 1000, T], dtype=torch.int32)
     offsets, indices = prepare_chunk_metadata(cu, T)
     x = {n: torch.zeros(1, T, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
-    base = dict(raw_beta=torch.zeros(1, T, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
-                scale=D ** -0.5, cu_seqlens=cu, chunk_offsets=offsets, chunk_indices=indices)
+    x.update(raw_beta=torch.zeros(1, T, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+             scale=D ** -0.5)
+    base = dict(cu_seqlens=cu, chunk_offsets=offsets, chunk_indices=indices)
+
+    def run(state=StateArgs(), conv=ConvArgs(), **inputs):
+        hopper_kda_prefill(KDAInputs.pick({**x, **inputs}), **base, out=out, state=state, conv=conv)
+
     with torch.no_grad():
         out = torch.empty(1, T, H, D, dtype=dt)
-        hopper_kda_prefill(**x, **base, lower_bound=-5.0, out=out)
-        hopper_kda_prefill(**x, **base, lower_bound=None, out=out, initial_state=torch.zeros(2, H, D, D),
-                           output_final_state=True)
+        run(lower_bound=-5.0)
+        run(StateArgs(initial_state=torch.zeros(2, H, D, D), output_final_state=True), lower_bound=None)
         for sd, indexed in ((dt, True), (torch.float32, False)):
             cache = torch.zeros(6, H, D, D, dtype=sd)
-            hopper_kda_prefill(**x, **base, lower_bound=-5.0, out=out, state_cache=cache,
-                               state_indices=torch.tensor([0, 1]), has_initial_state=torch.ones(2, dtype=torch.bool),
-                               checkpoint_state=cache, checkpoint_offsets=torch.tensor([512, 1024]),
-                               checkpoint_state_indices=torch.tensor([2, 3]) if indexed else None)
+            run(StateArgs(state_cache=cache, state_indices=torch.tensor([0, 1]),
+                          has_initial_state=torch.ones(2, dtype=torch.bool), checkpoint_state=cache,
+                          checkpoint_offsets=torch.tensor([512, 1024]),
+                          checkpoint_state_indices=torch.tensor([2, 3]) if indexed else None), lower_bound=-5.0)
         C = 3 * H * D
         proj = torch.zeros(1, T, C, dtype=dt)
         bands = [proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(3)]
-        hopper_kda_prefill(*bands, x["raw_g"], **base, lower_bound=-5.0, out=out,
-                           conv_weight=torch.zeros(C, 4, dtype=dt))
+        run(conv=ConvArgs(conv_weight=torch.zeros(C, 4, dtype=dt)), q=bands[0], k=bands[1], v=bands[2],
+            lower_bound=-5.0)
     drive_gluon_prologue_variants()
 
 

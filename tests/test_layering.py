@@ -8,8 +8,8 @@ Layers, top to bottom (a module may import from its own layer and any below):
 2. ``layers`` (the serving ``nn.Module``s) and ``integrations`` (the fla / vLLM adapters);
 3. ``ops`` (the ``torch.ops`` wrappers);
 4. the kernel families: ``kda``, ``engram``;
-5. the base: ``parallel``, ``platform``, ``validation``, ``constants``,
-   ``launch_config``.
+5. the base: ``parallel``, ``platform``, ``validation``, ``bundles`` (the argument
+   bundles the validation and the kernels take), ``constants``, ``launch_config``.
 
 The plain-PyTorch references (``kda/reference.py``, ``engram/reference.py``,
 ``layers/reference.py``) sit beside what they check but are not used by it: only the tools,
@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", (f"{PACKAGE}.layers", f"{PACKAGE}.integrations")),
     ("ops", (f"{PACKAGE}.ops",)),
     ("kernels", (f"{PACKAGE}.kda", f"{PACKAGE}.engram")),
-    ("base", (f"{PACKAGE}.parallel", f"{PACKAGE}.platform", f"{PACKAGE}.validation", f"{PACKAGE}.constants",
-              f"{PACKAGE}.launch_config")),
+    ("base", (f"{PACKAGE}.parallel", f"{PACKAGE}.platform", f"{PACKAGE}.validation", f"{PACKAGE}.bundles",
+              f"{PACKAGE}.constants", f"{PACKAGE}.launch_config")),
 ]
 
 REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.layers.reference"}

@@ -217,6 +217,7 @@ def test_gpu_gluon_prologue_ragged_matches_triton_fp64_and_model(gpu, lower_boun
 def test_gpu_walk_on_gluon_prologue_matches_hopper_path(gpu, shape):
     """The Gluon walk on the Gluon prologue's operands gives the Hopper path's ``o`` and
     final state (Triton prologue + the same walk), and is as close to fp64 (ragged)."""
+    from kda_engram.bundles import ConvArgs, KDAInputs, StateArgs
     from kda_engram.kda.hopper.prefill import hopper_kda_prefill
     from kda_engram.kda.hopper.walk import folded_walk
     from kda_engram.kda.reference import naive_recurrent_kda
@@ -233,9 +234,11 @@ def test_gpu_walk_on_gluon_prologue_matches_hopper_path(gpu, shape):
     f_g = torch.empty(N, H, 128, 128, device=gpu)
     folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], o_g, scale, cu, offsets,
                 initial_state=h0, final_state=f_g)
-    o_h, f_h = hopper_kda_prefill(*args, scale=scale, lower_bound=-5.0, cu_seqlens=cu, chunk_offsets=offsets,
-                                  chunk_indices=indices, out=torch.empty_like(raw["v"]), initial_state=h0,
-                                  output_final_state=True)
+    inputs = KDAInputs.pick({**raw, "scale": scale, "lower_bound": -5.0})
+    o_h, f_h = hopper_kda_prefill(inputs, cu_seqlens=cu, chunk_offsets=offsets, chunk_indices=indices,
+                                  out=torch.empty_like(raw["v"]), state=StateArgs(initial_state=h0,
+                                                                                  output_final_state=True),
+                                  conv=ConvArgs())
     torch.cuda.synchronize()
     bounds = cu.tolist()
     for n, length in enumerate(lengths):

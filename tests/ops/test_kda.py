@@ -142,8 +142,8 @@ def test_the_op_wrappers_have_their_entry_points_signatures():
     ``out`` (and for the walk ``config``, ``group_workspace``), then the
     functions' ``check_inputs`` switch (issue 46), keyword-only, default True."""
     for wrapper, entry, host_only in (
-        (ops.chunk_kda_prefill, prefill_direct, {"out", "check_inputs", "host_checked"}),
-        (ops.kda_prefill_walk, walk_direct, {"out", "check_inputs", "host_checked", "config", "group_workspace"}),
+        (ops.chunk_kda_prefill, prefill_direct, {"out", "check_inputs"}),
+        (ops.kda_prefill_walk, walk_direct, {"out", "check_inputs", "config", "group_workspace"}),
     ):
         want = [p for n, p in inspect.signature(entry).parameters.items() if n not in host_only]
         got = list(inspect.signature(wrapper).parameters.values())
@@ -175,27 +175,34 @@ def test_prefill_options_cross_the_op():
 
 
 def test_state_structure_runs_once_per_prefill(monkeypatch):
-    """One prefill through the op checks the argument combinations once (the op
-    wrapper), not again in the entry point and the walk."""
+    """One prefill, through the op (checked or not) or the function, checks the
+    state's argument combinations once: the rules run at entry, the op's eager body
+    and the paths run none (issue 45: no ``host_checked`` flag)."""
     import kda_engram.kda.chunk as chunk_mod
     import kda_engram.kda.prefill as prefill_mod
-    import kda_engram.ops.kda as ops_kda
 
     calls = []
-    real = ops_kda.check_state_structure
+    real = chunk_mod.check_state_structure
 
     def counting(*args):
         calls.append(args)
         return real(*args)
 
-    for mod in (ops_kda, prefill_mod, chunk_mod):
+    for mod in (prefill_mod, chunk_mod):
         monkeypatch.setattr(mod, "check_state_structure", counting)
     q, k, v, g, b, A, dt = kda_raw(64, "cpu")
-    ops.chunk_kda_prefill(q, k, v, g, b, A, dt, cu_seqlens=idx([0, 64], "cpu"), output_final_state=True)
-    assert len(calls) == 1
-    calls.clear()
-    prefill_direct(q, k, v, g, b, A, dt, cu_seqlens=idx([0, 64], "cpu"), output_final_state=True)
-    assert len(calls) == 1
+    for run in (lambda **kw: ops.chunk_kda_prefill(q, k, v, g, b, A, dt, **kw),
+                lambda **kw: prefill_direct(q, k, v, g, b, A, dt, **kw)):
+        for check in (True, False):
+            calls.clear()
+            run(cu_seqlens=idx([0, 64], "cpu"), output_final_state=True, check_inputs=check)
+            assert len(calls) == 1, check
+    operands = ops.kda_prefill_prologue(q, k, v, g, b, A, dt, K**-0.5, None, idx([0, 64], "cpu"))
+    operands = [operands[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
+    for check in (True, False):
+        calls.clear()
+        ops.kda_prefill_walk(*operands, K**-0.5, idx([0, 64], "cpu"), None, True, check_inputs=check)
+        assert len(calls) == 1, check
 
 
 def test_ops_run_the_functions_device_rules_by_default():

@@ -9,6 +9,7 @@ from kda_engram import constants, platform
 from kda_engram.validation import common
 from kda_engram.validation.common import DeviceChecks, check_index_values, check_int, check_real
 from kda_engram.validation.engram import check_column_sizes, check_gate_scalars
+from kda_engram.bundles import StateArgs
 from kda_engram.validation.kda import (
     check_cu_seqlens,
     check_decode_multi_indices,
@@ -129,6 +130,12 @@ def test_cu_seqlens_host_rules():
         check_cu_seqlens(torch.zeros(0, dtype=torch.int64), 0, torch.device("cpu"), None, covers_all=False)
 
 
+def _check_state(checks, **kw):
+    """:func:`check_state_arguments` on keyword arguments: the state's as its bundle."""
+    state = StateArgs.pick(kw)
+    return check_state_arguments(checks, state, **{n: v for n, v in kw.items() if n not in StateArgs.names})
+
+
 def _state_args(**kw):
     N, H, V, K = 3, 1, 16, 16
     base = dict(num_seqs=N, num_heads=H, head_v=V, head_k=K, device=torch.device("cpu"),
@@ -143,7 +150,7 @@ def test_checkpoint_offsets_rules():
                       ([0, 128, 0], r"checkpoint_offsets\[1\].*length 64, got 128"),
                       ([0, 0, -64], r"checkpoint_offsets\[2\]")):
         checks = DeviceChecks()
-        check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor(offs)))
+        _check_state(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor(offs)))
         if msg is None:
             checks.run()
         else:
@@ -155,11 +162,11 @@ def test_checkpoint_rows_only_for_exporting_sequences():
     """A sequence without a checkpoint may name any row (it is not written)."""
     ck = torch.zeros(2, 1, 16, 16)
     checks = DeviceChecks()
-    check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 0, 0]),
+    _check_state(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 0, 0]),
                                                 checkpoint_state_indices=torch.tensor([1, 1, 99])))
     checks.run()
     checks = DeviceChecks()
-    check_state_arguments(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 64, 0]),
+    _check_state(checks, **_state_args(checkpoint_state=ck, checkpoint_offsets=torch.tensor([64, 64, 0]),
                                                 checkpoint_state_indices=torch.tensor([1, 1, 0])))
     with pytest.raises(ValueError, match="checkpoint_state_indices: non-negative entries must be distinct"):
         checks.run()
@@ -170,11 +177,11 @@ def test_checkpoint_into_another_sequences_state_row():
     common_kw = dict(state_cache=cache, state_indices=torch.tensor([0, 1, 2]),
                      has_initial_state=torch.tensor([True, True, True]), checkpoint_state=cache)
     checks = DeviceChecks()
-    check_state_arguments(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
+    _check_state(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
                                                 checkpoint_state_indices=torch.tensor([0, 3, 3])))
     checks.run()  # own row, or a row no sequence owns
     checks = DeviceChecks()
-    check_state_arguments(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
+    _check_state(checks, **_state_args(**common_kw, checkpoint_offsets=torch.tensor([64, 0, 0]),
                                                 checkpoint_state_indices=torch.tensor([2, 3, 3])))
     with pytest.raises(ValueError, match=r"checkpoint_state_indices\[0\]=2 is the state_cache row of sequence 2"):
         checks.run()
@@ -493,10 +500,10 @@ def test_state_rules_match_the_pytorch_rules(N, monkeypatch):
     seen = []
     for name, kw in _state_rule_cases(N, gen):
         assert kda_rules.fits_state_rules(N, kw.get("cu_seqlens"), kw.get("state_indices"))
-        one_launch = _first_error(lambda c: kda_rules.check_state_arguments(c, **kw))
+        one_launch = _first_error(lambda c: _check_state(c, **kw))
         with monkeypatch.context() as m:
             m.setattr(kda_rules, "fits_state_rules", lambda *a: False)
-            pytorch = _first_error(lambda c: kda_rules.check_state_arguments(c, **kw))
+            pytorch = _first_error(lambda c: _check_state(c, **kw))
         assert one_launch == pytorch, name
         seen.append((name, one_launch))
     errors = dict(seen)

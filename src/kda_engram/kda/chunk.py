@@ -35,10 +35,11 @@ import math
 
 import torch
 
+from ..bundles import StateArgs
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
 from ..launch_config import ChunkConfig, chunk_launch, walk_tile
 from ..platform import arch, interpreting, num_compute_units
-from ..validation.common import check_tensor
+from ..validation.common import INDEX_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
 from ..validation.kda import (
     check_chunk_offsets,
@@ -51,13 +52,15 @@ from ..validation.kda import (
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
 from .groups import group_workspace_layout, resolve_groups
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
-from .state import allocate_final_state, checkpoint_buffer
+from .state import allocate_final_state, guarded_state
 
 __all__ = [
     "KDA_CHECKPOINT_ALIGNMENT",
     "chunk_config",
     "check_state_arguments",
     "kda_prefill_walk",
+    "walk_chunks",
+    "walk_rules",
 ]
 
 
@@ -115,7 +118,6 @@ def kda_prefill_walk(
     min_group_chunks: int | None = None,
     group_workspace: torch.Tensor | None = None,
     final_state_dtype: torch.dtype | None = None,
-    host_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the chunk recurrence and the output projection: one launch, or three
     with parallel chunk groups.
@@ -203,46 +205,69 @@ def kda_prefill_walk(
     uninterrupted walk bit for bit); it needs the serial walk, so ``groups=None``
     then runs one group and a forced ``groups > 1`` is a ``ValueError``.
 
-    ``host_checked=True``: the caller has run :func:`check_state_structure` on
-    these arguments (the prefill and the op wrapper do), so it is not run twice.
-
     Returns ``(out, final_state | None)``.
     """
-    if not host_checked:
-        check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                              checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
-    checkpoint_state = checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache)
-    device = u.device
-    T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
-    num_seqs = cu_seqlens.numel() - 1
+    state = StateArgs(initial_state=initial_state, output_final_state=output_final_state, state_cache=state_cache,
+                      state_indices=state_indices, has_initial_state=has_initial_state,
+                      checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
+                      checkpoint_state_indices=checkpoint_state_indices, final_state_dtype=final_state_dtype)
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
-        check_scale(scale, allow_none=False)
-        check_cu_seqlens(cu_seqlens, T, device, checks, covers_all=False)
-        expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-        check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
-        check_state_arguments(
-            checks, num_seqs=num_seqs, num_heads=H, head_v=V, head_k=K, device=device, cu_seqlens=cu_seqlens,
-            initial_state=initial_state, state_cache=state_cache, state_indices=state_indices,
-            has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
-            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
-        )
+        expected = walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets, state, checks)
+    else:
+        check_state_structure(state)  # host only, even with check_inputs off: a wrong combination drops state
     if chunk_offsets is None:
         # The checks have built it already; otherwise one launch, no host sync.
-        chunk_offsets = expected if checks.on else prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+        chunk_offsets = expected if checks.on else prepare_chunk_metadata(cu_seqlens, qg.shape[1], CHUNK_SIZE)[0]
     # Launch, then read back: a broken rule turns the batch into empty sequences
     # (cu_seqlens and chunk_offsets zeros) whose rows are all "none" and offsets
     # 0, so the launches below touch no cache, checkpoint or output row.
-    cu_seqlens, chunk_offsets, state_indices, checkpoint_offsets, checkpoint_state_indices = checks.guard_many(
-        (cu_seqlens, 0), (chunk_offsets, 0), (state_indices, -1), (checkpoint_offsets, 0),
-        (checkpoint_state_indices, -1))
+    cu_seqlens, chunk_offsets, state = guarded_state(checks, state, (cu_seqlens, 0), (chunk_offsets, 0))
+    result = walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets, state, config=config,
+                         groups=groups, min_group_chunks=min_group_chunks, group_workspace=group_workspace)
+    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
+    return result
+
+
+def walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets, state: StateArgs,
+               checks) -> torch.Tensor | None:
+    """Every rule of :func:`kda_prefill_walk`: the host rules at once and, with
+    ``checks``, the rules on device values queued (``None``: host rules only, what its
+    op runs with ``check_inputs=False``). With ``checks``, returns the chunk offsets
+    built from ``cu_seqlens`` (the rules compare the caller's with them; the walk
+    launches with them)."""
+    check_state_structure(state)
+    T, H, K, V = check_chunk_operands(qg, w, u, kg_t, aqk, decay, out)
+    check_scale(scale, allow_none=False)
+    check_cu_seqlens(cu_seqlens, T, u.device, checks, covers_all=False)
+    check_state_arguments(checks, state, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K,
+                          device=u.device, cu_seqlens=cu_seqlens)
+    if checks is None:
+        if chunk_offsets is not None:
+            check_tensor("chunk_offsets", chunk_offsets, shape=[cu_seqlens.numel()], dtypes=INDEX_DTYPES,
+                         device=u.device)
+        return None
+    expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+    check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
+    return expected
+
+
+def walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets, state: StateArgs, *,
+                config=None, groups=None, min_group_chunks=None,
+                group_workspace=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kda_prefill_walk`'s launches without any rule: the caller has run them
+    and guarded the indices (the prefill's portable path, the walk's op). Returns
+    ``(out, final_state | None)``."""
+    device = u.device
+    T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
+    num_seqs = cu_seqlens.numel() - 1
+    initial_state, state_cache, state_indices = state.initial_state, state.state_cache, state.state_indices
+    has_initial_state, checkpoint_state = state.has_initial_state, state.snapshots
+    checkpoint_offsets, checkpoint_state_indices = state.checkpoint_offsets, state.checkpoint_state_indices
     final_state = None
-    if output_final_state:
-        final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
-                                           (num_seqs, H, V, K), device)
+    if state.output_final_state:
+        final_state = allocate_final_state(state, (num_seqs, H, V, K), device)
     if num_seqs == 0 or H == 0:
-        checks.run()
         return out, final_state
     if num_seqs > MAX_GRID_DIM or H > MAX_GRID_DIM:
         raise ValueError(f"cu_seqlens/qg: at most 65535 sequences and heads per launch (grid), got N={num_seqs}, H={H}")
@@ -355,6 +380,5 @@ def kda_prefill_walk(
         CKPT_BF16=ckpt_bf16, OUT_BF16=s_out is not None and s_out.dtype == torch.bfloat16,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return out, final_state
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bundles import ConvArgs, KDAInputs, StateArgs
 from ..constants import CHUNK_SIZE, KDA_HEAD_DIMS
 from ..platform import interpreting, is_gpu
 from ..validation.common import FLOAT_DTYPES, check_tensor
@@ -35,15 +36,16 @@ from ..validation.kda import (
     check_state_arguments,
     check_state_structure,
 )
-from .chunk import kda_prefill_walk
+from .chunk import walk_chunks
 from .groups import resolve_groups
 from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)
 from .metadata import prepare_chunk_metadata
 from .prefill_paths import BACKENDS, PrefillBackend, PrefillCall, Verdict, refusal, register, verify
 from .prologue import prepare_kda_prologue
-from .state import checkpoint_buffer
+from .state import guarded_state
 
-__all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_path", "prefill_verdict"]
+__all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_host_rules",
+           "prefill_path", "prefill_rules", "prefill_verdict", "run_prefill"]
 
 PREFILL_PATHS = ("auto", "hopper", "portable")
 
@@ -160,7 +162,6 @@ def chunk_kda_prefill(
     qk_l2norm: bool = True,
     beta_sigmoid: bool = True,
     path: str = "auto",
-    host_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA prefill of a varlen batch: raw projections in, output and state out.
 
@@ -220,10 +221,6 @@ def chunk_kda_prefill(
     else the portable one), ``"hopper"`` or ``"portable"``. Both have this one
     results contract.
 
-    ``host_checked=True`` says the caller has run this call's host rules (the
-    argument combinations, ``lower_bound`` and the input forms; the op wrapper of
-    :mod:`kda_engram.ops` does), so they are not run twice.
-
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
     one transfer after the launches, which a broken rule turns into no-ops on
@@ -238,95 +235,91 @@ def chunk_kda_prefill(
 
     Returns ``(out [1, T, H, V], final_state [N, H, V, K] | None)``.
     """
-    # Argument combinations are checked even with check_inputs off: they cost no
-    # device read, and a wrong combination would otherwise drop state silently.
-    if not host_checked:
-        check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                              checkpoint_state, checkpoint_offsets, checkpoint_state_indices)
-        check_lower_bound(lower_bound)  # picks the kernel's gate branch: always checked
-        check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # so do these
-    checkpoint_state = checkpoint_buffer(checkpoint_state, checkpoint_offsets, state_cache)
+    # The arguments as three values from here on: the inputs, the state, the conv.
+    x = KDAInputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
+                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+    state = StateArgs(initial_state=initial_state, output_final_state=output_final_state, state_cache=state_cache,
+                      state_indices=state_indices, has_initial_state=has_initial_state,
+                      checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
+                      checkpoint_state_indices=checkpoint_state_indices, final_state_dtype=final_state_dtype)
+    conv = ConvArgs(conv_weight, conv_state, conv_state_indices, conv_has_initial_state)
     # Raises an earlier call's pending error first. Host rules raise at once; the
     # value rules (cu_seqlens, indices, offsets) are queued, their verdict taken
     # after the guarded launches (below).
     checks = EntryChecks(check_inputs)
     if checks.on:
-        T, H, K, V = check_prologue_arguments(
-            q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight, conv_state,
-            conv_state_indices, conv_has_initial_state, None, checks, scale_optional=True,
-        )
-        check_log_decay_values(gate, raw_g, checks)
-        if out is not None:
-            check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=q.device)
-        check_state_arguments(
-            checks, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K, device=q.device,
-            cu_seqlens=cu_seqlens, initial_state=initial_state, state_cache=state_cache,
-            state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
-            checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
-        )
-    T, H, K, V = q.shape[1], q.shape[2], q.shape[3], v.shape[3]
-    if scale is None:
-        scale = K**-0.5
-    backend = _backend(PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight), path)
+        prefill_rules(x, state, conv, cu_seqlens, out, checks)
+    else:
+        prefill_host_rules(x, state)  # even with check_inputs off: they pick branches or would drop state
     # Launch, then read back: a broken rule turns the batch into empty sequences
-    # whose rows are all "none", so the launches below touch no cache, no
-    # checkpoint row and no conv row. (No-ops without queued rules.)
-    cu_seqlens, state_indices, checkpoint_state_indices, checkpoint_offsets, conv_state_indices = checks.guard_many(
-        (cu_seqlens, 0), (state_indices, -1), (checkpoint_state_indices, -1), (checkpoint_offsets, 0),
-        (conv_state_indices, -1))
-
-    # Chunk metadata on the device, sized from static shapes: one launch, no host
-    # sync, writing only its own new tensors.
-    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
-    if out is None:
-        out = torch.empty(1, T, H, V, dtype=v.dtype, device=v.device)
-    result = backend.run(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-        chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out, initial_state=initial_state,
-        output_final_state=output_final_state, state_cache=state_cache, state_indices=state_indices,
-        has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
-        checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices,
-        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
-        conv_has_initial_state=conv_has_initial_state, final_state_dtype=final_state_dtype,
-        gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, groups=groups,
-    )
+    # whose rows are all "none", so the launches touch no cache, no checkpoint row
+    # and no conv row. (No-ops without queued rules.)
+    cu_seqlens, conv_rows, state = guarded_state(checks, state, (cu_seqlens, 0), (conv.conv_state_indices, -1))
+    result = run_prefill(x, cu_seqlens, state, conv.replace(conv_state_indices=conv_rows), out=out, groups=groups,
+                         path=path)
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return result
 
 
-def portable_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower_bound, cu_seqlens,
-                         chunk_offsets, chunk_indices, out, initial_state=None, output_final_state=False,
-                         state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
-                         checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
-                         conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None, gate="raw",
-                         qk_l2norm=True, beta_sigmoid=True, groups=None):
+def prefill_host_rules(x: KDAInputs, state: StateArgs) -> None:
+    """The rules :func:`chunk_kda_prefill` runs even with ``check_inputs=False`` (host
+    only): the state's argument combinations (a wrong one would drop state silently)
+    and the input forms and ``lower_bound`` (they pick the kernels' branches)."""
+    check_state_structure(state)
+    check_lower_bound(x.lower_bound)
+    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+
+
+def prefill_rules(x: KDAInputs, state: StateArgs, conv: ConvArgs, cu_seqlens, out, checks) -> None:
+    """Every rule of :func:`chunk_kda_prefill`: the host rules at once and, with
+    ``checks``, the rules on device values queued (``None``: host rules only, what its
+    op runs with ``check_inputs=False``)."""
+    prefill_host_rules(x, state)
+    T, H, K, V = check_prologue_arguments(
+        x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.scale, x.lower_bound, cu_seqlens, conv.conv_weight,
+        conv.conv_state, conv.conv_state_indices, conv.conv_has_initial_state, None, checks, scale_optional=True,
+    )
+    check_log_decay_values(x.gate, x.raw_g, checks)
+    if out is not None:
+        check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=x.q.device)
+    check_state_arguments(checks, state, num_seqs=cu_seqlens.numel() - 1, num_heads=H, head_v=V, head_k=K,
+                          device=x.q.device, cu_seqlens=cu_seqlens)
+
+
+def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, out=None, groups=None,
+                path="auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_kda_prefill` without any rule (the caller has run them and guarded
+    the indices; the prefill's op runs this): the path's choice, the chunk metadata
+    (one launch, on the device, from static shapes: no host sync), ``out`` and the
+    path's launches. Returns ``(out, final_state | None)``."""
+    backend = _backend(PrefillCall(x.q, x.v, out, cu_seqlens=cu_seqlens, groups=groups,
+                                   conv_weight=conv.conv_weight), path)
+    T, H, V = x.q.shape[1], x.q.shape[2], x.v.shape[3]
+    if x.scale is None:
+        x = x.replace(scale=x.q.shape[3] ** -0.5)
+    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
+    if out is None:
+        out = torch.empty(1, T, H, V, dtype=x.v.dtype, device=x.v.device)
+    return backend.run(x, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out,
+                       state=state, conv=conv, groups=groups)
+
+
+def portable_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices, out, state: StateArgs,
+                         conv: ConvArgs, groups=None):
     """The prefill on the portable path (the ``"portable"`` and ``"grouped"`` backends):
     :func:`~kda_engram.kda.prologue.prepare_kda_prologue` then
-    :func:`~kda_engram.kda.chunk.kda_prefill_walk`, which cuts the sequences into chunk
+    :func:`~kda_engram.kda.chunk.walk_chunks`, which cuts the sequences into chunk
     groups where ``groups`` (or its heuristic) says so. Returns ``(out, final_state |
     None)`` as :func:`chunk_kda_prefill` does (no checks here: the caller has validated
     and guarded every argument)."""
     ops = prepare_kda_prologue(
-        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens,
-        conv_weight=conv_weight, conv_state=conv_state, conv_state_indices=conv_state_indices,
-        conv_has_initial_state=conv_has_initial_state, chunk_indices=chunk_indices,
-        gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+        x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.lower_bound, cu_seqlens,
+        conv_weight=conv.conv_weight, conv_state=conv.conv_state, conv_state_indices=conv.conv_state_indices,
+        conv_has_initial_state=conv.conv_has_initial_state, chunk_indices=chunk_indices,
+        gate=x.gate, qk_l2norm=x.qk_l2norm, beta_sigmoid=x.beta_sigmoid,
     )()
-    return kda_prefill_walk(
-        ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, scale, cu_seqlens,
-        initial_state, output_final_state,
-        chunk_offsets=chunk_offsets,
-        checkpoint_state=checkpoint_state,
-        checkpoint_offsets=checkpoint_offsets,
-        checkpoint_state_indices=checkpoint_state_indices,
-        state_cache=state_cache,
-        state_indices=state_indices,
-        has_initial_state=has_initial_state,
-        groups=groups,
-        final_state_dtype=final_state_dtype,
-        check_inputs=False,  # validated by the caller; the operands come from the prologue
-        host_checked=True,
-    )
+    return walk_chunks(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, x.scale, cu_seqlens,
+                       chunk_offsets, state, groups=groups)
 
 
 register(PrefillBackend("portable", path="portable", title="the portable path", verify=portable_verdict,

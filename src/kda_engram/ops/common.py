@@ -123,7 +123,10 @@ class EntryOp:
     own signature, so that the argument list exists once: on the entry point.
 
     * the schema is the entry point's parameters minus ``check_inputs`` and
-      ``host_only`` (arguments that do not cross the op), typed from their
+      ``host_only`` (arguments that do not cross the op; a dict gives, for those the
+      entry point requires, the value from the call's arguments, ``{"out": alloc}``,
+      and ``None`` for those left at the entry point's default),
+      typed from their
       annotations; ``handles`` names the arguments that cross as an integer
       :func:`handle` (``{"layout": EngramLayout}``); ``mutates_args`` are the caches
       the op writes in place;
@@ -151,8 +154,10 @@ class EntryOp:
       arguments by name in the op's order."""
 
     def __init__(self, name: str, entry, *, run, rules, fake, returns: str, mutates_args: tuple[str, ...] = (),
-                 host_only: tuple[str, ...] = (), handles: dict | None = None, result=None, doc: str | None = None):
+                 host_only: tuple[str, ...] | dict = (), handles: dict | None = None, result=None,
+                 doc: str | None = None):
         sig = inspect.signature(entry)
+        self.host_values = dict(host_only) if isinstance(host_only, dict) else {}
         host_only = (*host_only, "check_inputs")
         unknown = set(host_only) - set(sig.parameters)
         if unknown:
@@ -212,14 +217,15 @@ class EntryOp:
         return self.result(a, value)
 
     def _wrapper(self, name: str, doc: str):
-        entry, rules, kinds = self.entry, self.rules, self.handles
+        entry, rules, kinds, host_values = self.entry, self.rules, self.handles, self.host_values
 
         def function(*args, check_inputs=True, **kwargs):
             a = self.bind(args, kwargs)
             if entry_checks(check_inputs):
                 for n, cls in kinds.items():
                     a[n] = _as_object(n, a[n], cls)
-                return entry(**a, check_inputs=check_inputs)
+                given = {n: value(a) for n, value in host_values.items() if value is not None}
+                return self.result(a, entry(**a, **given, check_inputs=check_inputs))
             rules(a)
             return self.cross(a)
 

@@ -1,14 +1,17 @@
 """The KDA entry points as custom ops: decode, the prefill and its two stages, the
 conv, the layer's decode step."""
 
-import inspect
 from typing import Optional
 
 import torch
 
+from ..bundles import ConvArgs, KDAInputs, StateArgs
 from ..constants import CHUNK_SIZE
-from ..kda.state import allocate_final_state, checkpoint_buffer
 from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
+from ..kda.chunk import walk_chunks, walk_rules
+from ..kda.metadata import prepare_chunk_metadata
+from ..kda.prefill import prefill_rules, run_prefill
+from ..kda.state import allocate_final_state
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from ..kda.conv import kda_conv_decode as _kda_conv_decode
 from ..kda.decode import kda_decode as _kda_decode
@@ -18,21 +21,15 @@ from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
 from ..validation.kda import (
-    check_chunk_operands,
     check_conv_checkpoint,
     check_conv_decode,
-    check_cu_seqlens,
     check_decode_indices,
     check_decode_inputs,
     check_decode_multi_indices,
     check_fused_decode_arguments,
     check_input_forms,
     check_prologue_arguments,
-    check_scale,
-    check_state_arguments,
-    check_state_structure,
 )
-from ..validation.common import INDEX_DTYPES, check_tensor
 from .common import EntryOp, entry_checks, kernel_op, opt_float
 
 Tensor = torch.Tensor
@@ -159,49 +156,39 @@ def _prefill_outputs_fake(a, T, H, V, K, dtype, device):
     out = torch.empty(1, T, H, V, dtype=dtype, device=device)
     if not a.output_final_state:
         return out, _empty_state(H, V, K, device)
-    return out, allocate_final_state(a.final_state_dtype, a.initial_state, a.checkpoint_state, a.checkpoint_offsets,
-                                     (a.cu_seqlens.shape[0] - 1, H, V, K), device)
+    return out, allocate_final_state(StateArgs.pick(vars(a)), (a.cu_seqlens.shape[0] - 1, H, V, K), device)
 
 
-def _state_host_rules(a, H, K, V, device):
-    """The state rules every prefill op wrapper runs (host only: no device read)."""
-    check_state_arguments(
-        None, num_seqs=a["cu_seqlens"].numel() - 1, num_heads=H, head_v=V, head_k=K, device=device, cu_seqlens=None,
-        initial_state=a["initial_state"], state_cache=a["state_cache"], state_indices=a["state_indices"],
-        has_initial_state=a["has_initial_state"],
-        checkpoint_state=checkpoint_buffer(a["checkpoint_state"], a["checkpoint_offsets"], a["state_cache"]),
-        checkpoint_offsets=a["checkpoint_offsets"], checkpoint_state_indices=a["checkpoint_state_indices"],
-    )
-
-
-def _structure_rules(a):
-    """The argument combinations, run once per call; a checkpoint buffer that *is*
-    the state cache becomes ``None`` (its meaning there: an op cannot take one
-    buffer as two mutated arguments)."""
-    check_state_structure(a["initial_state"], a["output_final_state"], a["state_cache"], a["state_indices"],
-                          a["has_initial_state"], a["checkpoint_state"], a["checkpoint_offsets"],
-                          a["checkpoint_state_indices"])
-    if a["checkpoint_state"] is not None and a["checkpoint_state"] is a["state_cache"]:
+def _cache_snapshots_as_none(a: dict) -> None:
+    """A checkpoint buffer that *is* the state cache crosses the op as ``None`` (its
+    meaning there: an op cannot take one buffer as two mutated arguments)."""
+    if StateArgs.pick(a).snapshots_in_cache:
         a["checkpoint_state"] = None
 
 
 def _walk_rules(a):
     """:func:`~kda_engram.kda.chunk.kda_prefill_walk`'s host rules (no device read)."""
-    _structure_rules(a)
-    T, H, K, V = check_chunk_operands(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None)
-    check_scale(a["scale"], allow_none=False)
-    check_cu_seqlens(a["cu_seqlens"], T, a["qg"].device, None, covers_all=False)
-    _state_host_rules(a, H, K, V, a["qg"].device)
-    if a["chunk_offsets"] is not None:
-        check_tensor("chunk_offsets", a["chunk_offsets"], shape=[a["cu_seqlens"].numel()], dtypes=INDEX_DTYPES,
-                     device=a["qg"].device)
+    walk_rules(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None, a["scale"], a["cu_seqlens"],
+               a["chunk_offsets"], StateArgs.pick(a), None)
+    _cache_snapshots_as_none(a)
     a["scale"] = float(a["scale"])
 
 
+def _walk_out(a):
+    """The walk's output ``[1, T, H, V]`` in ``u``'s dtype (the op allocates it)."""
+    u = a["u"] if isinstance(a, dict) else a.u
+    return torch.empty(1, *u.shape[1:], dtype=u.dtype, device=u.device)
+
+
 def _walk_run(a):
-    T, H, V, K = a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3]
-    out = torch.empty(1, T, H, V, dtype=a.u.dtype, device=a.u.device)
-    _, final = _kda_prefill_walk(**vars(a), out=out, check_inputs=False, host_checked=True)
+    H, V, K = a.u.shape[2], a.u.shape[3], a.qg.shape[3]
+    T = a.u.shape[1]
+    out = _walk_out(a)
+    chunk_offsets = a.chunk_offsets
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_metadata(a.cu_seqlens, T, CHUNK_SIZE)[0]
+    _, final = walk_chunks(a.qg, a.w, a.u, a.kg_t, a.aqk, a.decay, out, a.scale, a.cu_seqlens, chunk_offsets,
+                           StateArgs.pick(vars(a)), groups=a.groups, min_group_chunks=a.min_group_chunks)
     return out, (final if final is not None else _empty_state(H, V, K, a.u.device))
 
 
@@ -216,7 +203,7 @@ def _no_empty_final(a, value):
 #: the op).
 kda_prefill_walk = EntryOp(
     "kda_prefill_walk", _kda_prefill_walk,
-    host_only=("out", "config", "group_workspace", "host_checked"),
+    host_only={"out": _walk_out, "config": None, "group_workspace": None},
     mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", rules=_walk_rules, run=_walk_run,
     fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
                                          a.u.device),
@@ -230,20 +217,16 @@ kda_prefill_walk = EntryOp(
 
 def _prefill_rules(a):
     """:func:`~kda_engram.kda.prefill.chunk_kda_prefill`'s host rules (no device read)."""
-    _structure_rules(a)
-    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
-    _, H, K, V = check_prologue_arguments(
-        a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"], a["scale"], a["lower_bound"],
-        a["cu_seqlens"], a["conv_weight"], a["conv_state"], a["conv_state_indices"], a["conv_has_initial_state"],
-        None, None, scale_optional=True,
-    )
-    _state_host_rules(a, H, K, V, a["q"].device)
+    prefill_rules(KDAInputs.pick(a), StateArgs.pick(a), ConvArgs.pick(a), a["cu_seqlens"], None, None)
+    _cache_snapshots_as_none(a)
     a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
 
 
 def _prefill_run(a):
     H, K, V = a.q.shape[2], a.q.shape[3], a.v.shape[3]
-    out, final = _chunk_kda_prefill(**vars(a), check_inputs=False, host_checked=True)
+    args = vars(a)
+    out, final = run_prefill(KDAInputs.pick(args), a.cu_seqlens, StateArgs.pick(args), ConvArgs.pick(args),
+                             groups=a.groups, path=a.path)
     return out, (final if final is not None else _empty_state(H, V, K, a.q.device))
 
 
@@ -252,7 +235,7 @@ def _prefill_run(a):
 #: ``out=v`` would make a mutated argument alias another).
 chunk_kda_prefill = EntryOp(
     "chunk_kda_prefill", _chunk_kda_prefill,
-    host_only=("out", "host_checked"),
+    host_only=("out",),
     mutates_args=("state_cache", "checkpoint_state", "conv_state"), returns="(Tensor, Tensor)", rules=_prefill_rules,
     run=_prefill_run, result=_no_empty_final,
     fake=lambda a: _prefill_outputs_fake(a, a.q.shape[1], a.q.shape[2], a.v.shape[3], a.q.shape[3], a.v.dtype,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bundles import StateArgs
 from ..constants import (
     STATE_DTYPES,
     CHUNK_SIZE,
@@ -54,6 +55,7 @@ __all__ = [
     "check_input_forms",
     "check_log_decay_values",
     "check_state_structure",
+    "final_state_dtype",
     "check_cu_seqlens",
     "check_prefill_inputs",
     "check_chunk_indices",
@@ -120,29 +122,44 @@ def check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm=True, beta_si
             raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
 
 
-def check_state_structure(initial_state, output_final_state, state_cache, state_indices, has_initial_state,
-                          checkpoint_state, checkpoint_offsets, checkpoint_state_indices) -> None:
-    """Argument combinations of the state and checkpoint arguments (host only: the
-    entry points run it even with ``check_inputs=False``, since a wrong combination
-    would drop state silently)."""
-    check_bool("output_final_state", output_final_state)  # "yes" would otherwise read as true
-    if state_cache is not None:
-        if initial_state is not None or output_final_state:
+def check_state_structure(state: StateArgs) -> None:
+    """Argument combinations of a call's state and checkpoint arguments (host only:
+    the entry points run it even with ``check_inputs=False``, since a wrong
+    combination would drop state silently)."""
+    check_bool("output_final_state", state.output_final_state)  # "yes" would otherwise read as true
+    if state.state_cache is not None:
+        if state.initial_state is not None or state.output_final_state:
             raise ValueError(
                 "state_cache replaces initial_state/output_final_state: pass either state_cache "
                 "(with state_indices and has_initial_state) or initial_state/output_final_state"
             )
-        if state_indices is None or has_initial_state is None:
+        if state.state_indices is None or state.has_initial_state is None:
             raise ValueError("state_cache needs state_indices and has_initial_state")
-    elif state_indices is not None or has_initial_state is not None:
+    elif state.state_indices is not None or state.has_initial_state is not None:
         raise ValueError("state_indices/has_initial_state are only meaningful with state_cache")
-    if checkpoint_offsets is not None and checkpoint_state is None and state_cache is None:
+    if state.checkpoint_offsets is not None and state.checkpoint_state is None and state.state_cache is None:
         raise ValueError("checkpoint_offsets needs checkpoint_state or state_cache (the destination of the snapshots)")
-    if checkpoint_offsets is None and (checkpoint_state is not None or checkpoint_state_indices is not None):
+    if state.checkpoint_offsets is None and (state.checkpoint_state is not None
+                                             or state.checkpoint_state_indices is not None):
         raise ValueError("checkpoint_state/checkpoint_state_indices need checkpoint_offsets")
     # One storage dtype per state chain (a resumed checkpoint must equal the walk's state).
     check_state_dtype_match(["state_cache", "initial_state", "checkpoint_state"],
-                            [state_cache, initial_state, checkpoint_state])
+                            [state.state_cache, state.initial_state, state.checkpoint_state])
+    if state.final_state_dtype is not None and state.final_state_dtype not in STATE_DTYPES:
+        raise TypeError(f"final_state_dtype: expected float32 or bfloat16, got {state.final_state_dtype}")
+    if state.output_final_state and state.checkpoint_offsets is not None and state.checkpoint_state is not None:
+        final, ck = final_state_dtype(state), state.checkpoint_state.dtype
+        if ck != final:
+            raise TypeError(f"checkpoint_state: expected the dtype of final_state_dtype ({_dtype_name(final)}), "
+                            f"got {_dtype_name(ck)}")
+
+
+def final_state_dtype(state: StateArgs) -> torch.dtype:
+    """The returned final state's dtype: ``final_state_dtype``, else ``initial_state``'s,
+    else fp32."""
+    if state.final_state_dtype is not None:
+        return state.final_state_dtype
+    return state.initial_state.dtype if state.initial_state is not None else torch.float32
 
 
 def check_state_dtype_match(names: list[str], tensors: list[torch.Tensor | None]) -> None:
@@ -155,10 +172,12 @@ def check_state_dtype_match(names: list[str], tensors: list[torch.Tensor | None]
     ref_name, ref = present[0]
     for n, t in present[1:]:
         if t.dtype != ref.dtype:
-            raise TypeError(
-                f"{n}: expected the dtype of {ref_name} ({str(ref.dtype).replace('torch.', '')}), "
-                f"got {str(t.dtype).replace('torch.', '')}"
-            )
+            raise TypeError(f"{n}: expected the dtype of {ref_name} ({_dtype_name(ref.dtype)}), "
+                            f"got {_dtype_name(t.dtype)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, checks: DeviceChecks | None, *,
@@ -344,6 +363,7 @@ def _owner_of_rows(indices: torch.Tensor, slots: int) -> torch.Tensor:
 
 def check_state_arguments(
     checks: DeviceChecks | None,
+    state: StateArgs,
     *,
     num_seqs: int,
     num_heads: int,
@@ -351,15 +371,9 @@ def check_state_arguments(
     head_k: int,
     device: torch.device,
     cu_seqlens: torch.Tensor | None,
-    initial_state=None,
-    state_cache=None,
-    state_indices=None,
-    has_initial_state=None,
-    checkpoint_state=None,
-    checkpoint_offsets=None,
-    checkpoint_state_indices=None,
 ) -> None:
-    """State and checkpoint arguments of the prefill and the chunk walk: shapes and
+    """The state and checkpoint arguments (:class:`~kda_engram.bundles.StateArgs`) of
+    the prefill and the chunk walk: shapes and
     dtypes at once; with ``checks``, queued: state rows in range and distinct,
     checkpoint offsets 0 or multiples of :data:`KDA_CHECKPOINT_ALIGNMENT` within
     the sequence (from ``cu_seqlens``; None: not bounded), active checkpoint rows
@@ -368,6 +382,9 @@ def check_state_arguments(
     launch (:func:`~kda_engram.validation.index_rules.state_rules`) up to
     :data:`~kda_engram.validation.index_rules.MAX_STATE_RULE_SEQS` sequences, as
     PyTorch ops beyond."""
+    initial_state, state_cache, state_indices = state.initial_state, state.state_cache, state.state_indices
+    has_initial_state, checkpoint_state = state.has_initial_state, state.snapshots
+    checkpoint_offsets, checkpoint_state_indices = state.checkpoint_offsets, state.checkpoint_state_indices
     N, H, V, K = num_seqs, num_heads, head_v, head_k
     if initial_state is not None:
         check_tensor("initial_state", initial_state, shape=[N, H, V, K], dtypes=STATE_DTYPES, device=device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ...bundles import ConvArgs, KDAInputs, StateArgs
 from ...platform import arch, interpreting
 from ..prefill_paths import PrefillBackend, PrefillCall, Verdict, register
 from ..state import allocate_final_state
@@ -52,12 +53,8 @@ def hopper_verdict(call: PrefillCall) -> Verdict:
     return True, None
 
 
-def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower_bound, cu_seqlens,
-                       chunk_offsets, chunk_indices, out, initial_state=None, output_final_state=False,
-                       state_cache=None, state_indices=None, has_initial_state=None, checkpoint_state=None,
-                       checkpoint_offsets=None, checkpoint_state_indices=None, conv_weight=None, conv_state=None,
-                       conv_state_indices=None, conv_has_initial_state=None, final_state_dtype=None, gate="raw",
-                       qk_l2norm=True, beta_sigmoid=True, groups=None):
+def hopper_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices, out, state: StateArgs,
+                       conv: ConvArgs, groups=None):
     """The prefill on the Hopper path: returns ``(out, final_state | None)`` exactly as
     :func:`kda_engram.kda.chunk_kda_prefill` does (no checks here: the caller has
     validated and guarded every argument, and :func:`hopper_verdict` said yes; so
@@ -66,21 +63,21 @@ def hopper_kda_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, lower
     ``out`` ``[1, T, H, V]`` is written only inside the sequences; it may be ``v``
     (each chunk's ``v`` tile is read before its ``o`` tile is stored, by the same CTA)."""
     N = cu_seqlens.numel() - 1
-    _, T, H, K = q.shape
-    V = v.shape[3]
+    _, T, H, K = x.q.shape
+    V = x.v.shape[3]
     final_state = None
-    if output_final_state:
-        final_state = allocate_final_state(final_state_dtype, initial_state, checkpoint_state, checkpoint_offsets,
-                                           (N, H, V, K), q.device)
-    ops = prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state, gate=gate,
-                                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)()
-    has = has_initial_state.view(torch.uint8) if has_initial_state is not None else None
-    folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, scale, cu_seqlens,
-                chunk_offsets, initial_state=initial_state, final_state=final_state, state_cache=state_cache,
-                state_indices=state_indices, has_initial_state=has,
-                checkpoint_state=checkpoint_state if checkpoint_offsets is not None else None,
-                checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices)
+    if state.output_final_state:
+        final_state = allocate_final_state(state, (N, H, V, K), x.q.device)
+    ops = prepare_folded_prologue(x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.lower_bound, cu_seqlens,
+                                  chunk_indices, conv.conv_weight, conv.conv_state, conv.conv_state_indices,
+                                  conv.conv_has_initial_state, gate=x.gate, qk_l2norm=x.qk_l2norm,
+                                  beta_sigmoid=x.beta_sigmoid)()
+    has = state.has_initial_state.view(torch.uint8) if state.has_initial_state is not None else None
+    folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, x.scale, cu_seqlens,
+                chunk_offsets, initial_state=state.initial_state, final_state=final_state,
+                state_cache=state.state_cache, state_indices=state.state_indices, has_initial_state=has,
+                checkpoint_state=state.snapshots if state.checkpoint_offsets is not None else None,
+                checkpoint_offsets=state.checkpoint_offsets, checkpoint_state_indices=state.checkpoint_state_indices)
     return out, final_state
 
 
