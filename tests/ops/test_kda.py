@@ -31,8 +31,9 @@ def test_opcheck_kda_decode_ops(device):
     opcheck(ops.kda_decode.op, op_args(ops.kda_decode, q, k, v, g, b, A, dt, cache, idx([2, -1], device),
                                          lower_bound=-5.0))
     qm, km, vm, gm, bm = (x.reshape(1, 2, *x.shape[1:]) for x in (q, k, v, g, b))
-    opcheck(ops.kda._kda_decode_multi_op, (qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device),
-                                           idx([2], device), 0.2, None))
+    multi = ops.kda_decode_multi
+    opcheck(multi.op, op_args(multi, qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device), idx([2], device),
+                              scale=0.2))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -47,8 +48,8 @@ def test_opcheck_kda_prefill_ops(device):
     cw = rnd(C, 4, seed=11, device=device, scale=0.5)
     conv = rnd(4, C, 3, seed=12, device=device)
     conv_idx, has = idx([0, 3], device), torch.tensor([True, False], device=device)
-    opcheck(ops.kda._kda_prefill_prologue_op, (q, k, v, g, b, A, dt, K**-0.5, -5.0, cu, cw, conv, conv_idx, has,
-                                               None))
+    prologue = ops.kda_prefill_prologue
+    opcheck(prologue.op, op_args(prologue, q, k, v, g, b, A, dt, K**-0.5, -5.0, cu, cw, conv, conv_idx, has))
     opr = ops.kda_prefill_prologue(q, k, v, g, b, A, dt, K**-0.5, -5.0, cu)
     operands = [opr[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
     cache = rnd(4, H, K, K, seed=13, device=device, scale=0.3)
@@ -76,26 +77,37 @@ def test_opcheck_kda_conv_ops(device):
     x = rnd(5, C + 8, seed=1, device=device)[:3, 4 : 4 + C]  # a strided column slice
     w = rnd(C, 4, seed=2, device=device)
     conv = rnd(4, C, 3, seed=3, device=device)
-    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), torch.float32))
-    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), None))
+    conv_decode, conv_checkpoint = ops.kda_conv_decode, ops.kda_conv_checkpoint
+    opcheck(conv_decode.op, op_args(conv_decode, x, w, conv, idx([3, -1, 0], device), out_dtype=torch.float32))
+    opcheck(conv_decode.op, op_args(conv_decode, x, w, conv, idx([3, -1, 0], device)))
     xt = rnd(130, C, seed=4, device=device)
-    opcheck(ops.kda._kda_conv_checkpoint_op, (xt, idx([0, 64, 130], device), idx([64, 64], device),
-                                              idx([1, -1], device), conv))
+    opcheck(conv_checkpoint.op, op_args(conv_checkpoint, xt, idx([0, 64, 130], device), idx([64, 64], device),
+                                        idx([1, -1], device), conv))
+
+
+def layer_step_args(device, S=None):
+    """``kda_layer_decode_step``'s positional arguments for two sequences (``S``
+    tokens each, or one token), every input a strided band as the layer passes it."""
+    lead, C = ((2,) if S is None else (2, S)), 3 * H * K
+    x = rnd(*lead, C + 5, seed=1, device=device)[..., :C]
+    g, b, g_out = (rnd(*lead, n, seed=s, device=device) for s, n in ((2, H * K), (3, H), (4, H * K)))
+    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(5, C, 3, seed=6, device=device)
+    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
+                                                                                                    device=device)
+    cache = rnd(5, H, K, K, seed=10, device=device, scale=0.3)
+    conv_idx, state_idx = (idx([2, -1], device), idx([0, -1], device)) if S is None else (
+        idx([[1, 2], [3, -1]], device), idx([[0, 1], [3, 4]], device))
+    return x, g, b, g_out, w, conv, conv_idx, A, dt, norm_w, cache, state_idx
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_kda_layer_decode_step_op(device):
-    B, C = 2, 3 * H * K
-    x = rnd(B, C + 5, seed=1, device=device)[:, :C]  # a strided band, as the layer passes it
-    g, b, g_out = rnd(B, H * K, seed=2, device=device), rnd(B, H, seed=3, device=device), rnd(B, H * K, seed=4,
-                                                                                               device=device)
-    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(3, C, 3, seed=6, device=device)
-    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
-                                                                                                    device=device)
-    cache = rnd(3, H, K, K, seed=10, device=device, scale=0.3)
+    step = ops.kda_layer_decode_step
     for out_dtype in (None, torch.float32):
-        opcheck(ops.kda._kda_layer_decode_step_op, (x, g, b, g_out, w, conv, idx([2, -1], device), A, dt, norm_w,
-                                                    cache, idx([0, -1], device), None, -5.0, 1e-5, out_dtype))
+        opcheck(step.op, op_args(step, *layer_step_args(device), lower_bound=-5.0, out_dtype=out_dtype))
+    # S tokens from other initial rows (arguments the op gained from the entry point's signature)
+    opcheck(step.op, op_args(step, *layer_step_args(device, S=2), initial_state_indices=idx([2, -1], device),
+                             initial_conv_indices=idx([0, 4], device)))
 
 
 def test_wrappers_match_the_entry_points():
