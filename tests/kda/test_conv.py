@@ -165,6 +165,8 @@ def test_bad_input():
         kda_conv_decode(x, w, s, torch.tensor([0, 3]))
     with refused(TypeError, match="x: expected dtype"):
         kda_conv_decode(x.double(), w, s, torch.tensor([0, 1]))
+    with refused(TypeError, match="out_dtype: expected None or one of"):
+        kda_conv_decode(x, w, s, torch.tensor([0, 1]), out_dtype=torch.int64)
     xt, cu = torch.randn(10, 8), torch.tensor([0, 10])
     with refused(ValueError, match="checkpoint_offsets"):
         kda_conv_checkpoint(xt, cu, torch.tensor([11]), torch.tensor([0]), s)

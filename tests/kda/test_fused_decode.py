@@ -109,10 +109,18 @@ def test_speculative_tokens_match_reference_and_sequential_steps(state_dtype):
 
 def test_output_dtype_and_bad_input():
     bands, params, state, conv = make_case(2, 2, 16, seed=3)
+    state0, conv0 = state.clone(), conv.clone()
     out = torch.empty(2, 2 * 16, dtype=torch.float16)
     o = kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state, state_indices=torch.tensor([0, 1]), out=out)
     assert o is out
+    # out_dtype: the dtype of a new out, the same values as that buffer's
+    o16 = kda_layer_decode_step(**bands, **params, conv_state=conv0, conv_state_indices=torch.tensor([0, 1]),
+                                state_cache=state0, state_indices=torch.tensor([0, 1]), out_dtype=torch.float16)
+    assert o16.dtype == torch.float16 and torch.equal(o16, out)
+    with refused(TypeError, match="out_dtype: expected None or one of"):
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
+                              state_cache=state, state_indices=torch.tensor([0, 1]), out_dtype=torch.int32)
     with refused(TypeError, match="state_cache: expected dtype float32 or bfloat16"):
         kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 1]),
                               state_cache=state.half(), state_indices=torch.tensor([0, 1]))

@@ -6,15 +6,25 @@ CPU shapes are tiny (the opcheck utilities run each op several times under the
 Triton interpreter).
 """
 
+import collections
 import inspect
 
 import pytest
 import torch
 
 from kda_engram import ops
+from kda_engram.kda import conv as conv_mod
+from kda_engram.kda import decode as decode_mod
+from kda_engram.kda import fused_decode as fused_mod
+from kda_engram.kda import prologue as prologue_mod
 from kda_engram.kda.chunk import kda_prefill_walk as walk_direct
+from kda_engram.kda.conv import kda_conv_checkpoint as conv_checkpoint_direct
+from kda_engram.kda.conv import kda_conv_decode as conv_decode_direct
 from kda_engram.kda.decode import kda_decode as kda_decode_direct
+from kda_engram.kda.decode import kda_decode_multi as decode_multi_direct
+from kda_engram.kda.fused_decode import kda_layer_decode_step as layer_step_direct
 from kda_engram.kda.prefill import chunk_kda_prefill as prefill_direct
+from kda_engram.kda.prologue import kda_prefill_prologue as prologue_direct
 
 from .support import DEVICES, H, K, idx, kda_raw, opcheck, rnd
 
@@ -31,8 +41,9 @@ def test_opcheck_kda_decode_ops(device):
     opcheck(ops.kda_decode.op, op_args(ops.kda_decode, q, k, v, g, b, A, dt, cache, idx([2, -1], device),
                                          lower_bound=-5.0))
     qm, km, vm, gm, bm = (x.reshape(1, 2, *x.shape[1:]) for x in (q, k, v, g, b))
-    opcheck(ops.kda._kda_decode_multi_op, (qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device),
-                                           idx([2], device), 0.2, None))
+    multi = ops.kda_decode_multi
+    opcheck(multi.op, op_args(multi, qm, km, vm, gm, bm, A, dt, cache, idx([[0, 1]], device), idx([2], device),
+                              scale=0.2))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -47,8 +58,8 @@ def test_opcheck_kda_prefill_ops(device):
     cw = rnd(C, 4, seed=11, device=device, scale=0.5)
     conv = rnd(4, C, 3, seed=12, device=device)
     conv_idx, has = idx([0, 3], device), torch.tensor([True, False], device=device)
-    opcheck(ops.kda._kda_prefill_prologue_op, (q, k, v, g, b, A, dt, K**-0.5, -5.0, cu, cw, conv, conv_idx, has,
-                                               None))
+    prologue = ops.kda_prefill_prologue
+    opcheck(prologue.op, op_args(prologue, q, k, v, g, b, A, dt, K**-0.5, -5.0, cu, cw, conv, conv_idx, has))
     opr = ops.kda_prefill_prologue(q, k, v, g, b, A, dt, K**-0.5, -5.0, cu)
     operands = [opr[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")]
     cache = rnd(4, H, K, K, seed=13, device=device, scale=0.3)
@@ -76,26 +87,37 @@ def test_opcheck_kda_conv_ops(device):
     x = rnd(5, C + 8, seed=1, device=device)[:3, 4 : 4 + C]  # a strided column slice
     w = rnd(C, 4, seed=2, device=device)
     conv = rnd(4, C, 3, seed=3, device=device)
-    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), torch.float32))
-    opcheck(ops.kda._kda_conv_decode_op, (x, w, conv, idx([3, -1, 0], device), None))
+    conv_decode, conv_checkpoint = ops.kda_conv_decode, ops.kda_conv_checkpoint
+    opcheck(conv_decode.op, op_args(conv_decode, x, w, conv, idx([3, -1, 0], device), out_dtype=torch.float32))
+    opcheck(conv_decode.op, op_args(conv_decode, x, w, conv, idx([3, -1, 0], device)))
     xt = rnd(130, C, seed=4, device=device)
-    opcheck(ops.kda._kda_conv_checkpoint_op, (xt, idx([0, 64, 130], device), idx([64, 64], device),
-                                              idx([1, -1], device), conv))
+    opcheck(conv_checkpoint.op, op_args(conv_checkpoint, xt, idx([0, 64, 130], device), idx([64, 64], device),
+                                        idx([1, -1], device), conv))
+
+
+def layer_step_args(device, S=None):
+    """``kda_layer_decode_step``'s positional arguments for two sequences (``S``
+    tokens each, or one token), every input a strided band as the layer passes it."""
+    lead, C = ((2,) if S is None else (2, S)), 3 * H * K
+    x = rnd(*lead, C + 5, seed=1, device=device)[..., :C]
+    g, b, g_out = (rnd(*lead, n, seed=s, device=device) for s, n in ((2, H * K), (3, H), (4, H * K)))
+    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(5, C, 3, seed=6, device=device)
+    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
+                                                                                                    device=device)
+    cache = rnd(5, H, K, K, seed=10, device=device, scale=0.3)
+    conv_idx, state_idx = (idx([2, -1], device), idx([0, -1], device)) if S is None else (
+        idx([[1, 2], [3, -1]], device), idx([[0, 1], [3, 4]], device))
+    return x, g, b, g_out, w, conv, conv_idx, A, dt, norm_w, cache, state_idx
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_kda_layer_decode_step_op(device):
-    B, C = 2, 3 * H * K
-    x = rnd(B, C + 5, seed=1, device=device)[:, :C]  # a strided band, as the layer passes it
-    g, b, g_out = rnd(B, H * K, seed=2, device=device), rnd(B, H, seed=3, device=device), rnd(B, H * K, seed=4,
-                                                                                               device=device)
-    w, conv = rnd(C, 4, seed=5, device=device, scale=0.5), rnd(3, C, 3, seed=6, device=device)
-    A, dt, norm_w = rnd(H, seed=7, device=device, scale=0.5), rnd(H * K, seed=8, device=device), rnd(K, seed=9,
-                                                                                                    device=device)
-    cache = rnd(3, H, K, K, seed=10, device=device, scale=0.3)
+    step = ops.kda_layer_decode_step
     for out_dtype in (None, torch.float32):
-        opcheck(ops.kda._kda_layer_decode_step_op, (x, g, b, g_out, w, conv, idx([2, -1], device), A, dt, norm_w,
-                                                    cache, idx([0, -1], device), None, -5.0, 1e-5, out_dtype))
+        opcheck(step.op, op_args(step, *layer_step_args(device), lower_bound=-5.0, out_dtype=out_dtype))
+    # S tokens from other initial rows (arguments the op gained from the entry point's signature)
+    opcheck(step.op, op_args(step, *layer_step_args(device, S=2), initial_state_indices=idx([2, -1], device),
+                             initial_conv_indices=idx([0, 4], device)))
 
 
 def test_wrappers_match_the_entry_points():
@@ -137,13 +159,19 @@ def test_wrappers_match_the_entry_points():
 
 
 def test_the_op_wrappers_have_their_entry_points_signatures():
-    """``ops.chunk_kda_prefill`` / ``ops.kda_prefill_walk`` take the entry point's
-    arguments by the same names, in the same order, with the same defaults, but
-    ``out`` (and for the walk ``config``, ``group_workspace``), then the
-    functions' ``check_inputs`` switch (issue 46), keyword-only, default True."""
+    """Every KDA op wrapper takes its entry point's arguments by the same names, in
+    the same order, with the same defaults, but those that cannot cross an op
+    (``out``; launch overrides; the walk's ``config``, ``group_workspace``), then
+    the functions' ``check_inputs`` switch (issue 46), keyword-only, default True."""
     for wrapper, entry, host_only in (
         (ops.chunk_kda_prefill, prefill_direct, {"out", "check_inputs"}),
         (ops.kda_prefill_walk, walk_direct, {"out", "check_inputs", "config", "group_workspace"}),
+        (ops.kda_decode, kda_decode_direct, {"out", "check_inputs"}),
+        (ops.kda_decode_multi, decode_multi_direct, {"out", "check_inputs"}),
+        (ops.kda_prefill_prologue, prologue_direct, {"num_warps", "check_inputs"}),
+        (ops.kda_conv_decode, conv_decode_direct, {"out", "check_inputs"}),
+        (ops.kda_conv_checkpoint, conv_checkpoint_direct, {"check_inputs"}),
+        (ops.kda_layer_decode_step, layer_step_direct, {"out", "block_v", "num_warps", "check_inputs"}),
     ):
         want = [p for n, p in inspect.signature(entry).parameters.items() if n not in host_only]
         got = list(inspect.signature(wrapper).parameters.values())
@@ -154,6 +182,124 @@ def test_the_op_wrappers_have_their_entry_points_signatures():
         ops.chunk_kda_prefill(*kda_raw(64, "cpu"), cu_seqlens=idx([0, 64], "cpu"), out=torch.empty(1))
     with pytest.raises(TypeError, match="missing required arguments: cu_seqlens"):
         ops.chunk_kda_prefill(*kda_raw(64, "cpu"))
+
+
+def conv_decode_args():
+    C = 40
+    x = rnd(5, C + 8, seed=1)[:3, 4 : 4 + C]  # a strided column slice
+    return (x, rnd(C, 4, seed=2), rnd(4, C, 3, seed=3), idx([3, -1, 0], "cpu")), dict(out_dtype=torch.float32)
+
+
+def conv_checkpoint_args():
+    C = 40
+    return (rnd(20, C, seed=4), idx([0, 10, 20], "cpu"), idx([5, 0], "cpu"), idx([1, -1], "cpu"),
+            rnd(4, C, 3, seed=3)), {}
+
+
+def decode_multi_args():
+    q, k, v, g, b, A, dt = kda_raw(2, "cpu")  # B = 1 sequence of S = 2 tokens
+    return (q, k, v, g, b, A, dt, rnd(3, H, K, K, seed=9, scale=0.3), idx([[0, 1]], "cpu")), dict(lower_bound=-5.0)
+
+
+def prologue_args():
+    return (*kda_raw(16, "cpu"), K**-0.5, -5.0, idx([0, 5, 16], "cpu")), {}
+
+
+#: One valid call of each op made from its entry point here: (args, kwargs), tiny CPU shapes,
+#: and the host rules (the functions of validation/kda.py) its op path runs.
+OP_CASES = {
+    "kda_decode_multi": (decode_multi_args, {"check_input_forms", "check_decode_inputs",
+                                             "check_decode_multi_indices"}),
+    "kda_prefill_prologue": (prologue_args, {"check_input_forms", "check_prologue_arguments"}),
+    "kda_conv_decode": (conv_decode_args, {"check_conv_decode"}),
+    "kda_conv_checkpoint": (conv_checkpoint_args, {"check_conv_checkpoint"}),
+    "kda_layer_decode_step": (lambda: (layer_step_args("cpu", S=2), dict(initial_state_indices=idx([2, -1], "cpu"))),
+                              {"check_fused_decode_arguments"}),
+}
+HOST_RULES = ("check_input_forms", "check_lower_bound", "check_decode_inputs", "check_decode_multi_indices",
+              "check_prologue_arguments", "check_conv_decode", "check_conv_checkpoint", "check_fused_decode_arguments")
+
+
+def count_host_rules(monkeypatch) -> collections.Counter:
+    """Count the host-rule calls the op module and the entry points' modules make."""
+    import kda_engram.ops.kda as ops_kda
+
+    calls = collections.Counter()
+
+    def counted(name, real):
+        def rule(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return rule
+
+    for mod in (ops_kda, decode_mod, prologue_mod, conv_mod, fused_mod):
+        for name in HOST_RULES:
+            if hasattr(mod, name):
+                monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(OP_CASES))
+def test_each_host_rule_runs_once(name, monkeypatch):
+    """Issue 45: ``check_inputs=False`` runs the entry point's host rules once, in the
+    wrapper; the op's body (the entry point's launch without rules, what
+    ``.unchecked`` calls) runs none; the default call is the entry point, which runs
+    its rules itself, once each."""
+    make, rules = OP_CASES[name]
+    fn = getattr(ops, name)
+    calls = count_host_rules(monkeypatch)
+    args, kwargs = make()
+    fn(*args, **kwargs, check_inputs=False)
+    assert calls == collections.Counter(rules)
+    calls.clear()
+    fn.unchecked(*args, **kwargs)
+    assert not calls
+    fn(*args, **kwargs)
+    assert rules <= set(calls) and max(calls.values()) == 1, calls
+
+
+def test_converted_ops_take_their_entry_points_options():
+    """The input forms, the initial rows and ``out_dtype`` cross the ops (the
+    schema comes from the entry points' signatures): the op path gives the entry
+    point's outputs and caches; its host rules refuse what the entry point refuses."""
+    from ..helpers import refused
+
+    # decode_multi: a precomputed log decay, q / k normalised and beta given by the caller
+    q, k, v, g, b, _, _ = kda_raw(2, "cpu", seed=40)
+    rows, cache0 = idx([[0, 1]], "cpu"), rnd(3, H, K, K, seed=41, scale=0.3)
+    forms = dict(gate="log_decay", qk_l2norm=False, beta_sigmoid=False)
+    c1, c2 = cache0.clone(), cache0.clone()
+    o1 = decode_multi_direct(q, k, v, -g.abs(), b.sigmoid(), None, None, c1, rows, **forms)
+    o2 = ops.kda_decode_multi(q, k, v, -g.abs(), b.sigmoid(), None, None, c2, rows, **forms, check_inputs=False)
+    assert torch.equal(o1, o2) and torch.equal(c1, c2)
+    with pytest.raises(ValueError, match="gate: expected one of"):
+        ops.kda_decode_multi(q, k, v, g, b, None, None, c2, rows, gate="bogus", check_inputs=False)
+    # the prologue without the norms and the beta sigmoid
+    args, _ = prologue_args()
+    forms = dict(qk_l2norm=False, beta_sigmoid=False)
+    d1, d2 = prologue_direct(*args, **forms), ops.kda_prefill_prologue(*args, **forms, check_inputs=False)
+    assert list(d2) == ["qg", "w", "u", "kg_t", "aqk", "decay"]
+    assert all(torch.equal(d1[n], d2[n]) for n in d1)
+    assert not torch.equal(d2["w"], ops.kda_prefill_prologue(*args, check_inputs=False)["w"])
+    # the layer step: S tokens from other initial rows, a new out of out_dtype
+    x, g, b, g_out, w, conv, conv_idx, A, dt, norm_w, cache, state_idx = layer_step_args("cpu", S=2)
+    kw = dict(initial_state_indices=idx([2, -1], "cpu"), initial_conv_indices=idx([0, 4], "cpu"),
+              out_dtype=torch.float16)
+    c1, c2, s1, s2 = conv.clone(), conv.clone(), cache.clone(), cache.clone()
+    o1 = layer_step_direct(x, g, b, g_out, w, c1, conv_idx, A, dt, norm_w, s1, state_idx, **kw)
+    o2 = ops.kda_layer_decode_step(x, g, b, g_out, w, c2, conv_idx, A, dt, norm_w, s2, state_idx, **kw,
+                                   check_inputs=False)
+    assert o2.dtype == torch.float16 and torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(s1, s2)
+    with pytest.raises(TypeError, match="out_dtype: expected None or one of"):
+        ops.kda_layer_decode_step(x, g, b, g_out, w, c2, conv_idx, A, dt, norm_w, s2, state_idx,
+                                  out_dtype=torch.int32, check_inputs=False)
+    with refused(TypeError, match="out_dtype: expected None or one of"):
+        ops.kda_conv_decode(*conv_decode_args()[0], out_dtype=torch.int32)
+    # the checkpoint copy gives conv_state back on both paths, as its entry point does
+    args, _ = conv_checkpoint_args()
+    assert ops.kda_conv_checkpoint(*args) is args[4]
+    assert ops.kda_conv_checkpoint(*args, check_inputs=False) is args[4]
 
 
 def test_prefill_options_cross_the_op():

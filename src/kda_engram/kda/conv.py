@@ -356,16 +356,25 @@ def kda_conv_decode(
     """
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks)
+        check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks, out_dtype=out_dtype)
+    if x.numel() > 0:  # an empty step launches nothing: no guard needed
+        # Launch, then read back: a broken rule makes every row "none" (no conv_state row touched).
+        conv_state_indices = checks.guard(conv_state_indices, -1)
+    out = run_kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out=out, out_dtype=out_dtype)
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
+    return out
+
+
+def run_kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out=None, out_dtype=None) -> torch.Tensor:
+    """:func:`kda_conv_decode`'s launch without any rule: the caller has run them
+    (and guarded ``conv_state_indices``); the eager body of its op
+    (:mod:`kda_engram.ops.kda`)."""
     B, C = x.shape
     W = conv_weight.shape[1]
     if out is None:
         out = torch.empty(B, C, dtype=out_dtype or x.dtype, device=x.device)
     if B == 0 or C == 0:
-        checks.run()
         return out
-    # Launch, then read back: a broken rule makes every row "none" (no conv_state row touched).
-    conv_state_indices = checks.guard(conv_state_indices, -1)
     grid = (B, triton.cdiv(C, BLOCK_C))
     _conv_decode_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -377,7 +386,6 @@ def kda_conv_decode(
         W=W, WP=triton.next_power_of_2(W), BLOCK=BLOCK_C,
         num_warps=4,
     )
-    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 
@@ -411,19 +419,28 @@ def kda_conv_checkpoint(
 
     Returns ``conv_state``.
     """
-    W = conv_state.shape[2] + 1 if conv_state.dim() == 3 else 0
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
         check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, checks)
+    if cu_seqlens.numel() > 1 and x.shape[1] > 0:  # no sequence or no channel launches nothing: no guard needed
+        # Launch, then read back: a broken rule makes every offset 0 and every row
+        # "none" (no conv_state row touched).
+        cu_seqlens, checkpoint_offsets, checkpoint_indices = checks.guard_many(
+            (cu_seqlens, 0), (checkpoint_offsets, 0), (checkpoint_indices, -1))
+    run_kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state)
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
+    return conv_state
+
+
+def run_kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state) -> None:
+    """:func:`kda_conv_checkpoint`'s launch without any rule: the caller has run
+    them (and guarded the offsets and rows); the eager body of its op
+    (:mod:`kda_engram.ops.kda`)."""
     N = cu_seqlens.numel() - 1
     C = x.shape[1]
     if N <= 0 or C == 0:
-        checks.run()
-        return conv_state
-    # Launch, then read back: a broken rule makes every offset 0 and every row
-    # "none" (no conv_state row touched).
-    cu_seqlens, checkpoint_offsets, checkpoint_indices = checks.guard_many(
-        (cu_seqlens, 0), (checkpoint_offsets, 0), (checkpoint_indices, -1))
+        return
+    W = conv_state.shape[2] + 1
     grid = (N, triton.cdiv(C, BLOCK_C))
     _conv_checkpoint_kernel[grid](
         x, x.stride(0), x.stride(1),
@@ -435,5 +452,3 @@ def kda_conv_checkpoint(
         W=W, WP=triton.next_power_of_2(W), BLOCK=BLOCK_C,
         num_warps=4,
     )
-    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
-    return conv_state

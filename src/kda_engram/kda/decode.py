@@ -408,13 +408,26 @@ def kda_decode_multi(
                                    lead=2)
         check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
         check_log_decay_values(gate, raw_g, checks)
+    if q.shape[1] > 0:  # S = 0 reads and writes nothing: no guard needed
+        # Launch, then read back (see kda_decode): broken rules make every row "none".
+        state_indices, initial_state_indices = checks.guard_many((state_indices, -1), (initial_state_indices, -1))
+    out = run_kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                               initial_state_indices, scale=scale, lower_bound=lower_bound, out=out, gate=gate,
+                               qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+    checks.run()  # the verdict, after the launch
+    return out
+
+
+def run_kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                         initial_state_indices=None, *, scale=None, lower_bound=None, out=None, gate="raw",
+                         qk_l2norm=True, beta_sigmoid=True) -> torch.Tensor:
+    """:func:`kda_decode_multi`'s launch without any rule: the caller has run them
+    (and guarded the indices); the eager body of its op (:mod:`kda_engram.ops.kda`).
+    S = 0 launches nothing and returns the empty ``[B, 0, H, V]`` output."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if q.shape[1] == 0:
-        checks.run()
-        return out  # S = 0: no token, nothing read or written; the empty [B, 0, H, V] output
-    # Launch, then read back (see kda_decode): broken rules make every row "none".
-    state_indices, initial_state_indices = checks.guard_many((state_indices, -1), (initial_state_indices, -1))
+        return out
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
     launch_decode(
@@ -422,5 +435,4 @@ def kda_decode_multi(
         scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
         idx_strides=state_indices.stride(), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
     )
-    checks.run()  # the verdict, after the launch
     return out

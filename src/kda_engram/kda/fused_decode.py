@@ -267,6 +267,7 @@ def kda_layer_decode_step(
     lower_bound: float | None = None,
     norm_eps: float = 1e-5,
     out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
     check_inputs: bool = True,
@@ -289,8 +290,10 @@ def kda_layer_decode_step(
       ``s`` goes to ``state_indices[b, s]``, the walk starts at
       ``initial_state_indices[b]`` (default ``state_indices[:, 0]``); negative
       initial row = padding sequence (outputs zero, no state row touched).
-    * ``out [B, S, H V]`` (default: new, ``x``'s dtype): the input of ``o_proj``,
-      ``RMSNorm(o) · o_norm_weight · sigmoid(g_out)`` per head.
+    * ``out [B, S, H V]`` (default: new, of dtype ``out_dtype``, else ``x``'s): the
+      input of ``o_proj``, ``RMSNorm(o) · o_norm_weight · sigmoid(g_out)`` per head.
+      ``out_dtype`` names the dtype of a new ``out`` so that the op, which cannot
+      take a caller's buffer, still gives the layer its model dtype.
 
     * ``block_v``, ``num_warps``: the state tile walked per step and the warps
       (default :func:`kda_engram.launch_config.fused_decode_tiling_for`; only
@@ -302,26 +305,42 @@ def kda_layer_decode_step(
     skips it (CUDA-graph capturable). Rows written in one call
     must be distinct, and no sequence may start from a row another one writes.
     """
-    multi = x.dim() == 3
-    _, H, V, K = state_cache.shape
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
         check_fused_decode_arguments(
             checks, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
             o_norm_weight, state_cache, state_indices, initial_state_indices, initial_conv_indices, scale,
-            lower_bound, norm_eps, out)
+            lower_bound, norm_eps, out, out_dtype=out_dtype)
+    if x.shape[0] > 0 and (x.dim() == 2 or x.shape[1] > 0):  # no token launches nothing: no guard needed
+        # Launch, then read back: a broken rule makes every row "none", so the launch
+        # touches neither cache. The default initial rows are views of the guarded
+        # ones (derived in the runner).
+        state_indices, conv_state_indices, initial_state_indices, initial_conv_indices = checks.guard_many(
+            (state_indices, -1), (conv_state_indices, -1), (initial_state_indices, -1), (initial_conv_indices, -1))
+    out = run_kda_layer_decode_step(
+        x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias, o_norm_weight,
+        state_cache, state_indices, initial_state_indices=initial_state_indices,
+        initial_conv_indices=initial_conv_indices, scale=scale, lower_bound=lower_bound, norm_eps=norm_eps, out=out,
+        out_dtype=out_dtype, block_v=block_v, num_warps=num_warps)
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
+    return out
+
+
+def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
+                              o_norm_weight, state_cache, state_indices, *, initial_state_indices=None,
+                              initial_conv_indices=None, scale=None, lower_bound=None, norm_eps=1e-5, out=None,
+                              out_dtype=None, block_v=None, num_warps=None) -> torch.Tensor:
+    """:func:`kda_layer_decode_step`'s launch without any rule: the caller has run
+    them (and guarded the indices); the eager body of its op
+    (:mod:`kda_engram.ops.kda`). No token launches nothing."""
+    multi = x.dim() == 3
+    _, H, V, K = state_cache.shape
     if out is None:
-        out = torch.empty(*x.shape[:-1], H * V, dtype=x.dtype, device=x.device)
+        out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
     B = x.shape[0]
     S = x.shape[1] if multi else 1
     if B == 0 or S == 0:
-        checks.run()
         return out
-    # Launch, then read back: a broken rule makes every row "none", so the launch
-    # touches neither cache. The default initial rows are views of the guarded
-    # ones (derived below).
-    state_indices, conv_state_indices, initial_state_indices, initial_conv_indices = checks.guard_many(
-        (state_indices, -1), (conv_state_indices, -1), (initial_state_indices, -1), (initial_conv_indices, -1))
     if multi:
         init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
         cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
@@ -362,6 +381,5 @@ def kda_layer_decode_step(
         NATIVE_ROUND=not interpreting(),
         num_warps=num_warps,
     )
-    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 

@@ -200,8 +200,8 @@ def kda_prefill_prologue(
     v: torch.Tensor,
     raw_g: torch.Tensor,
     raw_beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
     scale: float,
     lower_bound: float | None,
     cu_seqlens: torch.Tensor,
@@ -267,10 +267,23 @@ def kda_prefill_prologue(
     # write no conv_state row.
     cu_seqlens, conv_state_indices, chunk_indices = checks.guard_many(
         (cu_seqlens, 0), (conv_state_indices, -1), (chunk_indices, -1))
-    launch = prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
-                                  conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                  num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
-    operands = launch()
+    operands = run_kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                                        conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+                                        chunk_indices, num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm,
+                                        beta_sigmoid=beta_sigmoid)
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return operands
 
+
+def run_kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
+                             conv_weight=None, conv_state=None, conv_state_indices=None, conv_has_initial_state=None,
+                             chunk_indices=None, *, num_warps=None, gate="raw", qk_l2norm=True,
+                             beta_sigmoid=True) -> dict[str, torch.Tensor]:
+    """:func:`kda_prefill_prologue`'s launches without any rule: the caller has run
+    them (and guarded the indices); the eager body of its op
+    (:mod:`kda_engram.ops.kda`). ``scale`` is not used (the operands do not fold it
+    in); it is taken so the arguments are the entry point's."""
+    del scale
+    return prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
+                                conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
+                                num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)()

@@ -1,8 +1,6 @@
 """The KDA entry points as custom ops: decode, the prefill and its two stages, the
 conv, the layer's decode step."""
 
-from typing import Optional
-
 import torch
 
 from ..bundles import ConvArgs, KDAInputs, StateArgs
@@ -14,12 +12,16 @@ from ..kda.prefill import prefill_rules, run_prefill
 from ..kda.state import allocate_final_state
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
 from ..kda.conv import kda_conv_decode as _kda_conv_decode
+from ..kda.conv import run_kda_conv_checkpoint, run_kda_conv_decode
 from ..kda.decode import kda_decode as _kda_decode
 from ..kda.decode import run_kda_decode
 from ..kda.decode import kda_decode_multi as _kda_decode_multi
+from ..kda.decode import run_kda_decode_multi
 from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
+from ..kda.fused_decode import run_kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
+from ..kda.prologue import run_kda_prefill_prologue
 from ..validation.kda import (
     check_conv_checkpoint,
     check_conv_decode,
@@ -30,7 +32,7 @@ from ..validation.kda import (
     check_input_forms,
     check_prologue_arguments,
 )
-from .common import EntryOp, entry_checks, kernel_op, opt_float
+from .common import EntryOp, opt_float
 
 Tensor = torch.Tensor
 
@@ -53,17 +55,6 @@ def _empty_state(H: int, V: int, K: int, device) -> Tensor:
 # ------------------------------------------------------------------------- KDA decode
 
 
-@kernel_op("kda_decode_multi", mutates_args=("state_cache",),
-           fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype, device=a.v.device))
-def _kda_decode_multi_op(
-    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
-    state_cache: Tensor, state_indices: Tensor, initial_state_indices: Optional[Tensor],
-    scale: Optional[float], lower_bound: Optional[float],
-) -> Tensor:
-    return _kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                             initial_state_indices, scale=scale, lower_bound=lower_bound, check_inputs=False)
-
-
 def _decode_rules(a):
     """:func:`~kda_engram.kda.decode.kda_decode`'s host rules (no device read)."""
     check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
@@ -84,19 +75,22 @@ kda_decode = EntryOp(
 ).function
 
 
-def kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                     initial_state_indices=None, *, scale: float | None = None,
-                     lower_bound: float | None = None, check_inputs=True) -> Tensor:
-    """:func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache``
-    mutated); ``check_inputs`` as in :func:`kda_decode`."""
-    if entry_checks(check_inputs):
-        return _kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                                 initial_state_indices, scale=scale, lower_bound=lower_bound, check_inputs=check_inputs)
-    B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, None, scale, lower_bound,
-                               lead=2)
-    check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, None)
-    return _kda_decode_multi_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
-                                initial_state_indices, opt_float(scale), opt_float(lower_bound))
+def _decode_multi_rules(a):
+    """:func:`~kda_engram.kda.decode.kda_decode_multi`'s host rules (no device read)."""
+    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
+    B, S = check_decode_inputs(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+                               a["state_cache"], None, a["scale"], a["lower_bound"], lead=2)
+    check_decode_multi_indices(a["state_indices"], a["initial_state_indices"], B, S, a["state_cache"], None)
+    a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
+
+
+kda_decode_multi = EntryOp(
+    "kda_decode_multi", _kda_decode_multi, host_only=("out",), mutates_args=("state_cache",), returns="Tensor",
+    rules=_decode_multi_rules, run=lambda a: run_kda_decode_multi(**vars(a)),
+    fake=lambda a: torch.empty(a.v.shape, dtype=a.v.dtype, device=a.v.device),
+    doc=""":func:`kda_engram.kda.decode.kda_decode_multi` as an op (``state_cache``
+    mutated, ``out`` allocated by the op); ``check_inputs`` as in :func:`kda_decode`.""",
+).function
 
 
 # ------------------------------------------------------------------------ KDA prefill
@@ -119,35 +113,31 @@ def _prologue_fake(a):
     )
 
 
-@kernel_op("kda_prefill_prologue", mutates_args=("conv_state",), fake=_prologue_fake)
-def _kda_prefill_prologue_op(
-    q: Tensor, k: Tensor, v: Tensor, raw_g: Tensor, raw_beta: Tensor, A_log: Tensor, dt_bias: Tensor,
-    scale: float, lower_bound: Optional[float], cu_seqlens: Tensor,
-    conv_weight: Optional[Tensor], conv_state: Optional[Tensor], conv_state_indices: Optional[Tensor],
-    conv_has_initial_state: Optional[Tensor], chunk_indices: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    ops = _kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                check_inputs=False)
-    return tuple(ops[n] for n in PROLOGUE_OUTPUTS)
+def _prologue_rules(a):
+    """:func:`~kda_engram.kda.prologue.kda_prefill_prologue`'s host rules (no device read)."""
+    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
+    check_prologue_arguments(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"], a["scale"],
+                             a["lower_bound"], a["cu_seqlens"], a["conv_weight"], a["conv_state"],
+                             a["conv_state_indices"], a["conv_has_initial_state"], a["chunk_indices"], None)
+    a["scale"], a["lower_bound"] = float(a["scale"]), opt_float(a["lower_bound"])
 
 
-def kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale: float, lower_bound: float | None,
-                         cu_seqlens, conv_weight=None, conv_state=None, conv_state_indices=None,
-                         conv_has_initial_state=None, chunk_indices=None, *, check_inputs=True) -> dict[str, Tensor]:
-    """:func:`kda_engram.kda.prologue.kda_prefill_prologue` as an op (``conv_state``
-    mutated); returns the same dict of operands. ``check_inputs`` as in :func:`kda_decode`."""
-    if entry_checks(check_inputs):
-        got = _kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                    conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                    check_inputs=check_inputs)
-        return {n: got[n] for n in PROLOGUE_OUTPUTS}
-    check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens, conv_weight,
-                             conv_state, conv_state_indices, conv_has_initial_state, chunk_indices, None)
-    out = _kda_prefill_prologue_op(q, k, v, raw_g, raw_beta, A_log, dt_bias, float(scale), opt_float(lower_bound),
-                                   cu_seqlens, conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
-                                   chunk_indices)
-    return dict(zip(PROLOGUE_OUTPUTS, out))
+def _prologue_run(a):
+    operands = run_kda_prefill_prologue(**vars(a))
+    return tuple(operands[n] for n in PROLOGUE_OUTPUTS)
+
+
+#: The prologue's op: every argument of :func:`kda_engram.kda.prologue.kda_prefill_prologue`
+#: but ``num_warps`` (a launch override, an int or a pair). The op returns the
+#: operands as a tuple (an op cannot return a dict), the function the entry
+#: point's dict.
+kda_prefill_prologue = EntryOp(
+    "kda_prefill_prologue", _kda_prefill_prologue, host_only=("num_warps",), mutates_args=("conv_state",),
+    returns="(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", rules=_prologue_rules, run=_prologue_run,
+    fake=_prologue_fake, result=lambda a, value: dict(zip(PROLOGUE_OUTPUTS, value)),
+    doc=""":func:`kda_engram.kda.prologue.kda_prefill_prologue` as an op (``conv_state``
+    mutated); returns the same dict of operands. ``check_inputs`` as in :func:`kda_decode`.""",
+).function
 
 
 def _prefill_outputs_fake(a, T, H, V, K, dtype, device):
@@ -252,45 +242,50 @@ chunk_kda_prefill = EntryOp(
 # --------------------------------------------------------------------------- KDA conv
 
 
-@kernel_op("kda_conv_decode", mutates_args=("conv_state",),
-           fake=lambda a: torch.empty(a.x.shape, dtype=a.out_dtype or a.x.dtype, device=a.x.device))
-def _kda_conv_decode_op(
-    x: Tensor, conv_weight: Tensor, conv_state: Tensor, conv_state_indices: Tensor, out_dtype: Optional[torch.dtype],
-) -> Tensor:
-    return _kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out_dtype=out_dtype, check_inputs=False)
+def _conv_decode_rules(a):
+    """:func:`~kda_engram.kda.conv.kda_conv_decode`'s host rules (no device read)."""
+    check_conv_decode(a["x"], a["conv_weight"], a["conv_state"], a["conv_state_indices"], None, None,
+                      out_dtype=a["out_dtype"])
 
 
-def kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, *, out_dtype: torch.dtype | None = None,
-                    check_inputs=True) -> Tensor:
-    """:func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state`` mutated);
-    ``check_inputs`` as in :func:`kda_decode`."""
-    if entry_checks(check_inputs):
-        return _kda_conv_decode(x, conv_weight, conv_state, conv_state_indices, out_dtype=out_dtype,
-                                check_inputs=check_inputs)
-    check_conv_decode(x, conv_weight, conv_state, conv_state_indices, None, None)
-    return _kda_conv_decode_op(x, conv_weight, conv_state, conv_state_indices, out_dtype)
+kda_conv_decode = EntryOp(
+    "kda_conv_decode", _kda_conv_decode, host_only=("out",), mutates_args=("conv_state",), returns="Tensor",
+    rules=_conv_decode_rules, run=lambda a: run_kda_conv_decode(**vars(a)),
+    fake=lambda a: torch.empty(a.x.shape, dtype=a.out_dtype or a.x.dtype, device=a.x.device),
+    doc=""":func:`kda_engram.kda.conv.kda_conv_decode` as an op (``conv_state``
+    mutated, ``out`` allocated by the op, of ``out_dtype``); ``check_inputs`` as in
+    :func:`kda_decode`.""",
+).function
 
 
-@kernel_op("kda_conv_checkpoint", mutates_args=("conv_state",), fake=lambda a: None)
-def _kda_conv_checkpoint_op(
-    x: Tensor, cu_seqlens: Tensor, checkpoint_offsets: Tensor, checkpoint_indices: Tensor, conv_state: Tensor,
-) -> None:
-    _kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, check_inputs=False)
+def _conv_checkpoint_rules(a):
+    """:func:`~kda_engram.kda.conv.kda_conv_checkpoint`'s host rules (no device read)."""
+    check_conv_checkpoint(a["x"], a["cu_seqlens"], a["checkpoint_offsets"], a["checkpoint_indices"], a["conv_state"],
+                          None)
 
 
-def kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, *,
-                        check_inputs=True) -> None:
-    """:func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state``
-    mutated); ``check_inputs`` as in :func:`kda_decode`."""
-    if entry_checks(check_inputs):
-        _kda_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state,
-                             check_inputs=check_inputs)
-        return
-    check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state, None)
-    _kda_conv_checkpoint_op(x, cu_seqlens, checkpoint_offsets, checkpoint_indices, conv_state)
+kda_conv_checkpoint = EntryOp(
+    "kda_conv_checkpoint", _kda_conv_checkpoint, mutates_args=("conv_state",), returns="()",
+    rules=_conv_checkpoint_rules, run=lambda a: run_kda_conv_checkpoint(**vars(a)), fake=lambda a: None,
+    result=lambda a, value: a["conv_state"],
+    doc=""":func:`kda_engram.kda.conv.kda_conv_checkpoint` as an op (``conv_state``
+    mutated; the op returns nothing, the function ``conv_state`` as the entry point
+    does); ``check_inputs`` as in :func:`kda_decode`.""",
+).function
 
 
 # ------------------------------------------------------------ KDA layer decode step
+
+
+def _layer_decode_rules(a):
+    """:func:`~kda_engram.kda.fused_decode.kda_layer_decode_step`'s host rules (no device read)."""
+    check_fused_decode_arguments(
+        None, a["x"], a["raw_g"], a["raw_beta"], a["g_out"], a["conv_weight"], a["conv_state"],
+        a["conv_state_indices"], a["A_log"], a["dt_bias"], a["o_norm_weight"], a["state_cache"], a["state_indices"],
+        a["initial_state_indices"], a["initial_conv_indices"], a["scale"], a["lower_bound"], a["norm_eps"], None,
+        out_dtype=a["out_dtype"])
+    a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
+    a["norm_eps"] = float(a["norm_eps"])
 
 
 def _layer_decode_out(a):
@@ -298,41 +293,14 @@ def _layer_decode_out(a):
     return torch.empty(*a.x.shape[:-1], H * V, dtype=a.out_dtype or a.x.dtype, device=a.x.device)
 
 
-@kernel_op("kda_layer_decode_step", mutates_args=("conv_state", "state_cache"), fake=_layer_decode_out)
-def _kda_layer_decode_step_op(
-    x: Tensor, raw_g: Tensor, raw_beta: Tensor, g_out: Tensor, conv_weight: Tensor, conv_state: Tensor,
-    conv_state_indices: Tensor, A_log: Tensor, dt_bias: Tensor, o_norm_weight: Tensor, state_cache: Tensor,
-    state_indices: Tensor, scale: Optional[float], lower_bound: Optional[float], norm_eps: float,
-    out_dtype: Optional[torch.dtype],
-) -> Tensor:
-    H, V = state_cache.shape[1], state_cache.shape[2]
-    out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
-    return _kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
-                                  dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
-                                  lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=False)
-
-
-def kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log, dt_bias,
-                          o_norm_weight, state_cache, state_indices, *, scale: float | None = None,
-                          lower_bound: float | None = None, norm_eps: float = 1e-5,
-                          out_dtype: torch.dtype | None = None, check_inputs=True) -> Tensor:
-    """:func:`kda_engram.kda.fused_decode.kda_layer_decode_step` as an op (one token
-    or S tokens per sequence with the default initial rows; ``state_cache`` and
-    ``conv_state`` mutated, ``out`` allocated by the op). ``check_inputs`` as in
-    :func:`kda_decode`."""
-    if entry_checks(check_inputs):
-        out = None  # the function's default: x's dtype
-        shaped = isinstance(x, Tensor) and isinstance(state_cache, Tensor) and state_cache.dim() == 4
-        if out_dtype is not None and shaped:
-            H, V = state_cache.shape[1], state_cache.shape[2]
-            out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype, device=x.device)
-        return _kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
-                                      dt_bias, o_norm_weight, state_cache, state_indices, scale=scale,
-                                      lower_bound=lower_bound, norm_eps=norm_eps, out=out, check_inputs=check_inputs)
-    check_fused_decode_arguments(None, x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
-                                 dt_bias, o_norm_weight, state_cache, state_indices, None, None, scale, lower_bound,
-                                 norm_eps, None)
-    return _kda_layer_decode_step_op(x, raw_g, raw_beta, g_out, conv_weight, conv_state, conv_state_indices, A_log,
-                                     dt_bias, o_norm_weight, state_cache, state_indices, opt_float(scale),
-                                     opt_float(lower_bound), float(norm_eps), out_dtype)
-
+#: The layer decode step's op: every argument of
+#: :func:`kda_engram.kda.fused_decode.kda_layer_decode_step` but ``out`` (allocated
+#: by the op, of ``out_dtype``) and the launch overrides ``block_v``, ``num_warps``.
+kda_layer_decode_step = EntryOp(
+    "kda_layer_decode_step", _kda_layer_decode_step, host_only=("out", "block_v", "num_warps"),
+    mutates_args=("conv_state", "state_cache"), returns="Tensor", rules=_layer_decode_rules,
+    run=lambda a: run_kda_layer_decode_step(**vars(a)), fake=_layer_decode_out,
+    doc=""":func:`kda_engram.kda.fused_decode.kda_layer_decode_step` as an op (one token
+    or S tokens per sequence; ``state_cache`` and ``conv_state`` mutated, ``out``
+    allocated by the op, of ``out_dtype``). ``check_inputs`` as in :func:`kda_decode`.""",
+).function

@@ -68,6 +68,7 @@ __all__ = [
     "check_decode_indices",
     "guard_decode_indices",
     "check_decode_multi_indices",
+    "check_out_dtype",
     "check_conv_decode",
     "check_conv_checkpoint",
     "check_fused_decode_arguments",
@@ -550,14 +551,23 @@ def _check_conv_tensors(x_name, x, conv_weight, conv_state, lead):
     return C, W
 
 
-def check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks: DeviceChecks | None):
+def check_out_dtype(out_dtype) -> None:
+    """``out_dtype``: None (the input's dtype) or a float dtype of the outputs."""
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        raise TypeError(f"out_dtype: expected None or one of {names}, got {out_dtype!r}")
+
+
+def check_conv_decode(x, conv_weight, conv_state, conv_state_indices, out, checks: DeviceChecks | None, *,
+                      out_dtype=None):
     """``kda_conv_decode``: ``x [B, C]``, ``conv_weight [C, W]``, ``conv_state
     [slots, C, W - 1]``, ``conv_state_indices [B]`` (in range, distinct: queued),
-    ``out [B, C]``. Returns ``(C, W)``."""
+    ``out [B, C]``, ``out_dtype`` a float dtype. Returns ``(C, W)``."""
     C, W = _check_conv_tensors("x", x, conv_weight, conv_state, None)
     check_tensor("conv_state_indices", conv_state_indices, shape=[x.shape[0]], dtypes=INDEX_DTYPES, device=x.device)
     if out is not None:
         check_tensor("out", out, shape=[x.shape[0], C], dtypes=FLOAT_DTYPES, device=x.device)
+    check_out_dtype(out_dtype)
     if checks is not None:
         check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
     return C, W
@@ -593,7 +603,7 @@ def check_conv_checkpoint(x, cu_seqlens, checkpoint_offsets, checkpoint_indices,
 def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta, g_out, conv_weight, conv_state,
                                  conv_state_indices, A_log, dt_bias, o_norm_weight, state_cache, state_indices,
                                  initial_state_indices, initial_conv_indices, scale, lower_bound, norm_eps,
-                                 out) -> None:
+                                 out, *, out_dtype=None) -> None:
     """``kda_layer_decode_step``: host rules raise at once; the index rules (rows
     in range, distinct, no sequence starting from a row another one writes) are
     queued on ``checks`` for the caller's one read-back (``None``: host rules only)."""
@@ -623,6 +633,7 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
     check_tensor("o_norm_weight", o_norm_weight, shape=[V], dtypes=FLOAT_DTYPES, device=dev)
     if out is not None:
         check_tensor("out", out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
+    check_out_dtype(out_dtype)
     check_scale(scale)
     check_lower_bound(lower_bound)
     check_real("norm_eps", norm_eps, sign="non-negative")
