@@ -156,6 +156,52 @@ def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
     torch.testing.assert_close(out, ref_out(layer, w, hidden, ids, [0, 9]).float(), atol=5e-5, rtol=0)
 
 
+def test_the_hash_step_runs_each_ops_host_rules_once(monkeypatch):
+    """Issue 45: a checked step has run every host rule of its history and hash ops
+    (one rule function each, :mod:`kda_engram.validation.engram`), so it calls them
+    unchecked; an unchecked step (``check_inputs=False``) leaves the host rules to
+    the ops."""
+    import kda_engram.ops.engram as op_module
+
+    calls = []
+    for name in ("check_history_gather", "check_ngram_hash_arguments", "check_next_history_arguments",
+                 "check_history_checkpoint", "check_history_scatter"):
+        rule = getattr(op_module, name)
+        monkeypatch.setattr(op_module, name, lambda *a, _rule=rule, _name=name: (calls.append(_name), _rule(*a)))
+    layout = make_layout()
+    ids = ids_for(9, 1)
+    batch = EngramBatch.from_query_lens(torch.tensor([4, 5]), torch.tensor([0, 1]),
+                                        checkpoint_offsets=torch.tensor([0, 2]), checkpoint_indices=torch.tensor([-1, 2]))
+    runs = []
+    for check_inputs in (True, False):
+        calls.clear()
+        cache = torch.full((3, 2), -1, dtype=torch.int64)
+        runs.append((engram_hash_step(ids, batch, layout, cache, check_inputs=check_inputs), cache))
+        assert calls == ([] if check_inputs else ["check_history_gather", "check_ngram_hash_arguments",
+                                                  "check_next_history_arguments", "check_history_checkpoint",
+                                                  "check_history_scatter"])
+    (rows_a, cache_a), (rows_b, cache_b) = runs
+    assert torch.equal(rows_a, rows_b) and torch.equal(cache_a, cache_b)
+    assert cache_a[2].tolist() == ids[4:6].tolist()  # the checkpoint at offset 2 of the second sequence
+
+
+def test_a_compiled_hash_step_refuses_a_cache_of_another_width():
+    """While ``torch.compile`` traces, the step knows the layout only by its handle: the
+    cache's width is checked against next_history's output (the scatter's rule), so
+    a cache the hash cannot read is refused before the compiled step runs."""
+    layer, _ = make_layer()
+    batch = EngramBatch.from_query_lens(torch.tensor([5]), torch.tensor([0]))
+    cache = torch.full((1, 3), -1, dtype=torch.int64)  # max_ngram - 1 = 2 columns
+    before = cache.clone()
+    step = torch.compile(lambda ids: layer.hash_step(ids, batch, cache), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"history: expected shape \[1, 3\], got \[1, 2\]"):
+        step(ids_for(5, 1))
+    assert torch.equal(cache, before)
+    with refused(ValueError, match=r"^history_cache: expected shape \[\*, 2\]"):
+        layer.hash_step(ids_for(5, 1), batch, cache)  # eagerly: the layout's own rule
+
+
 def test_from_config_and_v41_fp8_weights():
     cfg = {"text_config": {
         "hidden_size": DIM, "hc_mult": HC, "rms_norm_eps": EPS, "engram_layer_ids": [2, 5],

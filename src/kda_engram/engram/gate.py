@@ -40,8 +40,8 @@ import triton.language as tl
 
 from ..launch_config import GateGeometry
 from ..platform import arch, interpreting, num_compute_units
-from ..validation.common import FLOAT_DTYPES, check_int, check_same_dtype, check_tensor
 from ..validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
+from ..validation.engram import check_post_wkv_arguments
 from ..validation.entry import settle_pending
 
 # Up to this dim the row stays in registers at warps_for(row lanes) warps and a
@@ -488,11 +488,19 @@ def engram_post_wkv(
     """
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, token_mask, out)
-        check_tensor("kv", kv, shape=(None, (hc + 1) * dim), dtypes=FLOAT_DTYPES, device=hidden_states.device)
-        check_same_dtype(("hidden_states", "kv"), (hidden_states, kv))
-        check_gate_scalars(eps, clamp_value)
-        check_int("num_kv_tokens", num_kv_tokens, low=0, high=kv.shape[0], allow_none=True)
+        check_post_wkv_arguments(hidden_states, kv, q_weight, k_weight, eps, clamp_value, token_mask, num_kv_tokens,
+                                 out)
+    return run_engram_post_wkv(hidden_states, kv, q_weight, k_weight, eps=eps, clamp_value=clamp_value,
+                               token_mask=token_mask, num_kv_tokens=num_kv_tokens, out=out, chunk=chunk,
+                               num_warps=num_warps, tokens=tokens, l2_hints=l2_hints, programs=programs)
+
+
+def run_engram_post_wkv(hidden_states, kv, q_weight, k_weight, *, eps, clamp_value=1e-6, token_mask=None,
+                        num_kv_tokens=None, out=None, chunk=None, num_warps=None, tokens=None, l2_hints=None,
+                        programs=None) -> torch.Tensor:
+    """:func:`engram_post_wkv`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_post_wkv_arguments`); the eager body
+    of its op (:mod:`kda_engram.ops.engram`)."""
     T, hc, dim = hidden_states.shape
     if out is None:
         out = torch.empty_like(hidden_states)

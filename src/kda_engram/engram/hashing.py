@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation.common import DeviceChecks, check_tensor
 from ..validation.entry import EntryChecks
-from ..validation.engram import check_hash_arguments
+from ..validation.engram import check_next_history_arguments, check_ngram_hash_arguments
 from .layout import EngramLayout
 
 BLOCK_T = 128
@@ -186,21 +185,15 @@ def _next_history_kernel(
     tl.store(out_ptr + n.to(tl.int64) * out_stride_n + j * out_stride_j, new, mask=jmask)
 
 
-def _check_history(history, num_seqs, hist_len, device):
-    check_tensor("history", history, shape=[num_seqs, hist_len], dtypes=(torch.int32, torch.int64), device=device)
-
-
 def _dead_view(dead_mask):
     return dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask
 
 
-def _check_common(checks: DeviceChecks, token_ids, cu_seqlens, layout, token_map, history, dead_mask,
-                  check_ids=True) -> None:
-    """Host rules at once; the value rules queued on ``checks``."""
+def check_layout(layout) -> EngramLayout:
+    """``layout`` is an :class:`EngramLayout` (``TypeError`` naming it otherwise)."""
     if not isinstance(layout, EngramLayout):
         raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-    check_hash_arguments(token_ids, cu_seqlens, layout.max_ngram, layout.compressed_vocab_size, token_map, history,
-                         dead_mask, checks, check_ids=check_ids)
+    return layout
 
 
 def ngram_hash(
@@ -246,25 +239,31 @@ def ngram_hash(
     """
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        _check_common(checks, token_ids, cu_seqlens, layout, token_map, history, dead_mask)
-        if layout.total_rows(global_rows=global_rows) >= 2**31:
-            raise ValueError(f"layout: {layout.total_rows(global_rows=global_rows)} rows do not fit the int32 output")
+        check_ngram_hash_arguments(token_ids, cu_seqlens, check_layout(layout), token_map, history, dead_mask,
+                                   global_rows, out, checks)
+    # Launch, then read back: a broken rule makes every sequence empty (every
+    # token's rows -1), every id 0 and the history "none", so no id reaches a
+    # gather out of its range.
+    g = checks.guard
+    out = run_ngram_hash(g(token_ids, 0), g(cu_seqlens, 0), layout, history=g(history, -1), dead_mask=dead_mask,
+                         token_map=token_map, global_rows=global_rows, out=out)
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
+    return out
+
+
+def run_ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, token_map=None,
+                   global_rows=False, out=None) -> torch.Tensor:
+    """:func:`ngram_hash`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_ngram_hash_arguments`) and guarded the
+    indices; the eager body of its op (:mod:`kda_engram.ops.engram`)."""
     num_tokens = token_ids.shape[0]
     num_seqs = cu_seqlens.numel() - 1
     L, C = layout.n_layers, layout.n_hash_cols
     device = token_ids.device
     if out is None:
         out = torch.empty((num_tokens, L, C), dtype=torch.int32, device=device)
-    elif checks.on:
-        check_tensor("out", out, shape=[num_tokens, L, C], dtypes=(torch.int32,), device=device)
     if num_tokens == 0 or num_seqs == 0:
-        checks.run()
         return out if num_tokens == 0 else out.fill_(-1)
-    # Launch, then read back: a broken rule makes every sequence empty (every
-    # token's rows -1), every id 0 and the history "none", so no id reaches a
-    # gather out of its range.
-    token_ids, cu_seqlens = checks.guard(token_ids, 0), checks.guard(cu_seqlens, 0)
-    history = checks.guard(history, -1)
     primes, offsets, mults = layout.device_arrays(device, global_rows=global_rows)
     dead = _dead_view(dead_mask) if dead_mask is not None else None
     steps = max(0, (num_seqs - 1).bit_length())
@@ -300,7 +299,6 @@ def ngram_hash(
         BLOCK=BLOCK_T,
         num_warps=4,
     )
-    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 
@@ -324,20 +322,25 @@ def next_history(
     """
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        # Ids are only copied here, in whatever id space the caller hashes them.
-        _check_common(checks, token_ids, cu_seqlens, layout, None, history, dead_mask, check_ids=False)
+        check_next_history_arguments(token_ids, cu_seqlens, check_layout(layout), history, dead_mask, out, checks)
+    # Launch, then read back: a broken rule makes every sequence empty, whose next
+    # history is its history unchanged (so ``out`` = ``history`` keeps its bits).
+    out = run_next_history(token_ids, checks.guard(cu_seqlens, 0), layout, history=history, dead_mask=dead_mask,
+                           out=out)
+    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
+    return out
+
+
+def run_next_history(token_ids, cu_seqlens, layout, *, history=None, dead_mask=None, out=None) -> torch.Tensor:
+    """:func:`next_history`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_next_history_arguments`) and guarded
+    ``cu_seqlens``; the eager body of its op (:mod:`kda_engram.ops.engram`)."""
     num_seqs = cu_seqlens.numel() - 1
     hist_len = layout.max_ngram - 1
     if out is None:
         out = torch.empty((num_seqs, hist_len), dtype=token_ids.dtype, device=token_ids.device)
-    elif checks.on:
-        _check_history(out, num_seqs, hist_len, token_ids.device)
     if num_seqs == 0:
-        checks.run()
         return out
-    # Launch, then read back: a broken rule makes every sequence empty, whose next
-    # history is its history unchanged (so ``out`` = ``history`` keeps its bits).
-    cu_seqlens = checks.guard(cu_seqlens, 0)
     dead = _dead_view(dead_mask) if dead_mask is not None else None
     _next_history_kernel[(num_seqs,)](
         token_ids,
@@ -358,7 +361,6 @@ def next_history(
         HAS_DEAD=dead is not None,
         num_warps=1,
     )
-    checks.run()  # the verdict, after the launch (deferred by default: validation.entry)
     return out
 
 

@@ -24,10 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation.common import INDEX_DTYPES, check_index_range, check_tensor
+from ..validation.common import check_index_range
+from ..validation.engram import (
+    check_checkpoint_offsets,
+    check_history_checkpoint,
+    check_history_gather,
+    check_history_scatter,
+)
 from ..validation.entry import settle_pending
 
-__all__ = ["gather_history", "scatter_history", "checkpoint_history"]
+__all__ = [
+    "gather_history",
+    "scatter_history",
+    "checkpoint_history",
+    "run_gather_history",
+    "run_scatter_history",
+    "run_checkpoint_history",
+]
 
 
 @triton.jit
@@ -103,11 +116,6 @@ def _history_checkpoint_kernel(
     tl.store(cache_ptr + tl.where(on, row, 0) * s_cache_n + j * s_cache_j, new.to(cache_ptr.dtype.element_ty), mask=jm)
 
 
-def _check_history_cache(cache, slot_indices):
-    check_tensor("history_cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
-    check_tensor("slot_indices", slot_indices, shape=[None], dtypes=INDEX_DTYPES, device=cache.device)
-
-
 def gather_history(cache: torch.Tensor, slot_indices: torch.Tensor, has_initial_state: torch.Tensor | None = None,
                    *, check_inputs: bool = True) -> torch.Tensor:
     """The hash history of a batch's sequences: ``[N, H]`` rows of ``cache [slots, H]``.
@@ -118,11 +126,15 @@ def gather_history(cache: torch.Tensor, slot_indices: torch.Tensor, has_initial_
     tensor in ``cache``'s dtype."""
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        _check_history_cache(cache, slot_indices)
+        check_history_gather(cache, slot_indices, has_initial_state)
         check_index_range("slot_indices", slot_indices, cache.shape[0])
-        if has_initial_state is not None:
-            check_tensor("has_initial_state", has_initial_state, shape=[slot_indices.shape[0]], dtypes=(torch.bool,),
-                         device=cache.device)
+    return run_gather_history(cache, slot_indices, has_initial_state)
+
+
+def run_gather_history(cache, slot_indices, has_initial_state=None) -> torch.Tensor:
+    """:func:`gather_history`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_history_gather`); the eager body of
+    its op (:mod:`kda_engram.ops.engram`)."""
     N, H = slot_indices.shape[0], cache.shape[1]
     out = torch.empty(N, H, dtype=cache.dtype, device=cache.device)
     if N == 0 or H == 0:
@@ -146,10 +158,15 @@ def scatter_history(cache: torch.Tensor, slot_indices: torch.Tensor, history: to
     not written; rows no index names are never touched). Returns ``cache``."""
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        _check_history_cache(cache, slot_indices)
-        check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
-                     device=cache.device)
+        check_history_scatter(cache, slot_indices, history)
         check_index_range("slot_indices", slot_indices, cache.shape[0])
+    return run_scatter_history(cache, slot_indices, history)
+
+
+def run_scatter_history(cache, slot_indices, history) -> torch.Tensor:
+    """:func:`scatter_history`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_history_scatter`); the eager body of
+    its op (:mod:`kda_engram.ops.engram`). Returns ``cache``."""
     N, H = slot_indices.shape[0], cache.shape[1]
     if N == 0 or H == 0:
         return cache
@@ -176,20 +193,18 @@ def checkpoint_history(token_ids: torch.Tensor, cu_seqlens: torch.Tensor, histor
     Returns ``cache``."""
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
-        dev = token_ids.device
-        check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=dev)
-        N = cu_seqlens.numel() - 1
-        if history is not None:
-            check_tensor("history", history, shape=[N, cache.shape[1]], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        cu = cu_seqlens.tolist()
-        for n, p in enumerate(checkpoint_offsets.tolist()):
-            if p < 0 or p > cu[n + 1] - cu[n]:
-                raise ValueError(f"checkpoint_offsets[{n}]: expected 0 <= p <= the sequence length "
-                                 f"{cu[n + 1] - cu[n]}, got {p}")
-        check_index_range("checkpoint_indices", checkpoint_indices[checkpoint_offsets > 0], cache.shape[0])
+        check_history_checkpoint(token_ids, cu_seqlens, history, checkpoint_offsets, checkpoint_indices, cache)
+        check_checkpoint_offsets(cu_seqlens, checkpoint_offsets, checkpoint_indices, cache.shape[0])
+    return run_checkpoint_history(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,
+                                  cache)
+
+
+def run_checkpoint_history(token_ids, cu_seqlens, history, dead_mask, checkpoint_offsets, checkpoint_indices,
+                           cache) -> torch.Tensor:
+    """:func:`checkpoint_history`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_history_checkpoint` and
+    :func:`~kda_engram.validation.engram.check_checkpoint_offsets`); the eager body of
+    its op (:mod:`kda_engram.ops.engram`). Returns ``cache``."""
     N, H = cu_seqlens.shape[0] - 1, cache.shape[1]
     if N <= 0 or H == 0:
         return cache

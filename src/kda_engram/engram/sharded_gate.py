@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation.common import FLOAT_DTYPES, check_same_dtype, check_tensor
-from ..validation.engram import check_gate_common, check_gate_scalars, check_tp_rank
+from ..validation.engram import check_gate_finish_arguments, check_gate_partials_arguments
+from ..validation.engram import pair_elems, send_width  # noqa: F401 (the packed row's geometry, re-exported)
 from ..validation.entry import settle_pending
 from .gate import (
     check_num_warps,
@@ -50,34 +50,6 @@ PARTIALS_MAX_CHUNK = 2048
 # Tokens per partials program, at most, loaded as one [TOKENS, CHUNK] tile (faster
 # than walking tokens one at a time: docs/design/engram_gate.md).
 PARTIALS_MAX_TOKENS = 8
-
-
-def pair_elems(dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` that store one fp32 pair (8 bytes): 4 for bf16/fp16, 2 for fp32."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if 8 % size:
-        raise TypeError(f"kv: element size {size} cannot pack fp32 pairs; expected bf16, fp16 or fp32")
-    return 8 // size
-
-
-def send_width(dim: int, hc: int, tp_size: int, dtype: torch.dtype) -> int:
-    """Elements per ``send`` row: ``dim / tp_size`` value columns + ``pair_elems * hc``."""
-    return dim // tp_size + pair_elems(dtype) * hc
-
-
-def _check_slice(dim: int, tp_size: int, dtype: torch.dtype, name: str = "kv_local") -> int:
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
-    if dim % tp_size:
-        raise ValueError(f"hidden_states: dim {dim} is not divisible by tp_size {tp_size}")
-    width = dim // tp_size
-    size = torch.empty((), dtype=dtype).element_size()
-    if (width * size) % 4:
-        raise ValueError(
-            f"{name}: the slice width dim/tp_size = {width} of {str(dtype).replace('torch.', '')} is {width * size} bytes; "
-            "the fp32 partial sums that follow it need a multiple of 4 bytes (an even width for 16-bit dtypes)"
-        )
-    return width
 
 
 def _f32_view(name: str, buf: torch.Tensor) -> torch.Tensor:
@@ -267,16 +239,16 @@ def engram_gate_partials(
     """
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, None, None)
-        check_tp_rank(rank, tp_size)
-        width = _check_slice(dim, tp_size, kv_local.dtype if isinstance(kv_local, torch.Tensor) else hidden_states.dtype)
-        check_tensor("kv_local", kv_local, shape=(T, (hc + 1) * width), dtypes=FLOAT_DTYPES, device=hidden_states.device)
-        check_same_dtype(("hidden_states", "kv_local"), (hidden_states, kv_local))
-        if out is not None:
-            check_tensor(
-                "out", out, shape=(T, send_width(dim, hc, tp_size, kv_local.dtype)), dtypes=(kv_local.dtype,),
-                device=hidden_states.device, last_dim_contiguous=True,
-            )
+        check_gate_partials_arguments(hidden_states, kv_local, q_weight, k_weight, rank, tp_size, out)
+    return run_engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, rank=rank, tp_size=tp_size, out=out,
+                                    tokens=tokens, chunk=chunk, num_warps=num_warps)
+
+
+def run_engram_gate_partials(hidden_states, kv_local, q_weight, k_weight, *, rank, tp_size, out=None, tokens=None,
+                             chunk=None, num_warps=None) -> torch.Tensor:
+    """:func:`engram_gate_partials`' launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_gate_partials_arguments`); the eager
+    body of its op (:mod:`kda_engram.ops.engram`)."""
     T, hc, dim = hidden_states.shape
     width = dim // tp_size
     if out is None:
@@ -342,17 +314,16 @@ def engram_gate_finish(
     """
     settle_pending()  # raises an earlier call's pending error first
     if check_inputs:
-        T, hc, dim = check_gate_common(hidden_states, None, None, token_mask, out, with_weights=False)
-        check_gate_scalars(eps, clamp_value)
-        check_tensor("gathered", gathered, shape=(None, None), dtypes=FLOAT_DTYPES, device=hidden_states.device)
-        check_same_dtype(("hidden_states", "gathered"), (hidden_states, gathered))
-        _check_slice(dim, tp_size, gathered.dtype, "gathered")
-        want = (tp_size * T, send_width(dim, hc, tp_size, gathered.dtype))
-        if tuple(gathered.shape) != want:
-            raise ValueError(
-                f"gathered: expected shape [tp_size*T, dim/tp_size + pair_elems*hc] = {list(want)}, got {list(gathered.shape)}"
-            )
-        check_tensor("gathered", gathered, last_dim_contiguous=True)
+        check_gate_finish_arguments(hidden_states, gathered, tp_size, eps, clamp_value, token_mask, out)
+    return run_engram_gate_finish(hidden_states, gathered, tp_size=tp_size, eps=eps, clamp_value=clamp_value,
+                                  token_mask=token_mask, out=out, chunk=chunk, num_warps=num_warps)
+
+
+def run_engram_gate_finish(hidden_states, gathered, *, tp_size, eps, clamp_value=1e-6, token_mask=None, out=None,
+                           chunk=None, num_warps=None) -> torch.Tensor:
+    """:func:`engram_gate_finish`'s launch without any rule: the caller has run them
+    (:func:`~kda_engram.validation.engram.check_gate_finish_arguments`); the eager
+    body of its op (:mod:`kda_engram.ops.engram`)."""
     T, hc, dim = hidden_states.shape
     width = dim // tp_size
     if out is None:

@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation.common import DeviceChecks, check_tensor
+from ..validation.common import check_tensor
 from ..validation.entry import EntryChecks
-from ..validation.engram import check_column_sizes, check_finite_weight, check_table_rows
+from ..validation.engram import check_column_sizes, check_finite_weight, check_table_lookup
 from .layout import EngramLayout
 from ..platform import interpreting, is_amd, num_compute_units
 
@@ -386,7 +386,9 @@ class EngramTable:
 
     # -- lookups --------------------------------------------------------------------
 
-    def _bounds(self, device: torch.device):
+    def column_bounds(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(starts, ends)``: every hash column's rows ``[starts[c], ends[c])`` in the
+        layer table, int64 on ``device`` (made once per device), for the rows rule."""
         key = str(device)
         got = self._col_bounds.get(key)
         if got is None:
@@ -394,13 +396,6 @@ class EngramTable:
             got = (starts, starts + torch.from_numpy(self.column_sizes.copy()).to(device))
             self._col_bounds[key] = got
         return got
-
-    def _check_rows(self, rows: torch.Tensor, checks: DeviceChecks) -> None:
-        allowed = {self.device, torch.device("cpu")} if self.host_mode == "staged" else {self.device}
-        check_table_rows(rows, self.n_cols, allowed, self._bounds, checks)
-
-    def _check_out(self, out: torch.Tensor, shape) -> None:
-        check_tensor("out", out, shape=shape, dtypes=(self.out_dtype,), device=self.device, last_dim_contiguous=True)
 
     def _launch(self, rows, weight, scale, out, out_cols, rows_col_base, own_lo, own_hi, row_lo, row_hi):
         n_items = rows.shape[0] * out_cols
@@ -477,36 +472,15 @@ class EngramTable:
         ``rows``: int32/int64 ``[T, n_cols]`` layer-table rows (``ngram_hash(...)[:, l]``;
         any strides; negative = no row). Returns ``out_dtype [T, n_cols, head_dim]``;
         columns other ranks own, and negative rows, are zeros (so the rank
-        outputs of a sharded table sum to the full lookup).
+        outputs of a sharded table sum to the full lookup). :func:`engram_lookup`.
         """
-        checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
-        if checks.on:
-            self._check_rows(rows, checks)
-        T = rows.shape[0]
-        if out is None:
-            out = torch.empty((T, self.n_cols, self.head_dim), dtype=self.out_dtype, device=self.device)
-        elif checks.on:
-            self._check_out(out, [T, self.n_cols, self.head_dim])
-        # Launch, then read back: a broken rule makes every row -1 (zeros out).
-        out = self._gather(checks.guard(rows, -1), out, self.n_cols, 0, self.col_start, self.col_end)
-        checks.run()  # the verdict (deferred by default: validation.entry)
-        return out
+        return engram_lookup(rows, self, out=out, check_inputs=check_inputs)
 
     def lookup_local(self, rows: torch.Tensor, *, out: torch.Tensor | None = None, check_inputs: bool = True) -> torch.Tensor:
         """This rank's hash columns only: ``rows [T, n_cols]`` (all columns, as the hash
-        writes them) -> ``[T, n_local_cols, head_dim]``, columns ``col_start..col_end``."""
-        checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
-        if checks.on:
-            self._check_rows(rows, checks)
-        T, width = rows.shape[0], self.n_local_cols
-        if out is None:
-            out = torch.empty((T, width, self.head_dim), dtype=self.out_dtype, device=self.device)
-        elif checks.on:
-            self._check_out(out, [T, width, self.head_dim])
-        # Launch, then read back: a broken rule makes every row -1 (zeros out).
-        out = self._gather(checks.guard(rows, -1), out, width, self.col_start, 0, width)
-        checks.run()  # the verdict (deferred by default: validation.entry)
-        return out
+        writes them) -> ``[T, n_local_cols, head_dim]``, columns ``col_start..col_end``.
+        :func:`engram_lookup` with ``local=True``."""
+        return engram_lookup(rows, self, local=True, out=out, check_inputs=check_inputs)
 
     def lookup_gathered(self, rows: torch.Tensor, group=None, *, check_inputs: bool = True) -> torch.Tensor:
         """Full ``[T, n_cols, head_dim]`` on every rank: :meth:`lookup_local`, then
@@ -527,3 +501,45 @@ class EngramTable:
         a free view of :meth:`lookup_gathered`'s output."""
         emb = self.lookup_gathered(rows, group, check_inputs=check_inputs)
         return emb.reshape(emb.shape[0], -1)
+
+
+def engram_lookup(rows: torch.Tensor, table: EngramTable, *, local: bool = False, out: torch.Tensor | None = None,
+                  check_inputs: bool = True) -> torch.Tensor:
+    """The entry point of :meth:`EngramTable.lookup` (``local=False``: all columns,
+    zeros where other ranks own them) and :meth:`EngramTable.lookup_local`
+    (``local=True``: this rank's columns), one function so that its op
+    (:mod:`kda_engram.ops.engram`) has one signature.
+
+    Args:
+        rows: int32/int64 ``[T, n_cols]`` layer-table rows (any strides; negative = no row).
+        table: the :class:`EngramTable` to gather from.
+        local: this rank's hash columns only.
+        out: optional ``[T, n_cols or n_local_cols, head_dim]`` in ``table.out_dtype`` on
+            ``table.device`` with a unit last stride.
+        check_inputs: the rules (:func:`~kda_engram.validation.engram.check_table_lookup`):
+            host rules at once, the rows' ranges queued; the gather runs on guarded
+            rows (all -1 when a rule is broken: zeros out), the verdict deferred
+            (:mod:`kda_engram.validation.entry`).
+
+    Returns ``out_dtype [T, n_cols or n_local_cols, head_dim]``.
+    """
+    checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
+    if checks.on:
+        if not isinstance(table, EngramTable):
+            raise TypeError(f"table: expected an EngramTable, got {type(table).__name__}")
+        check_table_lookup(table, rows, out, local, checks)
+    # Launch, then read back: a broken rule makes every row -1 (zeros out).
+    out = run_engram_lookup(checks.guard(rows, -1), table, local=local, out=out)
+    checks.run()  # the verdict (deferred by default: validation.entry)
+    return out
+
+
+def run_engram_lookup(rows, table: EngramTable, *, local: bool = False, out=None) -> torch.Tensor:
+    """:func:`engram_lookup`'s gather without any rule: the caller has run them and
+    guarded ``rows``; the eager body of its op (:mod:`kda_engram.ops.engram`)."""
+    width = table.n_local_cols if local else table.n_cols
+    if out is None:
+        out = torch.empty((rows.shape[0], width, table.head_dim), dtype=table.out_dtype, device=table.device)
+    if local:
+        return table._gather(rows, out, width, table.col_start, 0, width)
+    return table._gather(rows, out, width, 0, table.col_start, table.col_end)

@@ -61,7 +61,8 @@ from ..validation.common import (
     check_tensor,
 )
 from ..validation.entry import EntryChecks
-from ..validation.engram import check_engram_batch, check_hash_arguments
+from ..validation.engram import check_engram_batch, check_history_scatter, check_ngram_hash_arguments
+from ..engram.hashing import check_layout
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
 from ..engram.module import Engram, GateKernels
@@ -209,6 +210,9 @@ def engram_hash_step(
             one read-back after them. While a CUDA graph is captured or
             ``torch.compile`` traces, host rules only (the device values are then
             the caller's contract; :meth:`EngramBatch.validate` checks them eagerly).
+            These cover every host rule of the step's ops, which then run
+            unchecked (``.unchecked``: each rule once). ``False``: no rule of the
+            step; the ops run their own host rules (no device read).
 
     Returns int32 ``[T, n_layers, n_hash_cols]`` table rows.
     """
@@ -217,35 +221,50 @@ def engram_hash_step(
     # kernels' entry points raise a pending error when they run.
     eager = can_read_back()
     checks = EntryChecks(check_inputs) if eager else None
+    known = True
     if check_inputs:
         check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
         if not isinstance(batch, EngramBatch):
             raise TypeError(f"batch: expected an EngramBatch, got {type(batch).__name__}")
-        # A handle is resolved only eagerly (a registry lookup breaks a Dynamo graph).
-        lay = ops.resolve(layout, EngramLayout) if isinstance(layout, int) and eager else layout
-        known = isinstance(lay, EngramLayout)
+        # A handle is resolved unless torch.compile traces (a registry lookup breaks
+        # a Dynamo graph); there the rules that need the layout wait for its output.
+        if isinstance(layout, int) and not isinstance(layout, bool):
+            lay = None if torch.compiler.is_compiling() else ops.resolve(layout, EngramLayout)
+        else:
+            lay = check_layout(layout)
+        known = lay is not None
         check_tensor("history_cache", history_cache, shape=[None, lay.max_ngram - 1 if known else None],
                      dtypes=INDEX_DTYPES, device=token_ids.device)
         check_engram_batch(batch, token_ids.shape[0], token_ids.device, checks, history_slots=history_cache.shape[0])
-        check_hash_arguments(token_ids, batch.cu_seqlens, lay.max_ngram if known else None,
-                             lay.compressed_vocab_size if known else 0, token_map, None, batch.dead_mask, checks,
-                             check_ids=known, cu_rules=False)
+        # The hash's rules (its history is gathered from the cache just checked).
+        check_ngram_hash_arguments(token_ids, batch.cu_seqlens, lay, token_map, None, batch.dead_mask, global_rows,
+                                   None, checks, cu_rules=False)
         if checks is not None:
             g = checks.guard
             token_ids = g(token_ids, 0)
             batch = dataclasses.replace(
                 batch, cu_seqlens=g(batch.cu_seqlens, 0), slot_indices=g(batch.slot_indices, -1),
                 checkpoint_offsets=g(batch.checkpoint_offsets, 0), checkpoint_indices=g(batch.checkpoint_indices, -1))
-    # Checked above, once for the step: the ops run their host rules only.
-    hist = ops.engram_history_gather(history_cache, batch.slot_indices, batch.has_initial_state, check_inputs=False)
-    rows = ops.ngram_hash(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
-                          token_map=token_map, global_rows=global_rows, check_inputs=False)
-    new = ops.next_history(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask,
-                           check_inputs=False)
+    # Checked above: the step's rules cover every host rule of these ops (the cache,
+    # the batch, the tokens, the layout; the histories are made from the checked
+    # cache), so the ops run unchecked, each rule once per step. Unchecked step
+    # (check_inputs=False): the ops run their host rules.
+    gather, hash_, advance, checkpoint, scatter = (
+        op.unchecked if check_inputs else functools.partial(op, check_inputs=False)
+        for op in (ops.engram_history_gather, ops.ngram_hash, ops.next_history, ops.engram_history_checkpoint,
+                   ops.engram_history_scatter))
+    hist = gather(history_cache, batch.slot_indices, batch.has_initial_state)
+    rows = hash_(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask, token_map=token_map,
+                 global_rows=global_rows)
+    new = advance(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask)
+    if not known:
+        # Only the layout's handle was known: the cache's width against the layout's,
+        # by the scatter's rule on next_history's output, before any cache write.
+        check_history_scatter(history_cache, batch.slot_indices, new)
     if batch.checkpoint_offsets is not None:
-        ops.engram_history_checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
-                                      batch.checkpoint_indices, history_cache, check_inputs=False)
-    ops.engram_history_scatter(history_cache, batch.slot_indices, new, check_inputs=False)
+        checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
+                   batch.checkpoint_indices, history_cache)
+    scatter(history_cache, batch.slot_indices, new)
     if checks is not None:
         checks.run()  # the verdict, after the guarded launches (deferred by default)
     return rows

@@ -1,7 +1,14 @@
-"""Argument rules of the Engram entry points (gate, sharded gate, table, hashing).
+"""Argument rules of the Engram entry points (gate, sharded gate, table, hashing,
+history cache).
 
 Host rules raise at once; rules about device values queue flags on a
 :class:`~kda_engram.validation.common.DeviceChecks` read back once by the entry point.
+Each entry point's host rules are one function here, which the entry point and its
+op's Python wrapper (:mod:`kda_engram.ops.engram`, ``check_inputs=False``) both call.
+An ``EngramLayout`` / ``EngramTable`` argument is read by its attributes (this module
+sits below the kernel families); ``None`` stands for one known only by its op handle
+(while ``torch.compile`` traces, where a registry lookup would break the graph): the
+rules that need it are then skipped.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from .common import (
     DeviceChecks,
     check_kernel_device,
     check_real,
+    check_index_range,
     check_index_values,
     check_int,
+    check_same_dtype,
     check_tensor,
     value_at,
 )
@@ -27,13 +36,30 @@ __all__ = [
     "check_gate_scalars",
     "check_tp_rank",
     "check_gate_common",
+    "check_post_wkv_arguments",
+    "check_tp_slice",
+    "check_gate_partials_arguments",
+    "check_gate_finish_arguments",
+    "pair_elems",
+    "send_width",
     "check_column_sizes",
     "check_finite_weight",
     "check_hash_arguments",
+    "check_ngram_hash_arguments",
+    "check_next_history_arguments",
     "check_table_rows",
+    "check_table_lookup",
+    "check_history_cache",
+    "check_history_gather",
+    "check_history_scatter",
+    "check_history_checkpoint",
+    "check_checkpoint_offsets",
     "check_engram_batch",
     "check_token_offsets",
 ]
+
+#: Hash rows are written as int32: a layout's rows must fit.
+MAX_HASH_ROWS = 2**31
 
 
 def check_tp_rank(rank, tp_size) -> None:
@@ -69,6 +95,83 @@ def check_gate_common(hidden_states, q_weight, k_weight, token_mask, out, *, wit
     if out is not None:
         check_tensor("out", out, shape=(T, hc, dim), dtypes=(hidden_states.dtype,), device=device)
     return T, hc, dim
+
+
+def check_post_wkv_arguments(hidden_states, kv, q_weight, k_weight, eps, clamp_value, token_mask, num_kv_tokens,
+                             out) -> tuple[int, int, int]:
+    """:func:`~kda_engram.engram.gate.engram_post_wkv`'s host rules (no device read):
+    the gate's tensors, ``kv [T_kv, (hc+1)*dim]`` in hidden's dtype, the scalars,
+    ``0 <= num_kv_tokens <= T_kv``. Returns ``(T, hc, dim)``."""
+    T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, token_mask, out)
+    check_tensor("kv", kv, shape=(None, (hc + 1) * dim), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+    check_same_dtype(("hidden_states", "kv"), (hidden_states, kv))
+    check_gate_scalars(eps, clamp_value)
+    check_int("num_kv_tokens", num_kv_tokens, low=0, high=kv.shape[0], allow_none=True)
+    return T, hc, dim
+
+
+def pair_elems(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` that store one fp32 pair (8 bytes): 4 for bf16/fp16, 2 for fp32."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if 8 % size:
+        raise TypeError(f"kv: element size {size} cannot pack fp32 pairs; expected bf16, fp16 or fp32")
+    return 8 // size
+
+
+def send_width(dim: int, hc: int, tp_size: int, dtype: torch.dtype) -> int:
+    """Elements per ``send`` row of the dim-sharded gate
+    (:mod:`kda_engram.engram.sharded_gate`): ``dim / tp_size`` value columns +
+    ``pair_elems * hc``."""
+    return dim // tp_size + pair_elems(dtype) * hc
+
+
+def check_tp_slice(dim: int, tp_size, dtype: torch.dtype, name: str = "kv_local") -> int:
+    """``tp_size`` a positive int dividing ``dim``, and the slice ``dim / tp_size`` of
+    ``dtype`` a multiple of 4 bytes (the fp32 partial sums follow it in a ``send``
+    row). Returns the slice width."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size: expected a positive int, got {tp_size!r}")
+    if dim % tp_size:
+        raise ValueError(f"hidden_states: dim {dim} is not divisible by tp_size {tp_size}")
+    width = dim // tp_size
+    size = torch.empty((), dtype=dtype).element_size()
+    if (width * size) % 4:
+        raise ValueError(
+            f"{name}: the slice width dim/tp_size = {width} of {str(dtype).replace('torch.', '')} is {width * size} bytes; "
+            "the fp32 partial sums that follow it need a multiple of 4 bytes (an even width for 16-bit dtypes)"
+        )
+    return width
+
+
+def check_gate_partials_arguments(hidden_states, kv_local, q_weight, k_weight, rank, tp_size, out) -> None:
+    """:func:`~kda_engram.engram.sharded_gate.engram_gate_partials`' host rules (no
+    device read): the gate's tensors, the rank, the slice, ``kv_local [T,
+    (hc+1)*width]`` in hidden's dtype, ``out [T, send_width]`` with a unit last stride."""
+    T, hc, dim = check_gate_common(hidden_states, q_weight, k_weight, None, None)
+    check_tp_rank(rank, tp_size)
+    width = check_tp_slice(dim, tp_size, kv_local.dtype if isinstance(kv_local, torch.Tensor) else hidden_states.dtype)
+    check_tensor("kv_local", kv_local, shape=(T, (hc + 1) * width), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+    check_same_dtype(("hidden_states", "kv_local"), (hidden_states, kv_local))
+    if out is not None:
+        check_tensor("out", out, shape=(T, send_width(dim, hc, tp_size, kv_local.dtype)), dtypes=(kv_local.dtype,),
+                     device=hidden_states.device, last_dim_contiguous=True)
+
+
+def check_gate_finish_arguments(hidden_states, gathered, tp_size, eps, clamp_value, token_mask, out) -> None:
+    """:func:`~kda_engram.engram.sharded_gate.engram_gate_finish`'s host rules (no
+    device read): hidden, the mask and ``out``, the scalars, ``gathered [tp_size*T,
+    send_width]`` in hidden's dtype with a unit last stride."""
+    T, hc, dim = check_gate_common(hidden_states, None, None, token_mask, out, with_weights=False)
+    check_gate_scalars(eps, clamp_value)
+    check_tensor("gathered", gathered, shape=(None, None), dtypes=FLOAT_DTYPES, device=hidden_states.device)
+    check_same_dtype(("hidden_states", "gathered"), (hidden_states, gathered))
+    check_tp_slice(dim, tp_size, gathered.dtype, "gathered")
+    want = (tp_size * T, send_width(dim, hc, tp_size, gathered.dtype))
+    if tuple(gathered.shape) != want:
+        raise ValueError(
+            f"gathered: expected shape [tp_size*T, dim/tp_size + pair_elems*hc] = {list(want)}, got {list(gathered.shape)}"
+        )
+    check_tensor("gathered", gathered, last_dim_contiguous=True)
 
 
 def check_column_sizes(column_sizes: Sequence[int]) -> list[int]:
@@ -157,15 +260,52 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
                low, high)
 
 
-def check_table_rows(rows, n_cols: int, allowed_devices, bounds, checks: DeviceChecks | None) -> None:
+def check_ngram_hash_arguments(token_ids, cu_seqlens, layout, token_map, history, dead_mask, global_rows, out,
+                               checks: DeviceChecks | None, *, cu_rules: bool = True) -> None:
+    """:func:`~kda_engram.engram.hashing.ngram_hash`'s rules: :func:`check_hash_arguments`
+    against ``layout`` (its ``max_ngram`` and ``compressed_vocab_size``), the layout's
+    rows fitting the int32 output (``global_rows``: all layers' tables), ``out [T,
+    n_layers, n_hash_cols]`` int32. ``layout=None`` (a handle): the rules that need
+    it are skipped, and so is the id range (``checks`` wants the layout).
+    ``cu_rules=False``: as in :func:`check_hash_arguments`."""
+    known = layout is not None
+    check_hash_arguments(token_ids, cu_seqlens, layout.max_ngram if known else None,
+                         layout.compressed_vocab_size if known else 0, token_map, history, dead_mask, checks,
+                         check_ids=known, cu_rules=cu_rules)
+    if not known:
+        return
+    rows = layout.total_rows(global_rows=global_rows)
+    if rows >= MAX_HASH_ROWS:
+        raise ValueError(f"layout: {rows} rows do not fit the int32 output")
+    if out is not None:
+        check_tensor("out", out, shape=[token_ids.shape[0], layout.n_layers, layout.n_hash_cols],
+                     dtypes=(torch.int32,), device=token_ids.device)
+
+
+def check_next_history_arguments(token_ids, cu_seqlens, layout, history, dead_mask, out,
+                                 checks: DeviceChecks | None) -> None:
+    """:func:`~kda_engram.engram.hashing.next_history`'s rules: :func:`check_hash_arguments`
+    without the id range (ids are only copied, in whatever space the caller hashes
+    them), ``out [N, max_ngram - 1]`` int32/int64. ``layout=None``: as in
+    :func:`check_ngram_hash_arguments`."""
+    max_ngram = layout.max_ngram if layout is not None else None
+    check_hash_arguments(token_ids, cu_seqlens, max_ngram, 0, None, history, dead_mask, checks, check_ids=False)
+    if out is not None:
+        width = None if max_ngram is None else max_ngram - 1
+        check_tensor("out", out, shape=[cu_seqlens.numel() - 1, width], dtypes=INDEX_DTYPES, device=token_ids.device)
+
+
+def check_table_rows(rows, n_cols: int | None, allowed_devices, bounds, checks: DeviceChecks | None) -> None:
     """``EngramTable`` lookups: ``rows [T, n_cols]`` int32/int64 on one of
     ``allowed_devices``; with ``checks``, every non-negative entry of column ``c``
     lies in ``[starts[c], ends[c])`` (queued; negative = no row), where
-    ``bounds(device)`` gives the ``(starts, ends)`` column bounds on ``rows``' device."""
+    ``bounds(device)`` gives the ``(starts, ends)`` column bounds on ``rows``' device.
+    ``n_cols`` / ``allowed_devices`` None: any width / device (the table is unknown)."""
     check_tensor("rows", rows, dtypes=INDEX_DTYPES)
-    if rows.dim() != 2 or rows.shape[1] != n_cols:
-        raise ValueError(f"rows: expected shape [T, {n_cols}] (all hash columns), got {list(rows.shape)}")
-    if rows.device not in allowed_devices:
+    if rows.dim() != 2 or (n_cols is not None and rows.shape[1] != n_cols):
+        raise ValueError(f"rows: expected shape [T, {'*' if n_cols is None else n_cols}] (all hash columns), "
+                         f"got {list(rows.shape)}")
+    if allowed_devices is not None and rows.device not in allowed_devices:
         want = " or ".join(sorted(str(d) for d in allowed_devices))
         raise ValueError(f"rows: expected a tensor on {want}, got one on {rows.device}")
     if checks is None or rows.numel() == 0:
@@ -177,6 +317,74 @@ def check_table_rows(rows, n_cols: int, allowed_devices, bounds, checks: DeviceC
     checks.add(bad.any(), "rows: entry [{}, {}] = {} lies outside hash column {}'s table [{}, {})",
                t, c, value_at(rows.reshape(-1), first), c, value_at(starts.reshape(-1), c),
                value_at(ends.reshape(-1), c))
+
+
+def check_table_lookup(table, rows, out, local: bool, checks: DeviceChecks | None) -> None:
+    """:func:`~kda_engram.engram.table.engram_lookup`'s rules (the table's ``lookup``
+    and ``lookup_local``): :func:`check_table_rows` (rows on the table's device, or
+    also on the host for a staged host-resident table), ``out [T, n_cols or
+    n_local_cols, head_dim]`` in the table's ``out_dtype`` on its device with a unit
+    last stride. ``table=None`` (a handle): the rows' form only."""
+    if table is None:
+        check_table_rows(rows, None, None, None, None)
+        return
+    allowed = {table.device, torch.device("cpu")} if table.host_mode == "staged" else {table.device}
+    check_table_rows(rows, table.n_cols, allowed, table.column_bounds, checks)
+    if out is not None:
+        width = table.n_local_cols if local else table.n_cols
+        check_tensor("out", out, shape=[rows.shape[0], width, table.head_dim], dtypes=(table.out_dtype,),
+                     device=table.device, last_dim_contiguous=True)
+
+
+def check_history_cache(cache, slot_indices) -> None:
+    """A hash-history cache ``[slots, H]`` int32/int64 and its ``slot_indices [N]``
+    (int, on the cache's device)."""
+    check_tensor("history_cache", cache, shape=[None, None], dtypes=INDEX_DTYPES)
+    check_tensor("slot_indices", slot_indices, shape=[None], dtypes=INDEX_DTYPES, device=cache.device)
+
+
+def check_history_gather(cache, slot_indices, has_initial_state) -> None:
+    """:func:`~kda_engram.engram.history.gather_history`'s host rules: the cache, its
+    indices, ``has_initial_state`` bool ``[N]``."""
+    check_history_cache(cache, slot_indices)
+    if has_initial_state is not None:
+        check_tensor("has_initial_state", has_initial_state, shape=[slot_indices.shape[0]], dtypes=(torch.bool,),
+                     device=cache.device)
+
+
+def check_history_scatter(cache, slot_indices, history) -> None:
+    """:func:`~kda_engram.engram.history.scatter_history`'s host rules: the cache, its
+    indices, ``history [N, H]`` int32/int64 (``H`` the cache's width)."""
+    check_history_cache(cache, slot_indices)
+    check_tensor("history", history, shape=[slot_indices.shape[0], cache.shape[1]], dtypes=INDEX_DTYPES,
+                 device=cache.device)
+
+
+def check_history_checkpoint(token_ids, cu_seqlens, history, checkpoint_offsets, checkpoint_indices, cache) -> None:
+    """:func:`~kda_engram.engram.history.checkpoint_history`'s host rules:
+    ``token_ids [T]``, the cache ``[slots, H]``, ``history [N, H]``, the checkpoint
+    offsets and rows ``[N]`` (``N = cu_seqlens.numel() - 1``), all int on token_ids'
+    device. The value rules: :func:`check_checkpoint_offsets`."""
+    check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
+    dev = token_ids.device
+    check_tensor("cache", cache, shape=[None, None], dtypes=INDEX_DTYPES, device=dev)
+    N = cu_seqlens.numel() - 1
+    if history is not None:
+        check_tensor("history", history, shape=[N, cache.shape[1]], dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+
+
+def check_checkpoint_offsets(cu_seqlens, checkpoint_offsets, checkpoint_indices, slots: int) -> None:
+    """The value rules of :func:`~kda_engram.engram.history.checkpoint_history` (reads
+    back: one sync each): ``0 <= p <= length`` for every sequence's offset ``p``, and
+    the rows of the sequences that take one (``p > 0``) in ``[0, slots)`` and distinct."""
+    cu = cu_seqlens.tolist()
+    for n, p in enumerate(checkpoint_offsets.tolist()):
+        if p < 0 or p > cu[n + 1] - cu[n]:
+            raise ValueError(f"checkpoint_offsets[{n}]: expected 0 <= p <= the sequence length "
+                             f"{cu[n + 1] - cu[n]}, got {p}")
+    check_index_range("checkpoint_indices", checkpoint_indices[checkpoint_offsets > 0], slots)
 
 
 def check_token_offsets(checks: DeviceChecks, name: str, cu_seqlens: torch.Tensor, num_tokens: int, *,
