@@ -188,3 +188,71 @@ def test_rooms():
     assert (SRC / "kda" / "hopper" / "folded_prologue.py").exists()
     experiments = SRC.parents[1] / "experiments"
     assert sorted(p.name for p in experiments.rglob("check_*gpu*.py")) == []
+
+
+def host_checked_flags(src: Path = SRC) -> list[str]:
+    """``path:line`` of every line that names a ``host_checked`` flag (the old way of
+    not running a rule twice: issue 45 runs each rule once instead)."""
+    return [f"{path.relative_to(src.parent)}:{number}" for path in sorted(src.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "host_checked" in line]
+
+
+def test_no_host_checked_flag():
+    assert host_checked_flags() == []
+
+
+def test_the_host_checked_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text("def f(x, host_checked=False):\n    pass\n")
+    assert host_checked_flags(tmp_path) == [f"{tmp_path.name}/m.py:1"]
+
+
+def custom_op_sites(src: Path = SRC) -> list[str]:
+    """``path: function`` (the innermost enclosing one) of every place that registers
+    a custom op: ``torch.library.custom_op`` / ``torch.library.define``, called or as a
+    decorator."""
+
+    class Sites(ast.NodeVisitor):
+        def __init__(self, where):
+            self.where, self.names, self.found = where, ["<module>"], set()
+
+        def scope(self, node):
+            for dec in getattr(node, "decorator_list", []):
+                self.visit(dec)
+            self.names.append(node.name)
+            for child in node.body:
+                self.visit(child)
+            self.names.pop()
+
+        visit_FunctionDef = visit_ClassDef = scope
+
+        def visit_Attribute(self, node):
+            if (node.attr in ("custom_op", "define") and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "library"):
+                self.found.add(f"{self.where}: {self.names[-1]}")
+            self.generic_visit(node)
+
+    sites = set()
+    for path in sorted(src.rglob("*.py")):
+        visitor = Sites(path.relative_to(src.parent))
+        visitor.visit(ast.parse(path.read_text()))
+        sites |= visitor.found
+    return sorted(sites)
+
+
+def test_every_op_from_one_definition():
+    """Issue 45: every op comes from one definition, ``EntryOp`` (schema, fake, eager
+    body and the public wrapper from the entry point's signature): it is the only
+    place that registers an op, and every public op function is its wrapper."""
+    import kda_engram.ops as ops
+
+    assert custom_op_sites() == ["kda_engram/ops/common.py: __init__"]
+    for name in ops.__all__:
+        fn = getattr(ops, name)
+        if callable(fn) and name not in ("handle", "resolve"):
+            assert all(hasattr(fn, a) for a in ("op", "bind", "unchecked")), name
+
+
+def test_the_op_site_check_can_fail(tmp_path):
+    (tmp_path / "m.py").write_text("import torch\n@torch.library.custom_op('a::b', mutates_args=())\n"
+                                   "def b(x: torch.Tensor) -> torch.Tensor:\n    return x\n")
+    assert custom_op_sites(tmp_path) == [f"{tmp_path.name}/m.py: <module>"]

@@ -1,6 +1,5 @@
-"""What every op module shares: the namespace, the object handles, and the two
-ways an op is registered from one definition (:func:`kernel_op`,
-:class:`EntryOp`)."""
+"""What every op module shares: the namespace, the object handles, and the one way an
+op is registered: :class:`EntryOp`, from its entry point's definition."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from ..validation.entry import check_mode
 Tensor = torch.Tensor
 NAMESPACE = "kda_engram"
 
-__all__ = ["NAMESPACE", "EntryOp", "entry_checks", "handle", "kernel_op", "opt_float", "resolve"]
+__all__ = ["NAMESPACE", "EntryOp", "entry_checks", "handle", "opt_float", "resolve"]
 
 # --------------------------------------------------------------------- object handles
 
@@ -71,26 +70,6 @@ def entry_checks(check_inputs) -> bool:
 
 
 # ------------------------------------------------------------------- registration
-
-
-def kernel_op(name: str, *, mutates_args, fake):
-    """Register the decorated function as the custom op ``kda_engram::name``: its
-    annotations are the schema, its body the eager implementation. ``fake`` gives
-    the outputs from the arguments alone; it takes one namespace of the op's
-    arguments by name (``a.q``, ``a.state_cache``), so the argument list is written
-    once, on the op."""
-
-    def register(fn):
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", fn, mutates_args=mutates_args)
-        sig = inspect.signature(fn)
-
-        def fake_impl(*args, **kwargs):
-            return fake(types.SimpleNamespace(**sig.bind(*args, **kwargs).arguments))
-
-        op.register_fake(fake_impl)
-        return op
-
-    return register
 
 
 #: Schema types of the annotations an entry point may use on an argument that crosses.
