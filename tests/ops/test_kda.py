@@ -380,3 +380,24 @@ def test_ops_run_the_functions_device_rules_by_default():
                               state_indices=idx([1, 1], "cpu"), has_initial_state=torch.tensor([False, False]))
     assert torch.equal(cache, torch.zeros_like(cache))
     raise_pending_errors()
+
+
+@pytest.mark.parametrize("how", ["check_inputs=False", "unchecked"])
+def test_an_op_crossed_without_checks_raises_an_earlier_broken_verdict_first(how):
+    """The op's body raises the pending verdict of an earlier checked call before it
+    runs (as every entry point does), so crossing the op with ``check_inputs=False``
+    or ``.unchecked`` does not let an earlier call's broken rule pass unsaid, and the
+    crossing call writes nothing when it raises."""
+    from kda_engram import raise_pending_errors
+
+    q, k, v, g, b, A, dt = (x[0, :2] if x.dim() > 1 else x for x in kda_raw(2, "cpu"))
+    raise_pending_errors()
+    big = torch.zeros(8, H, K, K)
+    ops.kda_decode(q, k, v, g, b, A, dt, big[:4], idx([0, 5], "cpu"), lower_bound=-5.0)  # broken: deferred
+    good = torch.zeros(4, H, K, K)
+    call = ops.kda_decode.unchecked if how == "unchecked" else ops.kda_decode
+    kw = {} if how == "unchecked" else {"check_inputs": False}
+    with pytest.raises(ValueError, match="state_indices"):
+        call(q, k, v, g, b, A, dt, good, idx([0, 1], "cpu"), lower_bound=-5.0, **kw)
+    assert torch.equal(good, torch.zeros_like(good))
+    raise_pending_errors()  # nothing left

@@ -12,7 +12,7 @@ import torch
 
 from ..engram.layout import EngramLayout
 from ..engram.table import EngramTable
-from ..validation.entry import check_mode
+from ..validation.entry import check_mode, settle_pending
 
 Tensor = torch.Tensor
 NAMESPACE = "kda_engram"
@@ -129,6 +129,9 @@ class EntryOp:
       traces: ``rules`` then the op;
     * ``function.unchecked(...)``: the op alone, for a caller that has run the same
       rules itself (the layers check a whole step once);
+    * the op's body raises an earlier call's pending broken verdict first
+      (:func:`~kda_engram.validation.entry.settle_pending`), as every entry point
+      does, also where a compiled graph runs it;
     * ``function.op`` is the custom op, ``function.bind(args, kwargs)`` the call's
       arguments by name in the op's order."""
 
@@ -159,6 +162,7 @@ class EntryOp:
         names, kinds = self.names, self.handles
 
         def eager_impl(*args):
+            settle_pending()  # an earlier call's broken verdict first, as every entry point does
             a = dict(zip(names, args))
             for n, cls in kinds.items():
                 a[n] = resolve(a[n], cls)
@@ -204,7 +208,7 @@ class EntryOp:
                 for n, cls in kinds.items():
                     a[n] = _as_object(n, a[n], cls)
                 given = {n: value(a) for n, value in host_values.items() if value is not None}
-                return self.result(a, entry(**a, **given, check_inputs=check_inputs))
+                return entry(**a, **given, check_inputs=check_inputs)
             rules(a)
             return self.cross(a)
 

@@ -137,8 +137,9 @@ def _settle(pend: list) -> None:
 def settle_pending() -> None:
     """Raise this thread's pending broken verdict, if any (waiting for it only if it
     has not landed). Every entry point calls it first (through
-    :class:`EntryChecks`). Nothing to do while ``torch.compile`` traces (the ops run
-    their entry points, and so this, when the graph runs)."""
+    :class:`EntryChecks`), and so does every op's body
+    (:class:`kda_engram.ops.common.EntryOp`). Nothing to do while ``torch.compile``
+    traces: the op's body runs it when the graph runs."""
     pend = getattr(_TLS, "pending", None)
     if pend and not torch.compiler.is_compiling():
         _settle(pend)
