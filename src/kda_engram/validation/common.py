@@ -238,17 +238,17 @@ class DeviceChecks:
             return
         plain = [r for r in self._rules if r[0] == "flag"]
         plain_details = [d for r in plain for d in r[3]]
-        flag_parts, detail_parts = [], []
-        if plain:
-            flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
-        flag_parts += [v[:f] for v, f in self._packed]
-        if plain_details:
-            detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
-                                             for d in plain_details]))
-        detail_parts += [v[f:] for v, f in self._packed]
         if not plain and len(self._packed) == 1:
-            values = self._packed[0][0]
+            values = self._packed[0][0]  # already flags then details: no op
         else:
+            flag_parts, detail_parts = [], []
+            if plain:
+                flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
+            flag_parts += [v[:f] for v, f in self._packed]
+            if plain_details:
+                detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
+                                                 for d in plain_details]))
+            detail_parts += [v[f:] for v, f in self._packed]
             values = torch.cat(flag_parts + detail_parts)
         # Absolute positions: flags [plain..., packed_0 flags, ...], then details likewise.
         flag_base, pos = {}, len(plain)
