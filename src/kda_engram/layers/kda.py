@@ -52,7 +52,6 @@ from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
 from ..validation.common import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
     DeviceChecks,
     can_read_back,
     check_int,
@@ -60,7 +59,7 @@ from ..validation.common import (
     check_tensor,
 )
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_kda_batch, check_kda_layer_inputs
+from ..validation.kda import check_kda_batch, check_kda_layer_inputs, check_kda_requests
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
 
@@ -131,28 +130,16 @@ class KDABatch:
         continues; default all false for the prefill requests), ``conv_state_indices
         [N]`` (default ``state_indices``), ``checkpoint_offsets`` / ``checkpoint_indices
         [N]`` (decode entries ignored). Device ops only (a cumsum and slices)."""
-        check_tensor("query_lens", query_lens, shape=[None], dtypes=INDEX_DTYPES)
+        num_decode = check_kda_requests(query_lens, state_indices, has_initial_state, num_decode, conv_state_indices,
+                                        checkpoint_offsets, checkpoint_indices)
         N, dev = query_lens.shape[0], query_lens.device
-        num_decode = int(num_decode)
-        if not 0 <= num_decode <= N:
-            raise ValueError(f"num_decode: expected 0 <= num_decode <= {N} requests, got {num_decode}")
-        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
         conv = state_indices if conv_state_indices is None else conv_state_indices
-        check_tensor("conv_state_indices", conv, shape=[N], dtypes=INDEX_DTYPES, device=dev)
         B = num_decode
         cu = torch.zeros(N - B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(query_lens[B:].to(torch.int64), 0, out=cu[1:])
-        if has_initial_state is None:
-            has = torch.zeros(N - B, dtype=torch.bool, device=dev)
-        else:
-            check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
-            has = has_initial_state[B:]
-        if (checkpoint_offsets is None) != (checkpoint_indices is None):
-            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        has = torch.zeros(N - B, dtype=torch.bool, device=dev) if has_initial_state is None else has_initial_state[B:]
         ck_off = ck_idx = None
         if checkpoint_offsets is not None:
-            check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             ck_off, ck_idx = checkpoint_offsets[B:], checkpoint_indices[B:]
         return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx,
                    query_lens[:B])

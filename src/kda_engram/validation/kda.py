@@ -72,6 +72,9 @@ __all__ = [
     "check_state_dtype_match",
     "check_checkpoint_offsets",
     "check_kda_batch",
+    "check_kda_requests",
+    "check_index_rows",
+    "check_checkpoint_pair",
     "check_kda_layer_inputs",
 ]
 
@@ -631,6 +634,43 @@ def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta
                                   ("initial_conv_indices", [cinit], conv_state.shape[0])])  # one launch
 
 
+def check_index_rows(name: str, x, rows: int, device: torch.device | None) -> None:
+    """An index tensor of one entry per row or request: int32/int64 ``[rows]`` on
+    ``device`` (None: any)."""
+    check_tensor(name, x, shape=[rows], dtypes=INDEX_DTYPES, device=device)
+
+
+def check_checkpoint_pair(offsets, indices, prefix: str = "") -> bool:
+    """Checkpoint offsets and rows come together: both or neither (``prefix`` names
+    their owner, e.g. ``"batch."``). Returns whether they are given."""
+    if (offsets is None) != (indices is None):
+        raise ValueError(f"{prefix}checkpoint_offsets and {prefix}checkpoint_indices: give both or neither")
+    return offsets is not None
+
+
+def check_kda_requests(query_lens, state_indices, has_initial_state, num_decode, conv_state_indices,
+                       checkpoint_offsets, checkpoint_indices) -> int:
+    """The per-request tensors ``KDABatch.from_query_lens`` takes, in engine order
+    (host only): ``query_lens [N]``, ``state_indices`` / ``conv_state_indices`` (None:
+    the state rows) ``[N]``, ``has_initial_state`` bool ``[N]`` (optional), the
+    checkpoint pair ``[N]`` (both or neither), all on ``query_lens``' device, and
+    ``0 <= num_decode <= N``. Returns ``num_decode`` as an int."""
+    check_tensor("query_lens", query_lens, shape=[None], dtypes=INDEX_DTYPES)
+    N, dev = query_lens.shape[0], query_lens.device
+    num_decode = int(num_decode)
+    if not 0 <= num_decode <= N:
+        raise ValueError(f"num_decode: expected 0 <= num_decode <= {N} requests, got {num_decode}")
+    check_index_rows("state_indices", state_indices, N, dev)
+    if conv_state_indices is not None:
+        check_index_rows("conv_state_indices", conv_state_indices, N, dev)
+    if has_initial_state is not None:
+        check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
+    if check_checkpoint_pair(checkpoint_offsets, checkpoint_indices):
+        check_index_rows("checkpoint_offsets", checkpoint_offsets, N, dev)
+        check_index_rows("checkpoint_indices", checkpoint_indices, N, dev)
+    return num_decode
+
+
 def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks: DeviceChecks | None, *,
                     state_slots: int | None = None, conv_slots: int | None = None,
                     checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
@@ -647,28 +687,25 @@ def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks:
     B = batch.num_decode
     if isinstance(B, bool) or not isinstance(B, int) or B < 0:
         raise TypeError(f"batch.num_decode: expected a non-negative Python int, got {B!r}")
-    check_tensor("batch.decode_state_indices", batch.decode_state_indices, shape=[B], dtypes=INDEX_DTYPES,
-                 device=device)
+    check_index_rows("batch.decode_state_indices", batch.decode_state_indices, B, device)
     dev = batch.decode_state_indices.device
-    check_tensor("batch.decode_conv_indices", batch.decode_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+    check_index_rows("batch.decode_conv_indices", batch.decode_conv_indices, B, dev)
     cu = batch.prefill_cu_seqlens
     check_tensor("batch.prefill_cu_seqlens", cu, dtypes=INDEX_DTYPES, device=dev)
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"batch.prefill_cu_seqlens: expected shape [N_p+1] with N_p >= 0, got {list(cu.shape)}")
     N = cu.numel() - 1
-    for name in ("prefill_state_indices", "prefill_conv_indices"):
-        check_tensor(f"batch.{name}", getattr(batch, name), shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    check_index_rows("batch.prefill_state_indices", batch.prefill_state_indices, N, dev)
+    check_index_rows("batch.prefill_conv_indices", batch.prefill_conv_indices, N, dev)
     check_tensor("batch.prefill_has_initial_state", batch.prefill_has_initial_state, shape=[N],
                  dtypes=(torch.bool,), device=dev)
     ck_off, ck_idx = batch.checkpoint_offsets, batch.checkpoint_indices
-    if (ck_off is None) != (ck_idx is None):
-        raise ValueError("batch.checkpoint_offsets and batch.checkpoint_indices: give both or neither")
-    if ck_off is not None:
-        check_tensor("batch.checkpoint_offsets", ck_off, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-        check_tensor("batch.checkpoint_indices", ck_idx, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    if check_checkpoint_pair(ck_off, ck_idx, "batch."):
+        check_index_rows("batch.checkpoint_offsets", ck_off, N, dev)
+        check_index_rows("batch.checkpoint_indices", ck_idx, N, dev)
     lens = getattr(batch, "decode_query_lens", None)
     if lens is not None:
-        check_tensor("batch.decode_query_lens", lens, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+        check_index_rows("batch.decode_query_lens", lens, B, dev)
     if num_tokens < B or (N == 0 and num_tokens != B):
         raise ValueError(f"hidden_states: {num_tokens} tokens do not match num_decode={B} decode rows and "
                          f"{N} prefill sequences")
