@@ -164,18 +164,6 @@ class KDABatch:
 # --------------------------------------------------------------------------- layer
 
 
-def _guarded(batch: KDABatch, checks: DeviceChecks) -> KDABatch:
-    """``batch`` with the index tensors the kernels use guarded by ``checks``
-    (:meth:`DeviceChecks.guard_many`, one launch): when a queued rule is broken
-    every row is -1 (none), every prefill sequence empty and every checkpoint
-    offset 0, so the launches write no cache row. Device ops only."""
-    names = ("decode_state_indices", "decode_conv_indices", "prefill_cu_seqlens", "prefill_state_indices",
-             "prefill_conv_indices", "checkpoint_offsets", "checkpoint_indices")
-    nones = (-1, -1, 0, -1, -1, 0, -1)
-    guarded = checks.guard_many(*((getattr(batch, n), none) for n, none in zip(names, nones)))
-    return dataclasses.replace(batch, **dict(zip(names, guarded)))
-
-
 def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     size = x.shape[dim] // parts
     return x.narrow(dim, rank * size, size)
@@ -434,7 +422,9 @@ class KimiDeltaAttention(nn.Module):
                 rows in range and distinct, the token count) are queued, the launches
                 run on guarded copies of the batch's index tensors (all rows "none"
                 and every sequence empty when a rule is broken, so no cache row is
-                touched) and the verdict is read back once after them. While a CUDA
+                touched) and the verdict is read back once after them. One rule
+                launch writes the verdict and the copies (as cheap as ``kda_decode``'s
+                default: one allocation, one launch). While a CUDA
                 graph is being captured or ``torch.compile`` traces, only the host
                 rules run (a read-back is not allowed there): the device values are
                 then the caller's contract, as with ``False`` (check them eagerly
@@ -454,13 +444,16 @@ class KimiDeltaAttention(nn.Module):
                                    conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
             if not isinstance(batch, KDABatch):
                 raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
-            check_kda_batch(
+            # One rule launch, which also writes the guarded copies of the batch's index
+            # tensors the launches below read (every row "none" when a rule is broken).
+            guarded = check_kda_batch(
                 batch, hidden_states.shape[0], wt.device, checks, state_slots=state_cache.shape[0],
                 conv_slots=conv_state.shape[0],
                 checkpoint_rows=None if checkpoint_state is None else checkpoint_state.shape[0],
-                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0])
-            if checks is not None:
-                batch = _guarded(batch, checks)
+                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0],
+                guard=checks is not None)
+            if guarded:
+                batch = dataclasses.replace(batch, **guarded)
         T = hidden_states.shape[0]
         B = batch.num_decode
         H, K = self.local_heads, self.head_dim
