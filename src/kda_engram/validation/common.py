@@ -312,10 +312,11 @@ class DeviceChecks:
         taken = taken[:MAX_GUARDED]
         out = [None if x is None else (None if i in taken else self.guard(x, none))
                for i, (x, none) in enumerate(pairs)]
-        if taken:
-            flat = [(pairs[i][0].reshape(-1), pairs[i][1]) for i in taken]
-            for i, y in zip(taken, guard_tensors(self._values[: self._n_flags], flat)):
-                out[i] = y.view(pairs[i][0].shape)
+        if taken:  # (1-d tensors as they are: no view op each way)
+            flat = [(x if x.dim() == 1 else x.reshape(-1), none) for x, none in (pairs[i] for i in taken)]
+            for i, y in zip(taken, guard_tensors(self._values, flat, n_flags=self._n_flags)):
+                x = pairs[i][0]
+                out[i] = y if x.dim() == 1 else y.view(x.shape)
         return out
 
     def _take(self):

@@ -307,20 +307,22 @@ def _guard_kernel(flags_ptr, n_flags,
         _guard_copy(x7, y7, n7, s7, e7, bad, BLOCK, NUM_BLOCKS)
 
 
-def guard_tensors(flags: torch.Tensor, pairs) -> list:
+def guard_tensors(flags: torch.Tensor, pairs, n_flags: int | None = None) -> list:
     """``[x if no flag is set else x filled with none for (x, none) in pairs]``, new
-    1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a 1-d int64
-    verdict's flag part (nonzero = a broken rule), ``pairs`` at most
+    1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a contiguous 1-d
+    int64 verdict whose first ``n_flags`` entries (default all) are the flags
+    (nonzero = a broken rule: read in place, no slice op), ``pairs`` at most
     :data:`MAX_GUARDED` 1-d tensors with their "none" values. No host sync."""
+    n_flags = flags.numel() if n_flags is None else n_flags
     outs = [torch.empty(x.numel(), dtype=x.dtype, device=x.device) for x, _ in pairs]
     args = []
     for (x, none), y in zip(pairs, outs):
         args += [x, y, x.numel(), x.stride(0) if x.numel() else 1, none]
     args += [None, None, 0, 1, 0] * (MAX_GUARDED - len(pairs))  # unused slots (skipped: COUNT)
     largest = max(x.numel() for x, _ in pairs)
-    _guard_kernel[(1,)](flags, flags.numel(), *args, COUNT=len(pairs), BLOCK=128,
+    _guard_kernel[(1,)](flags, n_flags, *args, COUNT=len(pairs), BLOCK=128,
                         NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, 128))),
-                        FLAG_BLOCK=triton.next_power_of_2(max(1, flags.numel())), num_warps=4)
+                        FLAG_BLOCK=triton.next_power_of_2(max(1, n_flags)), num_warps=4)
     return outs
 
 

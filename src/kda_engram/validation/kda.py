@@ -789,7 +789,7 @@ def queue_index_sets(checks: DeviceChecks, sets) -> None:
     when :func:`~kda_engram.validation.index_rules.fits_index_set_rules`, else the
     PyTorch rules per set (:func:`check_index_values`). The same rules in the same
     order with the same messages either way; empty sets queue nothing."""
-    sets = [(name, [x.reshape(-1) for x in segments], upper) for name, segments, upper in sets]
+    sets = [(name, [x if x.dim() == 1 else x.reshape(-1) for x in segments], upper) for name, segments, upper in sets]
     sets = [(name, segments, upper) for name, segments, upper in sets if sum(x.numel() for x in segments)]
     if not sets:
         return
