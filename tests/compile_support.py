@@ -312,6 +312,7 @@ def drive_state_variants() -> None:
             rows = torch.arange(n, dtype=torch.int32)
             index_set_rules(DeviceChecks(), [(name, [rows[: n // 2], rows[n // 2:]], n) for name in ("s", "c", "k")])
             guard_tensors(torch.zeros(8, dtype=torch.int64), [(rows, -1)] * 8)
+        drive_batch_rules()
         # A prefill's state and checkpoint rules (one program): every part on, the
         # snapshots into the state cache itself, at a serving size and the largest.
         from kda_engram.validation.index_rules import MAX_STATE_RULE_SEQS, state_rules
@@ -357,6 +358,34 @@ def drive_state_variants() -> None:
             fn(**xd, raw_beta=torch.zeros(*lead, H, dtype=dt), **forms,
                state_cache=torch.zeros(B * (S or 1), H, D, D), check_inputs=False,
                state_indices=torch.arange(B * (S or 1), dtype=torch.int32).view(*lead))
+
+
+def drive_batch_rules() -> None:
+    """A serving layer step's batch rules (one program, the guarded copies in the same
+    launch): a decode-only batch of 256 rows (two sets, no prefill part), a mixed
+    batch with checkpoints into the caches themselves (query lengths, offsets, the
+    sets taking the checkpoint rows), and the largest batch with separate checkpoint
+    buffers (four sets, every part on)."""
+    import torch
+
+    from kda_engram.layers.kda import KDABatch
+    from kda_engram.validation.common import DeviceChecks
+    from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES
+    from kda_engram.validation.kda import check_kda_batch
+
+    for B, N, ckpt, separate in ((256, 0, False, False), (64, 8, True, False),
+                                 (MAX_ONE_PROGRAM_INDICES // 2, MAX_ONE_PROGRAM_INDICES // 4, True, True)):
+        rows = torch.arange(B + N, dtype=torch.int32)
+        lens = torch.tensor([1] * B + [128] * N, dtype=torch.int32)
+        extra = {}
+        if ckpt:
+            extra = dict(checkpoint_offsets=torch.full((B + N,), 64, dtype=torch.int32),
+                         checkpoint_indices=rows + B + N)
+        batch = KDABatch.from_query_lens(lens, rows, num_decode=B, **extra)
+        slots = 2 * (B + N)
+        ck = dict(checkpoint_rows=slots, conv_checkpoint_rows=slots) if separate else {}
+        check_kda_batch(batch, B + 128 * N, None, DeviceChecks(), state_slots=slots, conv_slots=slots, guard=True,
+                        **ck)
 
 
 def compile_calls(calls, target, resources, on_row=None):

@@ -57,7 +57,8 @@ OVERSIZED = {"BV": 128, "num_stages": 3}
 
 KERNELS = ("_chunk_metadata_kernel", "_kda_prologue_intra_kernel", "_kda_prologue_solve_kernel", "_kda_chunk_walk_kernel",
            "_kda_group_pass_one_kernel", "_kda_group_scan_kernel", "_kda_decode_kernel", "_index_rules_kernel",
-           "_cu_seqlens_rules_kernel", "_state_rules_kernel", "_decode_multi_rules_kernel", "_conv_decode_kernel",
+           "_cu_seqlens_rules_kernel", "_state_rules_kernel", "_decode_multi_rules_kernel", "_kda_batch_rules_kernel",
+           "_conv_decode_kernel",
            "_conv_prefill_kernel", "_conv_checkpoint_kernel", "_engram_post_wkv_kernel",
            "_engram_gate_partials_kernel", "_engram_gate_finish_kernel", "_engram_gather_kernel",
            "_ngram_hash_kernel", "_next_history_kernel", "_history_copy_kernel", "_history_checkpoint_kernel")

@@ -55,7 +55,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert not never, f"kernels the driver never launched (add a call to compile_support.drive): {never}"
     # Every kernel family the package launches was reached and compiled.
     for name in ("_chunk_metadata_kernel", "_kda_prologue_intra_kernel", "_kda_prologue_solve_kernel", "_kda_chunk_walk_kernel",
-                 "_kda_group_pass_one_kernel", "_kda_group_scan_kernel", "_kda_decode_kernel", "_index_rules_kernel", "_cu_seqlens_rules_kernel", "_state_rules_kernel", "_decode_multi_rules_kernel",
+                 "_kda_group_pass_one_kernel", "_kda_group_scan_kernel", "_kda_decode_kernel", "_index_rules_kernel", "_cu_seqlens_rules_kernel", "_state_rules_kernel", "_decode_multi_rules_kernel", "_kda_batch_rules_kernel",
                  "_conv_decode_kernel", "_conv_prefill_kernel",
                  "_conv_checkpoint_kernel", "_engram_post_wkv_kernel", "_engram_gate_partials_kernel",
                  "_engram_gate_finish_kernel", "_engram_gather_kernel", "_ngram_hash_kernel", "_next_history_kernel",

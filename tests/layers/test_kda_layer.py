@@ -304,6 +304,21 @@ LAYER_BAD = [
 def test_refused_mixed_step_leaves_every_cache_bit_identical(name, error, message, make_batch, tokens, fused):
     """Issue 36: a refused mixed step (no KDABatch.validate) raises one line naming
     the argument and writes neither cache, whatever the rule (host or device)."""
+    _refused_step_leaves_every_cache_bit_identical(error, message, make_batch, tokens, fused)
+
+
+@pytest.mark.parametrize("name, error, message, make_batch, tokens", LAYER_BAD, ids=[c[0] for c in LAYER_BAD])
+def test_refused_step_through_the_pytorch_rules_leaves_every_cache_bit_identical(name, error, message, make_batch,
+                                                                                 tokens, monkeypatch):
+    """The same through the rules a batch too large for one rule program takes
+    (PyTorch ops, then the guards): same messages, no cache written."""
+    from kda_engram.validation import kda as kda_rules
+
+    monkeypatch.setattr(kda_rules, "fits_kda_batch_rules", lambda *a: False)
+    _refused_step_leaves_every_cache_bit_identical(error, message, make_batch, tokens, True)
+
+
+def _refused_step_leaves_every_cache_bit_identical(error, message, make_batch, tokens, fused):
     layer, _ = make_layer(2)
     layer.fused_decode = fused
     sc, cs = layer.allocate_cache(4)
@@ -479,3 +494,30 @@ def test_a_parameter_that_requires_grad_is_refused_before_any_write(fused):
     assert torch.equal(sc, sc0) and torch.equal(cs, cs0)
     with torch.no_grad():
         assert layer(x, batch, sc, cs).grad_fn is None  # outside grad mode it runs
+
+
+# ------------------------------------------------------- the default call's cost
+
+
+def test_default_checks_add_no_more_than_kda_decodes():
+    """Issue 45: the layer forward's default call of a decode batch adds at most the
+    aten ops and kernel launches over its ``check_inputs=False`` call that the plain
+    ``kda_decode`` default adds over its own (one rule launch, its verdict and
+    guarded copies in one allocation); a mixed decode + prefill batch adds no more
+    than the decode batch. Counted in the steady state (the previous call's verdict
+    pending), on the CPU under the interpreter."""
+    from kda_engram.tools.benchmarks.profile_default_checks import _calls, _layer_batches, count_ops_and_launches
+
+    def extra(call):
+        checked, plain = count_ops_and_launches(lambda: call(True)), count_ops_and_launches(lambda: call(False))
+        return checked[0] - plain[0], checked[1] - plain[1]
+
+    dev = torch.device("cpu")
+    with torch.inference_mode():
+        calls = {**_calls(dev, 4, 2, K), **_layer_batches(dev, 4, 2, K)}
+        decode_ops, decode_launches = extra(calls["kda_decode"])
+        assert decode_launches == 1  # its index rule launch (the counter sees launches at all)
+        for name in ("layer_forward", "layer_forward_mixed"):
+            ops, launches = extra(calls[name])
+            assert ops <= decode_ops, (name, ops, decode_ops)
+            assert launches <= decode_launches, (name, launches, decode_launches)

@@ -1,6 +1,7 @@
 """``kda-engram bench``'s table (CPU: formatting only; the timings need a GPU)."""
 
 import pytest
+import torch
 
 from kda_engram.tools.bench import print_table
 
@@ -72,12 +73,33 @@ def test_profile_default_checks_reports_every_call(tmp_path, capsys):
     assert profile_default_checks.main(["--batch", "2", "--heads", "1", "--head-dim", "16", "--iters", "2",
                                         "--top", "40", "--device", "cpu", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())
-    assert [r["call"] for r in rows] == ["kda_decode", "kda_layer_decode_step", "layer_forward"]
-    for r in rows:
+    assert [r["call"] for r in rows] == ["kda_decode", "kda_layer_decode_step", "layer_forward",
+                                         "layer_forward_mixed", "layer_forward_checkpoints"]
+    timed = rows[:3]  # the mixed and checkpoint batches are counted, not timed
+    for r in timed:
         for key in ("host_us_nocheck", "host_us_default", "per_call_us_nocheck", "per_call_us_default"):
             assert r[key] > 0, (r["call"], key)
         assert r["wait_us_default"] > 0  # every default call after the first resolves a verdict
         assert r["syncs_default"] == []  # counted on CUDA only
-    for r in rows:  # (on the CPU the interpreter's own functions fill the top)
+    for r in timed:  # (on the CPU the interpreter's own functions fill the top)
         assert "function calls" in r["profile_default"] and "Ordered by: internal time" in r["profile_default"]
-    assert "layer_forward" in capsys.readouterr().out
+    for r in rows:  # every call launches a kernel; a checked call queues rules (device ops and a rule launch)
+        assert r["launches_nocheck"] >= 1 and r["extra_launches"] >= 1 and r["extra_ops"] >= 1, r
+        assert r["extra_ops"] == r["ops_default"] - r["ops_nocheck"]
+    out = capsys.readouterr().out
+    assert "layer_forward" in out and "nocheck/default/+" in out
+
+
+def test_count_ops_and_launches_counts_what_a_call_runs():
+    """The counter sees each aten op once, each kernel launch once (not the ops the
+    interpreter runs inside a launch), and a call's steady state."""
+    from kda_engram.tools.benchmarks.profile_default_checks import count_ops_and_launches
+    from kda_engram.validation.index_rules import cu_seqlens_rules
+
+    x = torch.arange(5)
+    assert count_ops_and_launches(lambda: (x + 1) * 2) == (2, 0)
+    cu = torch.tensor([0, 2, 5])
+    assert count_ops_and_launches(lambda: cu_seqlens_rules(cu, 5, covers_all=True)) == (1, 1)  # its verdict, its launch
+    assert count_ops_and_launches(lambda: [cu_seqlens_rules(cu, 5, covers_all=True) for _ in range(3)]) == (3, 3)
+    first = []  # a call whose first run differs: counted in its steady state
+    assert count_ops_and_launches(lambda: first.append(1) if not first else x.neg()) == (1, 0)

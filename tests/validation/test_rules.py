@@ -1,5 +1,6 @@
 """The argument rules of kda_engram.validation, on their own (CPU, no kernels)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -569,3 +570,154 @@ def test_decode_multi_rules_match_the_pytorch_rules(B, S, monkeypatch):
     assert "initial_state_indices: entries must be <" in errors["initial out of range"]
     if B > 1:
         assert f"sequence {B - 1} starts from row {int(written[0, 0])}" in errors["start on another sequence's row"]
+
+
+# ------------------------------------------------- a layer step's batch rules in one launch
+
+
+def _batch_cases(B: int, N: int, gen: torch.Generator):
+    """(name, batch, num_tokens, cache sizes) of a layer step: valid batches (decode
+    only, prefill only, mixed, with checkpoints into the caches or separate buffers,
+    without cache sizes as ``KDABatch.validate`` may run) and one broken rule each
+    (several in one, where the first in rule order must win)."""
+    from kda_engram.layers.kda import KDABatch
+
+    lens = [1] * B + torch.randint(0, 140, (N,), generator=gen).tolist()
+    slots = 2 * (B + N) + 4
+    rows = torch.randperm(slots, generator=gen)[: B + N]
+    rows[:: 4] = -1  # padding decode rows and sequences without a row, repeated
+    conv = torch.randperm(slots, generator=gen)[: B + N].to(torch.int32)
+    has = torch.rand(B + N, generator=gen) > 0.5
+    offs = torch.tensor([length // 64 * 64 for length in lens]) * (torch.arange(B + N) % 2 == 0)
+    spare = torch.randperm(slots, generator=gen)[: B + N]
+    ck_rows = torch.where(torch.isin(spare, rows), spare + slots, spare)  # never a row written this step
+    T = sum(lens)
+    sizes = dict(state_slots=slots, conv_slots=slots)
+
+    def batch(**kw):
+        return KDABatch.from_query_lens(torch.tensor(lens), rows, has, num_decode=B, **kw)
+
+    def replace(b, **fields):
+        return dataclasses.replace(b, **fields)
+
+    into_caches = dict(checkpoint_offsets=offs, checkpoint_indices=ck_rows)
+    yield "plain", batch(conv_state_indices=conv), T, sizes
+    yield "checkpoints into the caches", batch(**into_caches), T, {**sizes, "state_slots": 3 * slots,
+                                                                    "conv_slots": 3 * slots}
+    yield "separate checkpoint buffers", batch(**into_caches), T, {**sizes, "checkpoint_rows": 2 * slots,
+                                                                    "conv_checkpoint_rows": 2 * slots}
+    yield "no cache sizes", batch(**into_caches), T, {}
+    wide = torch.stack([rows, rows], 1)[:, 1]  # strided int64
+    yield "strided", batch(conv_state_indices=wide), T, sizes
+    if B:
+        bad_lens = list(lens)
+        bad_lens[B - 1] = 3
+        yield "decode query length 3", KDABatch.from_query_lens(torch.tensor(bad_lens), rows, num_decode=B), T, sizes
+        high = rows.clone()
+        high[B // 2] = slots + 7
+        yield "decode row out of range", KDABatch.from_query_lens(torch.tensor(lens), high, num_decode=B), T, sizes
+        both = list(bad_lens)
+        dup = rows.clone()
+        dup[-1] = dup[0] = 1
+        yield "query length and duplicate: the first rule", KDABatch.from_query_lens(
+            torch.tensor(both), dup, num_decode=B), T, sizes
+    if B + N > 1:
+        dup = conv.clone()
+        dup[-1] = dup[0] = 2
+        yield "duplicate conv rows", batch(conv_state_indices=dup), T, sizes
+    plain = batch()
+    cu = plain.prefill_cu_seqlens
+    yield "cu_seqlens from 1", replace(plain, prefill_cu_seqlens=cu + 1), T, sizes
+    if N:  # (without prefill sequences a token count off is a host rule)
+        yield "token count", plain, T + 1, sizes
+    if N > 1:
+        down = cu.clone()
+        down[1] = down[2] + 1
+        yield "cu_seqlens decreasing", replace(plain, prefill_cu_seqlens=down), T, sizes
+        past = offs.clone()
+        past[B + 1] = (lens[B + 1] // 64 + 1) * 64
+        yield "offset past its sequence", batch(checkpoint_offsets=past, checkpoint_indices=ck_rows), T, sizes
+        odd = offs.clone()
+        odd[B] = 32
+        yield "unaligned offset", batch(checkpoint_offsets=odd, checkpoint_indices=ck_rows), T, sizes
+        active = [n for n in range(B, B + N) if offs[n] > 0]
+        if active:
+            clash = ck_rows.clone()
+            clash[active[0]] = rows[rows >= 0][-1]  # a state row this step writes
+            yield "checkpoint on a written row", batch(checkpoint_offsets=offs, checkpoint_indices=clash), T, sizes
+            far = ck_rows.clone()
+            far[active[0]] = 10**12
+            yield "checkpoint row past its buffer", batch(checkpoint_offsets=offs, checkpoint_indices=far), T, \
+                {**sizes, "checkpoint_rows": 2 * slots}
+
+
+@pytest.mark.parametrize("B,N", [(4, 0), (0, 3), (3, 4), (64, 9), (1, 1)])
+def test_kda_batch_rules_match_the_pytorch_rules(B, N, monkeypatch):
+    """The layer's batch rules in one launch give the error (message and details)
+    of its PyTorch rules, case by case, none on valid batches, and the same guarded
+    copies: the fields the launches read, unchanged when every rule holds, all
+    "none" when one is broken."""
+    from kda_engram.validation import kda as kda_rules
+
+    launched = []
+    real = kda_rules.kda_batch_rules
+    monkeypatch.setattr(kda_rules, "kda_batch_rules", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(10 * B + N)
+    errors = {}
+    for name, batch, T, sizes in _batch_cases(B, N, gen):
+        def queue(c, out):
+            out.update(kda_rules.check_kda_batch(batch, T, None, c, guard=True, **sizes))
+
+        one_launch, pytorch = {}, {}
+        calls = len(launched)
+        error = _first_error(lambda c: queue(c, one_launch))
+        assert len(launched) == calls + 1, name
+        with monkeypatch.context() as m:
+            m.setattr(kda_rules, "fits_kda_batch_rules", lambda *a: False)
+            assert _first_error(lambda c: queue(c, pytorch)) == error, name
+        assert len(launched) == calls + 1, name  # the PyTorch rules launched no batch kernel
+        expect = {"decode_state_indices", "decode_conv_indices"} if B else set()
+        if N:
+            expect |= {"prefill_cu_seqlens", "prefill_state_indices", "prefill_conv_indices"}
+            if batch.checkpoint_offsets is not None:
+                expect |= {"checkpoint_offsets", "checkpoint_indices"}
+        assert set(one_launch) == set(pytorch) == expect, name
+        for field, copy in one_launch.items():
+            want = getattr(batch, field) if error is None else torch.full_like(getattr(batch, field), dict(
+                kda_rules.KDA_BATCH_GUARDS)[field])
+            assert copy.dtype == torch.int64 and torch.equal(copy, want.long()), (name, field)
+            assert torch.equal(pytorch[field].long(), want.long()), (name, field)
+        errors[name] = error
+    for name in ("plain", "checkpoints into the caches", "separate checkpoint buffers", "no cache sizes", "strided"):
+        assert errors[name] is None, (name, errors[name])
+    if N:
+        assert errors["token count"].startswith("batch.prefill_cu_seqlens: must end at T=")
+    assert errors["cu_seqlens from 1"] == "batch.prefill_cu_seqlens: must start at 0, got 1"
+    if B:
+        assert errors["decode query length 3"] == (f"query_lens[{B - 1}]: the first num_decode={B} requests are "
+                                                   "decode rows of one token, got 3")
+        assert errors["query length and duplicate: the first rule"] == errors["decode query length 3"]
+        assert "batch.decode_state_indices/prefill_state_indices: entries must be <" in errors["decode row out of range"]
+    if B + N > 1:
+        assert "conv_indices: non-negative entries must be distinct" in errors["duplicate conv rows"]
+    if N > 1:
+        assert "must be non-decreasing, got a sequence of length -" in errors["cu_seqlens decreasing"]
+        assert errors["unaligned offset"].startswith("batch.checkpoint_offsets[0]: expected 0 (none) or a multiple")
+        assert errors["offset past its sequence"].startswith("batch.checkpoint_offsets[1]")
+        assert ("checkpoint on a written row" in errors) == (B, N) in ((3, 4), (64, 9))  # the seeds' exporters
+        if "checkpoint on a written row" in errors:
+            assert "checkpoint_indices (state rows written this step): non-negative entries must be distinct" in \
+                errors["checkpoint on a written row"]
+            assert errors["checkpoint row past its buffer"] == (
+                f"batch.checkpoint_indices: entries must be < {2 * (2 * (B + N) + 4)} (rows available), "
+                f"got max {10**12}")
+
+
+def test_kda_batch_rules_fit_one_program():
+    from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, fits_kda_batch_rules
+
+    assert fits_kda_batch_rules(MAX_ONE_PROGRAM_INDICES, 0, False, 2)
+    assert fits_kda_batch_rules(MAX_ONE_PROGRAM_INDICES // 2, MAX_ONE_PROGRAM_INDICES // 4, True, 4)
+    assert not fits_kda_batch_rules(MAX_ONE_PROGRAM_INDICES // 2, MAX_ONE_PROGRAM_INDICES // 4 + 1, True, 4)
+    assert not fits_kda_batch_rules(MAX_ONE_PROGRAM_INDICES + 1, 0, False, 2)
+    assert not fits_kda_batch_rules(4, 4, True, 5)

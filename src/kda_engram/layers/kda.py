@@ -52,7 +52,6 @@ from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
 from ..validation.common import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
     DeviceChecks,
     can_read_back,
     check_int,
@@ -60,7 +59,7 @@ from ..validation.common import (
     check_tensor,
 )
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_kda_batch, check_kda_layer_inputs
+from ..validation.kda import check_kda_batch, check_kda_layer_inputs, check_kda_requests
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
 
@@ -131,28 +130,16 @@ class KDABatch:
         continues; default all false for the prefill requests), ``conv_state_indices
         [N]`` (default ``state_indices``), ``checkpoint_offsets`` / ``checkpoint_indices
         [N]`` (decode entries ignored). Device ops only (a cumsum and slices)."""
-        check_tensor("query_lens", query_lens, shape=[None], dtypes=INDEX_DTYPES)
+        num_decode = check_kda_requests(query_lens, state_indices, has_initial_state, num_decode, conv_state_indices,
+                                        checkpoint_offsets, checkpoint_indices)
         N, dev = query_lens.shape[0], query_lens.device
-        num_decode = int(num_decode)
-        if not 0 <= num_decode <= N:
-            raise ValueError(f"num_decode: expected 0 <= num_decode <= {N} requests, got {num_decode}")
-        check_tensor("state_indices", state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
         conv = state_indices if conv_state_indices is None else conv_state_indices
-        check_tensor("conv_state_indices", conv, shape=[N], dtypes=INDEX_DTYPES, device=dev)
         B = num_decode
         cu = torch.zeros(N - B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(query_lens[B:].to(torch.int64), 0, out=cu[1:])
-        if has_initial_state is None:
-            has = torch.zeros(N - B, dtype=torch.bool, device=dev)
-        else:
-            check_tensor("has_initial_state", has_initial_state, shape=[N], dtypes=(torch.bool,), device=dev)
-            has = has_initial_state[B:]
-        if (checkpoint_offsets is None) != (checkpoint_indices is None):
-            raise ValueError("checkpoint_offsets and checkpoint_indices: give both or neither")
+        has = torch.zeros(N - B, dtype=torch.bool, device=dev) if has_initial_state is None else has_initial_state[B:]
         ck_off = ck_idx = None
         if checkpoint_offsets is not None:
-            check_tensor("checkpoint_offsets", checkpoint_offsets, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-            check_tensor("checkpoint_indices", checkpoint_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
             ck_off, ck_idx = checkpoint_offsets[B:], checkpoint_indices[B:]
         return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx,
                    query_lens[:B])
@@ -175,18 +162,6 @@ class KDABatch:
 
 
 # --------------------------------------------------------------------------- layer
-
-
-def _guarded(batch: KDABatch, checks: DeviceChecks) -> KDABatch:
-    """``batch`` with the index tensors the kernels use guarded by ``checks``
-    (:meth:`DeviceChecks.guard_many`, one launch): when a queued rule is broken
-    every row is -1 (none), every prefill sequence empty and every checkpoint
-    offset 0, so the launches write no cache row. Device ops only."""
-    names = ("decode_state_indices", "decode_conv_indices", "prefill_cu_seqlens", "prefill_state_indices",
-             "prefill_conv_indices", "checkpoint_offsets", "checkpoint_indices")
-    nones = (-1, -1, 0, -1, -1, 0, -1)
-    guarded = checks.guard_many(*((getattr(batch, n), none) for n, none in zip(names, nones)))
-    return dataclasses.replace(batch, **dict(zip(names, guarded)))
 
 
 def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
@@ -447,7 +422,9 @@ class KimiDeltaAttention(nn.Module):
                 rows in range and distinct, the token count) are queued, the launches
                 run on guarded copies of the batch's index tensors (all rows "none"
                 and every sequence empty when a rule is broken, so no cache row is
-                touched) and the verdict is read back once after them. While a CUDA
+                touched) and the verdict is read back once after them. One rule
+                launch writes the verdict and the copies (as cheap as ``kda_decode``'s
+                default: one allocation, one launch). While a CUDA
                 graph is being captured or ``torch.compile`` traces, only the host
                 rules run (a read-back is not allowed there): the device values are
                 then the caller's contract, as with ``False`` (check them eagerly
@@ -467,13 +444,16 @@ class KimiDeltaAttention(nn.Module):
                                    conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
             if not isinstance(batch, KDABatch):
                 raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
-            check_kda_batch(
+            # One rule launch, which also writes the guarded copies of the batch's index
+            # tensors the launches below read (every row "none" when a rule is broken).
+            guarded = check_kda_batch(
                 batch, hidden_states.shape[0], wt.device, checks, state_slots=state_cache.shape[0],
                 conv_slots=conv_state.shape[0],
                 checkpoint_rows=None if checkpoint_state is None else checkpoint_state.shape[0],
-                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0])
-            if checks is not None:
-                batch = _guarded(batch, checks)
+                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0],
+                guard=checks is not None)
+            if guarded:
+                batch = dataclasses.replace(batch, **guarded)
         T = hidden_states.shape[0]
         B = batch.num_decode
         H, K = self.local_heads, self.head_dim

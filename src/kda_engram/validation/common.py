@@ -238,17 +238,17 @@ class DeviceChecks:
             return
         plain = [r for r in self._rules if r[0] == "flag"]
         plain_details = [d for r in plain for d in r[3]]
-        flag_parts, detail_parts = [], []
-        if plain:
-            flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
-        flag_parts += [v[:f] for v, f in self._packed]
-        if plain_details:
-            detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
-                                             for d in plain_details]))
-        detail_parts += [v[f:] for v, f in self._packed]
         if not plain and len(self._packed) == 1:
-            values = self._packed[0][0]
+            values = self._packed[0][0]  # already flags then details: no op
         else:
+            flag_parts, detail_parts = [], []
+            if plain:
+                flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
+            flag_parts += [v[:f] for v, f in self._packed]
+            if plain_details:
+                detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
+                                                 for d in plain_details]))
+            detail_parts += [v[f:] for v, f in self._packed]
             values = torch.cat(flag_parts + detail_parts)
         # Absolute positions: flags [plain..., packed_0 flags, ...], then details likewise.
         flag_base, pos = {}, len(plain)
@@ -312,10 +312,11 @@ class DeviceChecks:
         taken = taken[:MAX_GUARDED]
         out = [None if x is None else (None if i in taken else self.guard(x, none))
                for i, (x, none) in enumerate(pairs)]
-        if taken:
-            flat = [(pairs[i][0].reshape(-1), pairs[i][1]) for i in taken]
-            for i, y in zip(taken, guard_tensors(self._values[: self._n_flags], flat)):
-                out[i] = y.view(pairs[i][0].shape)
+        if taken:  # (1-d tensors as they are: no view op each way)
+            flat = [(x if x.dim() == 1 else x.reshape(-1), none) for x, none in (pairs[i] for i in taken)]
+            for i, y in zip(taken, guard_tensors(self._values, flat, n_flags=self._n_flags)):
+                x = pairs[i][0]
+                out[i] = y if x.dim() == 1 else y.view(x.shape)
         return out
 
     def _take(self):

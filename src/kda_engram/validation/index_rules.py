@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_rules", "index_rule_messages", "index_rules"]
+__all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_messages", "cu_seqlens_rules", "index_rule_messages", "index_rules",
+           "fits_kda_batch_rules", "kda_batch_rules"]
 
 
 def index_rule_messages(name: str, upper: int) -> tuple[str, str, str]:
@@ -164,12 +165,19 @@ def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all:
         BLOCK=block, NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(num_seqs, block))),
         COVERS_ALL=covers_all, num_warps=4,
     )
+    start, decreasing, end = cu_seqlens_messages(name, total_tokens, covers_all=covers_all, tokens=tokens)
+    return verdict, [(0, start, (3,)), (1, decreasing, (4,)), (2, end, (5,))]
+
+
+def cu_seqlens_messages(name: str, total_tokens: int, *, covers_all: bool,
+                        tokens: str = "the tokens of the inputs") -> tuple[str, str, str]:
+    """The messages of the ``cu_seqlens`` rules (starts at 0, non-decreasing, ends at
+    ``total_tokens`` or at most there), ``{}`` standing for ``cu[0]``, the shortest
+    length and ``cu[N]``: one wording for every launch that checks them."""
     end = (f"{name}: must end at T={total_tokens} ({tokens}), got {{}}" if covers_all else
            f"{name}: last entry {{}} exceeds the {total_tokens} tokens of the inputs")
-    rules = [(0, f"{name}: must start at 0, got {{}}", (3,)),
-             (1, f"{name}: must be non-decreasing, got a sequence of length {{}}", (4,)),
-             (2, end, (5,))]
-    return verdict, rules
+    return (f"{name}: must start at 0, got {{}}", f"{name}: must be non-decreasing, got a sequence of length {{}}",
+            end)
 
 
 # ----------------------------------------------------------------- a call's index sets
@@ -299,20 +307,22 @@ def _guard_kernel(flags_ptr, n_flags,
         _guard_copy(x7, y7, n7, s7, e7, bad, BLOCK, NUM_BLOCKS)
 
 
-def guard_tensors(flags: torch.Tensor, pairs) -> list:
+def guard_tensors(flags: torch.Tensor, pairs, n_flags: int | None = None) -> list:
     """``[x if no flag is set else x filled with none for (x, none) in pairs]``, new
-    1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a 1-d int64
-    verdict's flag part (nonzero = a broken rule), ``pairs`` at most
+    1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a contiguous 1-d
+    int64 verdict whose first ``n_flags`` entries (default all) are the flags
+    (nonzero = a broken rule: read in place, no slice op), ``pairs`` at most
     :data:`MAX_GUARDED` 1-d tensors with their "none" values. No host sync."""
+    n_flags = flags.numel() if n_flags is None else n_flags
     outs = [torch.empty(x.numel(), dtype=x.dtype, device=x.device) for x, _ in pairs]
     args = []
     for (x, none), y in zip(pairs, outs):
         args += [x, y, x.numel(), x.stride(0) if x.numel() else 1, none]
     args += [None, None, 0, 1, 0] * (MAX_GUARDED - len(pairs))  # unused slots (skipped: COUNT)
     largest = max(x.numel() for x, _ in pairs)
-    _guard_kernel[(1,)](flags, flags.numel(), *args, COUNT=len(pairs), BLOCK=128,
+    _guard_kernel[(1,)](flags, n_flags, *args, COUNT=len(pairs), BLOCK=128,
                         NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, 128))),
-                        FLAG_BLOCK=triton.next_power_of_2(max(1, flags.numel())), num_warps=4)
+                        FLAG_BLOCK=triton.next_power_of_2(max(1, n_flags)), num_warps=4)
     return outs
 
 
@@ -549,3 +559,263 @@ def decode_multi_clash_message() -> str:
     writes; ``{}`` stand for the sequence and its initial row."""
     return ("initial_state_indices: sequence {} starts from row {}, which another sequence's state_indices writes "
             "(the write would race with the read)")
+
+
+# ------------------------------------------------------- a serving layer step's batch
+
+#: Index sets one :func:`kda_batch_rules` launch takes: per cache, its rows and the
+#: checkpoint rows of a separate checkpoint buffer.
+MAX_BATCH_SETS = 4
+#: The words of its verdict: flags ``[0]`` decode query lengths, ``[1..3]``
+#: ``cu_seqlens`` start / non-decreasing / end, ``[4]`` checkpoint offsets, ``[5 + 2k,
+#: 6 + 2k]`` set ``k``'s range and distinctness; details ``[13, 14]`` the first bad
+#: query length's row and value, ``[15..17]`` ``cu[0]``, the shortest length,
+#: ``cu[N]``, ``[18..20]`` the first bad offset's sequence, length and offset,
+#: ``[21 + k]`` set ``k``'s max.
+_BATCH_WORDS = 25
+_SET_KINDS = {"state": 1, "conv": 2, "checkpoint": 3}
+
+
+@triton.jit
+def _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, i, n):
+    """Entries ``i`` (``0 <= i < n``, else -1) of the rows the sequences that export
+    a checkpoint write: ``checkpoint_indices[i]`` where ``checkpoint_offsets[i] >
+    0``, else -1 (none)."""
+    m = (i >= 0) & (i < n)
+    offs = tl.load(off_ptr + i * off_stride, mask=m, other=0).to(tl.int64)
+    rows = tl.load(ck_ptr + i * ck_stride, mask=m, other=-1).to(tl.int64)
+    return tl.where(m & (offs > 0), rows, -1)
+
+
+@triton.jit
+def _batch_set(verdict_ptr, k, upper, o, B, N, d_ptr, d_stride, p_ptr, p_stride, ck_ptr, ck_stride, off_ptr,
+               off_stride, KIND: tl.constexpr, WITH_CK: tl.constexpr, N_REG: tl.constexpr):
+    """Set ``k`` (``KIND`` 1: rows ``d`` of the ``B`` decode rows then ``p`` of the
+    ``N`` prefill sequences, then the checkpoint rows when ``WITH_CK``; 3: the
+    checkpoint rows alone): stores its range and distinctness flags and its max;
+    returns whether one is broken."""
+    if KIND == 3:
+        x = _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, o, N)
+        n = N
+    else:
+        d = tl.load(d_ptr + o * d_stride, mask=o < B, other=-1).to(tl.int64)
+        p = tl.load(p_ptr + (o - B) * p_stride, mask=(o >= B) & (o < B + N), other=-1).to(tl.int64)
+        x = tl.where(o < B, d, p)
+        n = B + N
+        if WITH_CK:
+            x = tl.where(o >= n, _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, o - n, N), x)
+            n = n + N
+    out_of_range, duplicate, top = _range_and_duplicates(x, o < n, upper, N_REG)
+    tl.store(verdict_ptr + 5 + 2 * k, out_of_range)
+    tl.store(verdict_ptr + 6 + 2 * k, duplicate)
+    tl.store(verdict_ptr + 21 + k, top)
+    return (out_of_range | duplicate) != 0
+
+
+@triton.jit
+def _guarded_copy(out_ptr, x_ptr, x_stride, n, o, none, bad):
+    """``out[:n] = x[:n]``, or ``none`` everywhere when ``bad`` (int64)."""
+    m = o < n
+    x = tl.load(x_ptr + o * x_stride, mask=m, other=0).to(tl.int64)
+    tl.store(out_ptr + o, tl.where(bad, none, x), mask=m)
+
+
+@triton.jit(do_not_specialize=["B", "N", "prefill_tokens", "upper0", "upper1", "upper2", "upper3"])
+def _kda_batch_rules_kernel(
+    out_ptr, B, N, prefill_tokens,
+    ds_ptr, ds_stride, dc_ptr, dc_stride, ps_ptr, ps_stride, pc_ptr, pc_stride,
+    cu_ptr, cu_stride, lens_ptr, lens_stride, off_ptr, off_stride, ck_ptr, ck_stride,
+    upper0, upper1, upper2, upper3,
+    HAS_LENS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    SET0: tl.constexpr, SET1: tl.constexpr, SET2: tl.constexpr, SET3: tl.constexpr,
+    CK0: tl.constexpr, CK1: tl.constexpr, CK2: tl.constexpr, CK3: tl.constexpr,
+    GUARD_DECODE: tl.constexpr, GUARD_PREFILL: tl.constexpr, GUARD_CKPT: tl.constexpr,
+    ALIGN: tl.constexpr, WORDS: tl.constexpr, N_REG: tl.constexpr,
+):
+    """One program: every device rule of a layer step's batch (``B`` decode rows,
+    ``N <= N_REG - 1`` prefill sequences, ``B + 2N <= N_REG``) and the guarded copies
+    of its index tensors. ``out`` (int64): the verdict (``WORDS`` words, see the
+    positions above; absent parts 0), then the copies the launches read, each all
+    "none" when any rule is broken: decode state and conv rows (``GUARD_DECODE``,
+    ``B`` each), ``cu_seqlens`` and the prefill state and conv rows
+    (``GUARD_PREFILL``: ``N + 1``, ``N``, ``N``), checkpoint offsets and rows
+    (``GUARD_CKPT``: ``N`` each). ``SETk``: 0 none, 1 state rows, 2 conv rows, 3
+    the checkpoint rows alone; ``CKk``: the set takes the checkpoint rows too."""
+    o = tl.arange(0, N_REG)
+    zero = tl.zeros([], tl.int64)
+    # The decode rows' query lengths are 1.
+    lens_bad, lens_first, lens_value = zero, zero, zero
+    if HAS_LENS:
+        lens = tl.load(lens_ptr + o * lens_stride, mask=o < B, other=1).to(tl.int64)
+        bad = (lens != 1) & (o < B)
+        first = _first_index(bad, o, N_REG)
+        first = tl.where(first < N_REG, first, 0)  # the PyTorch rule's argmax of all-false
+        lens_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
+        lens_first, lens_value = first.to(tl.int64), _pick(lens, first, o)
+    # cu_seqlens: from 0, non-decreasing, to the prefill tokens.
+    m = o < N
+    start = tl.load(cu_ptr + o * cu_stride, mask=m, other=0).to(tl.int64)
+    length = tl.load(cu_ptr + (o + 1) * cu_stride, mask=m, other=0).to(tl.int64) - start
+    shortest = tl.min(tl.where(m, length, 2**62), axis=0)
+    cu_first = tl.load(cu_ptr).to(tl.int64)
+    cu_last = tl.load(cu_ptr + N * cu_stride).to(tl.int64)
+    cu_start, cu_decreasing, cu_end = cu_first != 0, shortest < 0, cu_last != prefill_tokens
+    # Checkpoint offsets: 0 or a multiple of ALIGN at most the length.
+    off_bad, off_seq, off_length, off_value = zero, zero, zero, zero
+    if HAS_CKPT:
+        offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
+        bad = ((offs < 0) | (offs % ALIGN != 0) | (offs > length)) & m
+        first = _first_index(bad, o, N_REG)
+        first = tl.where(first < N_REG, first, 0)
+        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
+        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
+    bad = (lens_bad != 0) | cu_start | cu_decreasing | cu_end | (off_bad != 0)
+    # The index sets: rows in range, and the rows one cache takes this step distinct.
+    if SET0 == 1:
+        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK0, N_REG)
+    if SET0 == 2:
+        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK0, N_REG)
+    if SET0 == 3:
+        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 3, False, N_REG)
+    if SET1 == 1:
+        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK1, N_REG)
+    if SET1 == 2:
+        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK1, N_REG)
+    if SET1 == 3:
+        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 3, False, N_REG)
+    if SET2 == 1:
+        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK2, N_REG)
+    if SET2 == 2:
+        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK2, N_REG)
+    if SET2 == 3:
+        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 3, False, N_REG)
+    if SET3 == 1:
+        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK3, N_REG)
+    if SET3 == 2:
+        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 1, CK3, N_REG)
+    if SET3 == 3:
+        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
+                               off_ptr, off_stride, 3, False, N_REG)
+    tl.store(out_ptr + 0, lens_bad)
+    tl.store(out_ptr + 1, cu_start.to(tl.int64))
+    tl.store(out_ptr + 2, cu_decreasing.to(tl.int64))
+    tl.store(out_ptr + 3, cu_end.to(tl.int64))
+    tl.store(out_ptr + 4, off_bad)
+    tl.store(out_ptr + 13, lens_first)
+    tl.store(out_ptr + 14, lens_value)
+    tl.store(out_ptr + 15, cu_first)
+    tl.store(out_ptr + 16, shortest)
+    tl.store(out_ptr + 17, cu_last)
+    tl.store(out_ptr + 18, off_seq)
+    tl.store(out_ptr + 19, off_length)
+    tl.store(out_ptr + 20, off_value)
+    # The copies the launches read (decode, prefill, checkpoint parts in that order).
+    decode_base = out_ptr + WORDS
+    if GUARD_DECODE:
+        _guarded_copy(decode_base, ds_ptr, ds_stride, B, o, -1, bad)
+        _guarded_copy(decode_base + B, dc_ptr, dc_stride, B, o, -1, bad)
+        prefill_base = decode_base + 2 * B
+    else:
+        prefill_base = decode_base
+    if GUARD_PREFILL:
+        _guarded_copy(prefill_base, cu_ptr, cu_stride, N + 1, o, 0, bad)
+        _guarded_copy(prefill_base + N + 1, ps_ptr, ps_stride, N, o, -1, bad)
+        _guarded_copy(prefill_base + 2 * N + 1, pc_ptr, pc_stride, N, o, -1, bad)
+        ckpt_base = prefill_base + 3 * N + 1
+    else:
+        ckpt_base = prefill_base
+    if GUARD_CKPT:
+        _guarded_copy(ckpt_base, off_ptr, off_stride, N, o, 0, bad)
+        _guarded_copy(ckpt_base + N, ck_ptr, ck_stride, N, o, -1, bad)
+
+
+def fits_kda_batch_rules(num_decode: int, num_prefill: int, checkpoints: bool, num_sets: int) -> bool:
+    """Whether :func:`kda_batch_rules` takes a batch of ``num_decode`` decode rows and
+    ``num_prefill`` prefill sequences (with checkpoints or not) and ``num_sets``
+    index sets in one program: every set (at most decode + prefill + checkpoint
+    rows) sorted in registers."""
+    rows = num_decode + num_prefill * (2 if checkpoints else 1)
+    return num_sets <= MAX_BATCH_SETS and max(rows, num_prefill + 1) <= MAX_ONE_PROGRAM_INDICES
+
+
+def kda_batch_rules(checks, batch, prefill_tokens: int, sets, *, query_lens_message: str | None,
+                    cu_messages: tuple[str, str, str], offsets_message: str | None, alignment: int,
+                    guard: bool) -> dict:
+    """Queue, in one launch, every device rule of a layer step's ``batch`` (a
+    :class:`~kda_engram.layers.kda.KDABatch`, its host rules checked) on ``checks``,
+    as one verdict, the same rules in the same order with the same messages as the
+    PyTorch path of :func:`kda_engram.validation.kda.check_kda_batch`:
+
+    * the decode query lengths are 1 (``query_lens_message``; None: not given);
+    * ``prefill_cu_seqlens`` from 0, non-decreasing, to ``prefill_tokens``
+      (``cu_messages``, :func:`cu_seqlens_messages`);
+    * the checkpoint offsets 0 or multiples of ``alignment`` within their sequence
+      (``offsets_message``; None: no checkpoints or no prefill sequence);
+    * ``sets``: ``(name, kind, with_checkpoints, rows available)`` in rule order,
+      ``kind`` ``"state"`` / ``"conv"`` (that cache's decode then prefill rows,
+      then the checkpoint rows when ``with_checkpoints``) or ``"checkpoint"`` (the
+      checkpoint rows alone): rows in range and distinct (negative = none; a
+      checkpoint row counts only where its offset is > 0).
+
+    With ``guard``, the same launch writes the copies of the index tensors the
+    step's launches read (the decode fields when ``num_decode > 0``; the prefill
+    ``cu_seqlens`` and rows when there are prefill sequences, and the checkpoint
+    fields when given), int64, every row -1, every sequence empty and every offset
+    0 when a rule is broken; returned as ``{field: copy}``. One allocation (the
+    verdict and the copies) and one split: no other device op, no host sync. The
+    caller checks :func:`fits_kda_batch_rules` first."""
+    B, N = batch.num_decode, batch.prefill_state_indices.shape[0]
+    lens = batch.decode_query_lens if query_lens_message is not None else None
+    ckpt = offsets_message is not None
+    parts = []  # (field, size) of the copies, in the kernel's order
+    if guard and B:
+        parts += [("decode_state_indices", B), ("decode_conv_indices", B)]
+    if guard and N:
+        parts += [("prefill_cu_seqlens", N + 1), ("prefill_state_indices", N), ("prefill_conv_indices", N)]
+    if guard and N and ckpt:
+        parts += [("checkpoint_offsets", N), ("checkpoint_indices", N)]
+    cu = batch.prefill_cu_seqlens
+    out = torch.empty(_BATCH_WORDS + sum(n for _, n in parts), dtype=torch.int64, device=cu.device)
+    width = _width(max(B + N * (2 if ckpt else 1), N + 1))
+
+    def ptr(t):
+        return (t, t.stride(0)) if t is not None and t.numel() else (out, 1)  # absent or empty: never read
+
+    kinds = [_SET_KINDS[kind] for _, kind, _, _ in sets] + [0] * (MAX_BATCH_SETS - len(sets))
+    with_ck = [bool(w) for _, _, w, _ in sets] + [False] * (MAX_BATCH_SETS - len(sets))
+    uppers = [upper for _, _, _, upper in sets] + [0] * (MAX_BATCH_SETS - len(sets))
+    _kda_batch_rules_kernel[(1,)](
+        out, B, N, prefill_tokens,
+        *ptr(batch.decode_state_indices), *ptr(batch.decode_conv_indices), *ptr(batch.prefill_state_indices),
+        *ptr(batch.prefill_conv_indices), *ptr(cu), *ptr(lens),
+        *ptr(batch.checkpoint_offsets if ckpt else None), *ptr(batch.checkpoint_indices if ckpt else None),
+        *uppers, HAS_LENS=lens is not None, HAS_CKPT=ckpt,
+        SET0=kinds[0], SET1=kinds[1], SET2=kinds[2], SET3=kinds[3],
+        CK0=with_ck[0], CK1=with_ck[1], CK2=with_ck[2], CK3=with_ck[3],
+        GUARD_DECODE=guard and B > 0, GUARD_PREFILL=guard and N > 0, GUARD_CKPT=guard and N > 0 and ckpt,
+        ALIGN=alignment, WORDS=_BATCH_WORDS, N_REG=width, num_warps=_warps(width),
+    )
+    rules = [] if lens is None else [(0, query_lens_message, (13, 14))]
+    rules += [(1, cu_messages[0], (15,)), (2, cu_messages[1], (16,)), (3, cu_messages[2], (17,))]
+    if ckpt:
+        rules.append((4, offsets_message, (18, 19, 20)))
+    for k, (name, _, _, upper) in enumerate(sets):
+        _, out_of_range, duplicate = index_rule_messages(name, upper)
+        rules += [(5 + 2 * k, out_of_range, (21 + k,)), (6 + 2 * k, duplicate, ())]
+    if not parts:
+        checks.add_packed(out, rules)
+        return {}
+    views = out.split([_BATCH_WORDS] + [n for _, n in parts])
+    checks.add_packed(views[0], rules)
+    return {field: view for (field, _), view in zip(parts, views[1:])}

@@ -19,7 +19,14 @@ measures, in one process:
 * ``syncs``: the implicit host syncs PyTorch reports in one call
   (``torch.cuda.set_sync_debug_mode("warn")``; CUDA only);
 * the top of a ``cProfile`` of the default call by own and by cumulative time,
-  in the JSON.
+  in the JSON;
+* ``ops`` / ``launches``: the PyTorch (``aten``) ops dispatched and the Triton
+  kernels launched by one steady-state call of each mode
+  (:func:`count_ops_and_launches`; also the layer forward of a mixed decode +
+  prefill batch and of one with prefix checkpoints). Counts need no GPU:
+
+    TRITON_INTERPRET=1 python -m kda_engram.tools.benchmarks.profile_default_checks --counts --device cpu \\
+        --batch 4 --heads 2 --head-dim 16
 
 Run it on the GPU before changing the checks' design, and again after.
 """
@@ -27,6 +34,8 @@ Run it on the GPU before changing the checks' design, and again after.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
 import io
 import pstats
@@ -35,6 +44,8 @@ import time
 import warnings
 
 import torch
+import triton.runtime.jit
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...kda.decode import kda_decode
 from ...kda.fused_decode import kda_layer_decode_step
@@ -161,6 +172,159 @@ def _profile(fn, device, iters: int, top: int) -> str:
     return text.getvalue()
 
 
+class _OpCounter(TorchDispatchMode):
+    """The ``aten`` ops dispatched while active, by name (views included: each is
+    a dispatch the host pays for). Ops a kernel launch runs inside itself (the
+    interpreter's copies of the arguments) are not counted: ``paused`` > 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launchers() -> list[type]:
+    """The Triton classes whose ``run`` launches a ``@triton.jit`` kernel:
+    ``JITFunction`` on a GPU, ``InterpretedFunction`` under ``TRITON_INTERPRET=1``
+    (``kernel[grid](...)`` calls ``run(grid=..., warmup=False)`` on either; the
+    autotuner and heuristics wrappers call the inner one's, so a launch counts
+    once)."""
+    classes = [triton.runtime.jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # a Triton without the interpreter
+        return classes
+    return classes + [InterpretedFunction]
+
+
+@contextlib.contextmanager
+def _counting():
+    """Count ops (:class:`_OpCounter`) and kernel launches (by kernel name) inside
+    the block; yields ``(ops, launches)``, two Counters filled as it runs."""
+    counter = _OpCounter()
+    launches: collections.Counter = collections.Counter()
+    patched = []
+    for cls in _launchers():
+        real = cls.run
+
+        def run(self, *args, grid, warmup, _real=real, **kwargs):
+            if warmup:  # compiles, launches nothing
+                return _real(self, *args, grid=grid, warmup=warmup, **kwargs)
+            launches[getattr(self, "__name__", None) or self.fn.__name__] += 1
+            counter.paused += 1
+            try:
+                return _real(self, *args, grid=grid, warmup=warmup, **kwargs)
+            finally:
+                counter.paused -= 1
+
+        patched.append((cls, "run" in vars(cls), real))
+        cls.run = run
+    try:
+        with counter:
+            yield counter.ops, launches
+    finally:
+        for cls, own, real in patched:
+            if own:
+                cls.run = real
+            else:
+                del cls.run
+
+
+def ops_and_launches_by_name(fn, *, warmup: int = 2) -> tuple[collections.Counter, collections.Counter]:
+    """The ``aten`` ops (by op name) and Triton kernel launches (by kernel name) of
+    one steady-state call of ``fn()``: ``warmup`` calls first (compiles, kept
+    buffers, and a previous call's verdict pending, as in an engine's loop, which
+    the counted call resolves); the counted call's own verdict is raised after.
+    Deterministic: counts do not depend on timing or on the device's speed."""
+    for _ in range(warmup):
+        fn()
+    try:
+        with _counting() as (ops, launches):
+            fn()
+    finally:
+        entry.raise_pending_errors()
+    return ops, launches
+
+
+def count_ops_and_launches(fn, *, warmup: int = 2) -> tuple[int, int]:
+    """``(ops, launches)``: the ``aten`` ops dispatched and the Triton kernels
+    launched by one steady-state call of ``fn()`` (:func:`ops_and_launches_by_name`).
+    Works on the GPU and on the CPU under ``TRITON_INTERPRET=1``."""
+    ops, launches = ops_and_launches_by_name(fn, warmup=warmup)
+    return sum(ops.values()), sum(launches.values())
+
+
+def _layer_batches(device, B: int, H: int, K: int):
+    """``{name: fn(check_inputs)}``: the layer forward of a mixed batch (``B``
+    decode rows, then prefill sequences of 3 and 5 tokens, the first continuing
+    from its rows) and of one whose 64-token prefill exports a prefix checkpoint
+    into the caches themselves (the serving form)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layer = KimiDeltaAttention(H * K, H, K, gate_low_rank_dim=K, output_gate_low_rank_dim=K,
+                               lower_bound=LOWER_BOUND, dtype=dt, device=device)
+    layer.reset_parameters(torch.Generator().manual_seed(1))
+    slots = B + 3
+    sc, cs = layer.allocate_cache(slots)
+    sc.copy_(0.3 * torch.randn(sc.shape, generator=gen, device=device))
+    cs.copy_(torch.randn(cs.shape, generator=gen, device=device))
+    dev_i64 = dict(dtype=torch.int64, device=device)
+    rows = torch.randperm(B + 2, generator=gen, device=device)
+    has = torch.tensor([False] * B + [True, False], device=device)
+    calls = {}
+    for name, prefill, ckpt in (("layer_forward_mixed", [3, 5], None), ("layer_forward_checkpoints", [3, 64], 64)):
+        lens = torch.tensor([1] * B + prefill, **dev_i64)
+        extra = {}
+        if ckpt is not None:  # the second prefill sequence exports its state after 64 tokens to the spare row
+            extra = dict(checkpoint_offsets=torch.tensor([0] * (B + 1) + [ckpt], **dev_i64),
+                         checkpoint_indices=torch.tensor([-1] * (B + 1) + [slots - 1], **dev_i64))
+        batch = KDABatch.from_query_lens(lens, rows, has, num_decode=B, **extra)
+        hs = torch.randn(B + sum(prefill), H * K, generator=gen, device=device).to(dt)
+        calls[name] = lambda check, hs=hs, batch=batch: layer(hs, batch, sc, cs, check_inputs=check)
+    return calls
+
+
+def count_rows(device, B: int, H: int, K: int) -> list[dict]:
+    """Per call (the three of :func:`_calls`, then the layer's mixed and checkpoint
+    batches): ops and launches of one steady-state call with ``check_inputs=False``
+    and ``True``, the default's extra, and the extra ops and launches by name."""
+    rows = []
+    with torch.inference_mode():
+        calls = {**_calls(device, B, H, K), **_layer_batches(device, B, H, K)}
+        for name, call in calls.items():
+            row = {"call": name, "B": B, "H": H, "K": K}
+            by_name = {}
+            for mode, check in (("nocheck", False), ("default", True)):
+                by_name[mode] = ops_and_launches_by_name(lambda check=check: call(check))
+                row[f"ops_{mode}"] = sum(by_name[mode][0].values())
+                row[f"launches_{mode}"] = sum(by_name[mode][1].values())
+            row["extra_ops"] = row["ops_default"] - row["ops_nocheck"]
+            row["extra_launches"] = row["launches_default"] - row["launches_nocheck"]
+            for i, kind in enumerate(("ops", "launches")):
+                extra = by_name["default"][i].copy()
+                extra.subtract(by_name["nocheck"][i])
+                row[f"extra_{kind}_by_name"] = {k: v for k, v in sorted(extra.items()) if v}
+            rows.append(row)
+    return rows
+
+
+def print_counts(rows) -> None:
+    print(f"{'call':<26} {'ops':>20} {'launches':>20}")
+    print(f"{'':<26} {'nocheck/default/+':>20} {'nocheck/default/+':>20}")
+    for r in rows:
+        ops = f"{r['ops_nocheck']}/{r['ops_default']}/{r['extra_ops']:+d}"
+        launches = f"{r['launches_nocheck']}/{r['launches_default']}/{r['extra_launches']:+d}"
+        print(f"{r['call']:<26} {ops:>20} {launches:>20}")
+        extra = {**r["extra_ops_by_name"], **{f"launch {k}": v for k, v in r["extra_launches_by_name"].items()}}
+        if extra:
+            print("    extra: " + ", ".join(f"{k} {v:+d}" for k, v in extra.items()))
+
+
 def run(device, B: int, H: int, K: int, iters: int, top: int) -> list[dict]:
     rows = []
     with torch.inference_mode():
@@ -201,11 +365,19 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=25, help="cProfile lines kept per call")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="write the rows (with the profiles) here")
+    parser.add_argument("--counts", action="store_true",
+                        help="only the op and launch counts (no timing; what a CPU run is for)")
     args = parser.parse_args(argv)
-    rows = run(torch.device(args.device), args.batch, args.heads, args.head_dim, args.iters, args.top)
-    print_rows(rows)
-    if args.json:
-        write_json(rows, args.json)
+    device = torch.device(args.device)
+    rows = [] if args.counts else run(device, args.batch, args.heads, args.head_dim, args.iters, args.top)
+    if rows:
+        print_rows(rows)
+        print()
+    counts = count_rows(device, args.batch, args.heads, args.head_dim)
+    print_counts(counts)
+    if args.json:  # one row per call: its timings (unless --counts) and its counts
+        timed = {r["call"]: r for r in rows}
+        write_json([{**timed.get(c["call"], {}), **c} for c in counts], args.json)
     return 0
 
 
