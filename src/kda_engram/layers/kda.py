@@ -428,32 +428,35 @@ class KimiDeltaAttention(nn.Module):
                 graph is being captured or ``torch.compile`` traces, only the host
                 rules run (a read-back is not allowed there): the device values are
                 then the caller's contract, as with ``False`` (check them eagerly
-                with :meth:`KDABatch.validate`).
+                with :meth:`KDABatch.validate`). ``False`` runs the host rules only,
+                once for the step (the kernels' ops are then crossed without rules
+                of their own).
 
         Under tensor parallelism the result is all-reduced over the group.
         """
-        # Raises an earlier call's pending error first. While a CUDA graph is captured
-        # or torch.compile traces (no read-back there): host rules only, and the
-        # kernels' entry points raise a pending error when they run.
+        # Raises an earlier call's pending error first. The step's host rules run on
+        # every call, once (the ops are then crossed .unchecked); the rules on the
+        # batch's device values only by default and where a read-back is allowed
+        # (not while a CUDA graph is captured or torch.compile traces).
         checks = EntryChecks(check_inputs) if can_read_back() else None
-        if check_inputs:
-            wt = self.in_proj.weight
-            check_parameters_forward_only(self)
-            check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
-                                   hidden_size=self.hidden_size, heads=self.local_heads, head_dim=self.head_dim,
-                                   conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
-            if not isinstance(batch, KDABatch):
-                raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
-            # One rule launch, which also writes the guarded copies of the batch's index
-            # tensors the launches below read (every row "none" when a rule is broken).
-            guarded = check_kda_batch(
-                batch, hidden_states.shape[0], wt.device, checks, state_slots=state_cache.shape[0],
-                conv_slots=conv_state.shape[0],
-                checkpoint_rows=None if checkpoint_state is None else checkpoint_state.shape[0],
-                conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0],
-                guard=checks is not None)
-            if guarded:
-                batch = dataclasses.replace(batch, **guarded)
+        device_rules = checks if checks is not None and checks.on else None
+        wt = self.in_proj.weight
+        check_parameters_forward_only(self)
+        check_kda_layer_inputs(hidden_states, state_cache, conv_state, checkpoint_state, checkpoint_conv_state,
+                               hidden_size=self.hidden_size, heads=self.local_heads, head_dim=self.head_dim,
+                               conv_channels=self.conv_channels, dtype=wt.dtype, device=wt.device)
+        if not isinstance(batch, KDABatch):
+            raise TypeError(f"batch: expected a KDABatch, got {type(batch).__name__}")
+        # One rule launch, which also writes the guarded copies of the batch's index
+        # tensors the launches below read (every row "none" when a rule is broken).
+        guarded = check_kda_batch(
+            batch, hidden_states.shape[0], wt.device, device_rules, state_slots=state_cache.shape[0],
+            conv_slots=conv_state.shape[0],
+            checkpoint_rows=None if checkpoint_state is None else checkpoint_state.shape[0],
+            conv_checkpoint_rows=None if checkpoint_conv_state is None else checkpoint_conv_state.shape[0],
+            guard=device_rules is not None)
+        if guarded:
+            batch = dataclasses.replace(batch, **guarded)
         T = hidden_states.shape[0]
         B = batch.num_decode
         H, K = self.local_heads, self.head_dim
@@ -471,22 +474,22 @@ class KimiDeltaAttention(nn.Module):
         dt = self.in_proj.weight.dtype
         if B > 0 and self.fused_decode:
             # One launch: conv window update + SiLU, norms, gate, beta, state step, gated RMSNorm.
-            parts.append(ops.kda_layer_decode_step(
+            parts.append(ops.kda_layer_decode_step.unchecked(
                 proj[:B, :C], raw_g[:B], raw_beta[:B], g_out[:B], self.conv_weight, conv_state,
                 batch.decode_conv_indices, self.A_log, self.dt_bias, self.o_norm_weight, state_cache,
                 batch.decode_state_indices, scale=self.scale, lower_bound=self.lower_bound, norm_eps=self.norm_eps,
-                out_dtype=dt, check_inputs=False,  # checked above, once for the step
+                out_dtype=dt,
             ))
         elif B > 0:
             x = proj[:B, :C]
-            conv = ops.kda_conv_decode(x, self.conv_weight, conv_state, batch.decode_conv_indices,
-                                       out_dtype=torch.float32, check_inputs=False)
+            conv = ops.kda_conv_decode.unchecked(x, self.conv_weight, conv_state, batch.decode_conv_indices,
+                                                 out_dtype=torch.float32)
             q = conv[:, : H * K].view(B, H, K)
             k = conv[:, H * K : 2 * H * K].view(B, H, K)
             v = conv[:, 2 * H * K :].view(B, H, V)
-            o_d = ops.kda_decode(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
+            o_d = ops.kda_decode.unchecked(q, k, v, raw_g[:B].view(B, H, K), raw_beta[:B], self.A_log, self.dt_bias,
                                  state_cache, batch.decode_state_indices, scale=self.scale,
-                                 lower_bound=self.lower_bound, check_inputs=False)
+                                 lower_bound=self.lower_bound)
             parts.append(self._output_gate(o_d.to(hidden_states.dtype), g_out[:B].view(B, H, V)).reshape(B, H * V))
         if batch.num_prefill > 0:
             Tp = T - B
@@ -495,23 +498,23 @@ class KimiDeltaAttention(nn.Module):
             k = xp[:, H * K : 2 * H * K].view(1, Tp, H, K)
             v = xp[:, 2 * H * K : C].view(1, Tp, H, V)
             ckpt = batch.checkpoint_offsets is not None
-            o_p, _ = ops.chunk_kda_prefill(
+            o_p, _ = ops.chunk_kda_prefill.unchecked(
                 q, k, v, raw_g[B:].view(1, Tp, H, K), raw_beta[B:].unsqueeze(0), self.A_log, self.dt_bias,
                 cu_seqlens=batch.prefill_cu_seqlens, scale=self.scale, lower_bound=self.lower_bound,
                 state_cache=state_cache, state_indices=batch.prefill_state_indices,
                 has_initial_state=batch.prefill_has_initial_state,
-                # None: the snapshots go to rows of the state cache itself.
-                checkpoint_state=checkpoint_state if ckpt else None,
+                # None: the snapshots go to rows of the state cache itself (an op cannot
+                # take one buffer as two mutated arguments).
+                checkpoint_state=checkpoint_state if ckpt and checkpoint_state is not state_cache else None,
                 checkpoint_offsets=batch.checkpoint_offsets if ckpt else None,
                 checkpoint_state_indices=batch.checkpoint_indices if ckpt else None,
                 conv_weight=self.conv_weight, conv_state=conv_state, conv_state_indices=batch.prefill_conv_indices,
-                conv_has_initial_state=batch.prefill_has_initial_state, check_inputs=False,
+                conv_has_initial_state=batch.prefill_has_initial_state,
             )
             if ckpt:
-                ops.kda_conv_checkpoint(xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets,
-                                        batch.checkpoint_indices,
-                                        checkpoint_conv_state if checkpoint_conv_state is not None else conv_state,
-                                        check_inputs=False)
+                ops.kda_conv_checkpoint.unchecked(
+                    xp[:, :C], batch.prefill_cu_seqlens, batch.checkpoint_offsets, batch.checkpoint_indices,
+                    checkpoint_conv_state if checkpoint_conv_state is not None else conv_state)
             parts.append(self._output_gate(o_p.view(Tp, H, V), g_out[B:].view(Tp, H, V)).reshape(Tp, H * V))
         if checks is not None:
             checks.run()  # the verdict, after every launch that writes a cache (deferred by default)
