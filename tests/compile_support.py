@@ -250,20 +250,21 @@ def drive_gluon_prologue_variants() -> None:
     (the conv's output bands are packed; raw bands are what a caller without the conv passes)."""
     import torch
 
+    from kda_engram.bundles import KDAInputs
     from kda_engram.kda.hopper.prologue import gluon_folded_prologue
     from kda_engram.kda.metadata import prepare_chunk_metadata
 
     dt, H, D, T = torch.bfloat16, 4, 128, 4096
     cu = torch.tensor([0, 1000, T], dtype=torch.int32)
     _, indices = prepare_chunk_metadata(cu, T)
-    x = {n: torch.zeros(1, T, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
-    rest = (torch.zeros(1, T, H, dtype=dt), torch.zeros(H), torch.zeros(H * D), -5.0, cu, indices)
+    x = KDAInputs(*(torch.zeros(1, T, H, D, dtype=dt) for _ in range(4)), torch.zeros(1, T, H, dtype=dt),
+                  torch.zeros(H), torch.zeros(H * D), lower_bound=-5.0)
     with torch.no_grad():
-        gluon_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], *rest)()
-        gluon_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], *rest, qk_l2norm=False, beta_sigmoid=False)()
+        gluon_folded_prologue(x, cu, indices)()
+        gluon_folded_prologue(x.replace(qk_l2norm=False, beta_sigmoid=False), cu, indices)()
         proj = torch.zeros(1, T, 4 * H * D + H, dtype=dt)
         q, k, v, g = (proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(4))
-        gluon_folded_prologue(q, k, v, g, proj[..., 4 * H * D:], *rest[1:])()
+        gluon_folded_prologue(x.replace(q=q, k=k, v=v, raw_g=g, raw_beta=proj[..., 4 * H * D:]), cu, indices)()
 
 
 def drive_state_variants() -> None:

@@ -16,6 +16,8 @@ import re
 import pytest
 import torch
 
+from kda_engram.bundles import KDAInputs
+
 from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.metadata import prepare_chunk_metadata
 from kda_engram.kda.prefill import chunk_kda_prefill, prefill_path
@@ -33,8 +35,7 @@ def test_folded_prologue_matches_chunk_operands(lower_bound):
     cu = cu.to(torch.int32)
     T = sum(lengths)
     _, indices = prepare_chunk_metadata(cu, T)
-    ops = prepare_folded_prologue(*(raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
-                                  lower_bound, cu, indices)()
+    ops = prepare_folded_prologue(KDAInputs.pick({**raw, "lower_bound": lower_bound}), cu, indices)()
     ref = naive_chunk_operands(**{n: t.double() for n, t in raw.items()}, cu_seqlens=cu, lower_bound=lower_bound)
     for key in ("qg", "kd", "t_fold"):
         err = (ops[key].double() - ref[key]).abs().max().item()

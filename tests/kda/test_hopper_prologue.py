@@ -19,6 +19,8 @@ import math
 import pytest
 import torch
 
+from kda_engram.bundles import KDAInputs
+
 from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.hopper.prologue import gluon_folded_prologue, gluon_prologue_unsupported
 from kda_engram.kda.hopper.prologue_model import model_folded_prologue
@@ -97,8 +99,7 @@ def test_model_without_roundings_matches_triton_interpreter():
     raw, cu = _raw(LENGTHS, 2, seed=5)
     cu32 = cu.to(torch.int32)
     _, indices = prepare_chunk_metadata(cu32, raw["q"].shape[1])
-    tri = prepare_folded_prologue(*(raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")),
-                                  -5.0, cu32, indices)()
+    tri = prepare_folded_prologue(KDAInputs.pick({**raw, "lower_bound": -5.0}), cu32, indices)()
     worst = _worst(_model(raw, cu, -5.0, round_bf16=False), tri, cu)
     assert all(v < FP32_TOL for v in worst.values()), worst
 
@@ -135,9 +136,9 @@ def test_launcher_refuses_what_it_cannot_serve():
     assert "bf16" in gluon_prologue_unsupported(raw["q"], -5.0)
     assert "K = 128" in gluon_prologue_unsupported(q[..., :64], -5.0)
     _, indices = prepare_chunk_metadata(cu.to(torch.int32), 10)
-    args = [raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")]
+    bf16 = {n: (t.to(torch.bfloat16) if t.dim() > 1 else t) for n, t in raw.items()}
     with pytest.raises(ValueError, match="gluon_folded_prologue: serves the bounded gate only"):
-        gluon_folded_prologue(*[a.to(torch.bfloat16) if a.dim() > 1 else a for a in args], None, cu, indices)
+        gluon_folded_prologue(KDAInputs.pick(bf16), cu, indices)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -153,9 +154,9 @@ def _gpu_inputs(lengths, H, device, seed):
 
 
 def _both(raw, cu, indices, lower_bound):
-    args = [raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")]
-    glu = gluon_folded_prologue(*args, lower_bound, cu, indices)()
-    tri = prepare_folded_prologue(*args, lower_bound, cu, indices)()
+    x = KDAInputs.pick({**raw, "lower_bound": lower_bound})
+    glu = gluon_folded_prologue(x, cu, indices)()
+    tri = prepare_folded_prologue(x, cu, indices)()
     torch.cuda.synchronize()
     return glu, tri
 
@@ -228,8 +229,7 @@ def test_gpu_walk_on_gluon_prologue_matches_hopper_path(gpu, shape):
     N = len(lengths)
     h0 = torch.randn(N, H, 128, 128, device=gpu) * 0.1
     scale = 128 ** -0.5
-    args = [raw[n] for n in ("q", "k", "v", "raw_g", "raw_beta", "A_log", "dt_bias")]
-    ops = gluon_folded_prologue(*args, -5.0, cu, indices)()
+    ops = gluon_folded_prologue(KDAInputs.pick({**raw, "lower_bound": -5.0}), cu, indices)()
     o_g = torch.full_like(raw["v"], math.nan)
     f_g = torch.empty(N, H, 128, 128, device=gpu)
     folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], o_g, scale, cu, offsets,

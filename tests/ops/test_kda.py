@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from kda_engram import ops
+from kda_engram.kda import chunk as chunk_mod
 from kda_engram.kda import conv as conv_mod
 from kda_engram.kda import decode as decode_mod
 from kda_engram.kda import fused_decode as fused_mod
+from kda_engram.kda import prefill as prefill_mod
 from kda_engram.kda import prologue as prologue_mod
 from kda_engram.kda.chunk import kda_prefill_walk as walk_direct
 from kda_engram.kda.conv import kda_conv_checkpoint as conv_checkpoint_direct
@@ -205,9 +207,32 @@ def prologue_args():
     return (*kda_raw(16, "cpu"), K**-0.5, -5.0, idx([0, 5, 16], "cpu")), {}
 
 
-#: One valid call of each op made from its entry point here: (args, kwargs), tiny CPU shapes,
-#: and the host rules (the functions of validation/kda.py) its op path runs.
+def decode_args():
+    q, k, v, g, b, A, dt = (x[0, :2] if x.dim() > 1 else x for x in kda_raw(2, "cpu"))
+    return (q, k, v, g, b, A, dt, rnd(3, H, K, K, seed=9, scale=0.3), idx([2, -1], "cpu")), dict(lower_bound=-5.0)
+
+
+def prefill_args():
+    cache = rnd(4, H, K, K, seed=13, scale=0.3)
+    return kda_raw(80, "cpu"), dict(cu_seqlens=idx([0, 10, 80], "cpu"), lower_bound=-5.0, state_cache=cache,
+                                    state_indices=idx([1, 2], "cpu"), has_initial_state=torch.tensor([True, False]),
+                                    checkpoint_offsets=idx([0, 64], "cpu"), checkpoint_state_indices=idx([-1, 3], "cpu"))
+
+
+def walk_args():
+    cu = idx([0, 10, 80], "cpu")
+    opr = ops.kda_prefill_prologue(*kda_raw(80, "cpu"), K**-0.5, -5.0, cu)
+    return (*(opr[n] for n in ("qg", "w", "u", "kg_t", "aqk", "decay")), K**-0.5, cu, None, True), {}
+
+
+#: One valid call of each op here: (args, kwargs), tiny CPU shapes, and the host rules
+#: (the functions of validation/kda.py) its op path runs.
 OP_CASES = {
+    "kda_decode": (decode_args, {"check_input_forms", "check_decode_inputs", "check_decode_indices"}),
+    "chunk_kda_prefill": (prefill_args, {"check_state_structure", "check_input_forms", "check_prologue_arguments",
+                                         "check_state_arguments"}),
+    "kda_prefill_walk": (walk_args, {"check_state_structure", "check_chunk_operands", "check_scale",
+                                     "check_cu_seqlens", "check_state_arguments"}),
     "kda_decode_multi": (decode_multi_args, {"check_input_forms", "check_decode_inputs",
                                              "check_decode_multi_indices"}),
     "kda_prefill_prologue": (prologue_args, {"check_input_forms", "check_prologue_arguments"}),
@@ -216,8 +241,10 @@ OP_CASES = {
     "kda_layer_decode_step": (lambda: (layer_step_args("cpu", S=2), dict(initial_state_indices=idx([2, -1], "cpu"))),
                               {"check_fused_decode_arguments"}),
 }
-HOST_RULES = ("check_input_forms", "check_lower_bound", "check_decode_inputs", "check_decode_multi_indices",
-              "check_prologue_arguments", "check_conv_decode", "check_conv_checkpoint", "check_fused_decode_arguments")
+HOST_RULES = ("check_input_forms", "check_lower_bound", "check_decode_inputs", "check_decode_indices",
+              "check_decode_multi_indices", "check_prologue_arguments", "check_conv_decode", "check_conv_checkpoint",
+              "check_fused_decode_arguments", "check_state_structure", "check_state_arguments",
+              "check_chunk_operands", "check_scale", "check_cu_seqlens")
 
 
 def count_host_rules(monkeypatch) -> collections.Counter:
@@ -233,7 +260,7 @@ def count_host_rules(monkeypatch) -> collections.Counter:
 
         return rule
 
-    for mod in (ops_kda, decode_mod, prologue_mod, conv_mod, fused_mod):
+    for mod in (ops_kda, decode_mod, prologue_mod, conv_mod, fused_mod, prefill_mod, chunk_mod):
         for name in HOST_RULES:
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
@@ -248,15 +275,17 @@ def test_each_host_rule_runs_once(name, monkeypatch):
     its rules itself, once each."""
     make, rules = OP_CASES[name]
     fn = getattr(ops, name)
-    calls = count_host_rules(monkeypatch)
     args, kwargs = make()
+    calls = count_host_rules(monkeypatch)
     fn(*args, **kwargs, check_inputs=False)
     assert calls == collections.Counter(rules)
     calls.clear()
     fn.unchecked(*args, **kwargs)
     assert not calls
     fn(*args, **kwargs)
-    assert rules <= set(calls) and max(calls.values()) == 1, calls
+    # The entry point queues its index rules through their guarded form (kda_decode:
+    # guard_decode_indices runs check_decode_indices inside validation).
+    assert rules - {"check_decode_indices"} <= set(calls) and max(calls.values()) == 1, calls
 
 
 def test_converted_ops_take_their_entry_points_options():

@@ -273,12 +273,11 @@ def prefill_host_rules(x: KDAInputs, state: StateArgs) -> None:
 def prefill_rules(x: KDAInputs, state: StateArgs, conv: ConvArgs, cu_seqlens, out, checks) -> None:
     """Every rule of :func:`chunk_kda_prefill`: the host rules at once and, with
     ``checks``, the rules on device values queued (``None``: host rules only, what its
-    op runs with ``check_inputs=False``)."""
-    prefill_host_rules(x, state)
-    T, H, K, V = check_prologue_arguments(
-        x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.scale, x.lower_bound, cu_seqlens, conv.conv_weight,
-        conv.conv_state, conv.conv_state_indices, conv.conv_has_initial_state, None, checks, scale_optional=True,
-    )
+    op runs with ``check_inputs=False``): :func:`prefill_host_rules` but
+    ``lower_bound``'s, which the arguments' rules include."""
+    check_state_structure(state)
+    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+    T, H, K, V = check_prologue_arguments(x, cu_seqlens, conv, None, checks, scale_optional=True)
     check_log_decay_values(x.gate, x.raw_g, checks)
     if out is not None:
         check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=x.q.device)
@@ -312,12 +311,7 @@ def portable_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indic
     groups where ``groups`` (or its heuristic) says so. Returns ``(out, final_state |
     None)`` as :func:`chunk_kda_prefill` does (no checks here: the caller has validated
     and guarded every argument)."""
-    ops = prepare_kda_prologue(
-        x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.lower_bound, cu_seqlens,
-        conv_weight=conv.conv_weight, conv_state=conv.conv_state, conv_state_indices=conv.conv_state_indices,
-        conv_has_initial_state=conv.conv_has_initial_state, chunk_indices=chunk_indices,
-        gate=x.gate, qk_l2norm=x.qk_l2norm, beta_sigmoid=x.beta_sigmoid,
-    )()
+    ops = prepare_kda_prologue(x, cu_seqlens, conv, chunk_indices)()
     return walk_chunks(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, x.scale, cu_seqlens,
                        chunk_offsets, state, groups=groups)
 

@@ -44,6 +44,7 @@ import numbers
 import torch
 import triton.language as tl
 
+from ..bundles import ConvArgs, KDAInputs
 from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
@@ -86,14 +87,14 @@ def prologue_dot_dtype(q: torch.Tensor):
     return tl.bfloat16 if q.dtype == torch.bfloat16 and not interpreting() else tl.float32
 
 
-def intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, conv_weight,
-                   conv_state, conv_state_indices, conv_has_initial_state, *, gate, qk_l2norm, beta_sigmoid,
-                   num_warps):
+def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, num_warps):
     """The first launch of both prologues (this module's and the folded one,
     :mod:`kda_engram.kda.hopper.folded_prologue`), with the conv's launch before it when on.
     Returns ``launch(qg, w, u, kg, aqk, decay, akk, folded)``, which launches and
     returns the value band the launch read (the conv's output, or ``v``)."""
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    q, k, v, raw_g, raw_beta, A_log, dt_bias = x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias
+    lower_bound, gate, qk_l2norm, beta_sigmoid = x.lower_bound, x.gate, x.qk_l2norm, x.beta_sigmoid
+    H, K = q.shape[2], q.shape[3]
     V = v.shape[3]
     bounded = lower_bound is not None
     shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
@@ -116,11 +117,11 @@ def intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seq
 
     def launch(qg, w, u, kg, aqk, decay, akk, folded):
         qb, kb, vb = q, k, v
-        if conv_weight is not None:
+        if conv.on:
             # The conv runs as a launch of its own (see kda/conv.py for the measured
             # reason); the rest of the prologue reads its bands like raw inputs.
-            qb, kb, vb = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
-                                            conv_state_indices, conv_has_initial_state)
+            qb, kb, vb = conv_prefill_bands(q, k, v, conv.conv_weight, cu_seqlens, chunk_indices, conv.conv_state,
+                                            conv.conv_state_indices, conv.conv_has_initial_state)
         _kda_prologue_intra_kernel[grid](
             qb, qb.stride(1), qb.stride(2), qb.stride(3),
             kb, kb.stride(1), kb.stride(2), kb.stride(3),
@@ -144,14 +145,13 @@ def intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seq
     return launch
 
 
-def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight=None,
-                         conv_state=None, conv_state_indices=None, conv_has_initial_state=None, chunk_indices=None,
-                         *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
-    """The host half of :func:`kda_prefill_prologue` (arguments as there, assumed
-    valid): chunk metadata, operand and workspace allocation, launch settings.
-    Returns ``launch()``, which makes the launches (the conv's first, when on) and
-    returns the operand dict. A caller that validates device values does its one
-    read-back between the two, so that only the launches follow the sync."""
+def prepare_kda_prologue(x: KDAInputs, cu_seqlens, conv: ConvArgs = ConvArgs(), chunk_indices=None, *,
+                         num_warps=None):
+    """The host half of :func:`kda_prefill_prologue` (its arguments as bundles,
+    assumed valid and guarded): chunk metadata, operand and workspace allocation,
+    launch settings. Returns ``launch()``, which makes the launches (the conv's first,
+    when on) and returns the operand dict."""
+    q, v = x.q, x.v
     _, T, H, K = q.shape
     V = v.shape[3]
     dev = q.device
@@ -171,9 +171,7 @@ def prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, 
         return lambda: out
 
     dot_dtype = prologue_dot_dtype(q)
-    launch_intra = intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
-                                  gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, num_warps=intra_warps)
+    launch_intra = intra_launcher(x, cu_seqlens, chunk_indices, conv, num_warps=intra_warps)
     # A_kk (beta-scaled, strictly lower, fp32: the diagonal blocks are inverted
     # in fp32) passes from the first launch to the second through this
     # workspace, [1, T, H, 64] like aqk; only row blocks J <= I are written/read.
@@ -254,36 +252,37 @@ def kda_prefill_prologue(
         ``aqk [1, T, H, 64]`` (input dtype) and ``decay [chunks, H, K]`` (fp32),
         as documented in the module docstring.
     """
-    check_lower_bound(lower_bound)
-    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
+    x = KDAInputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=lower_bound, gate=gate,
+                  qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+    conv = ConvArgs(conv_weight, conv_state, conv_state_indices, conv_has_initial_state)
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                 conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                 checks)
-        check_log_decay_values(gate, raw_g, checks)
+        prologue_rules(x, cu_seqlens, conv, chunk_indices, checks)
+    else:
+        prologue_host_rules(x)
     # Launch, then read back: a broken rule makes every sequence empty, every
     # chunk row padding (sequence -1) and every conv row "none", so the launches
     # write no conv_state row.
-    cu_seqlens, conv_state_indices, chunk_indices = checks.guard_many(
-        (cu_seqlens, 0), (conv_state_indices, -1), (chunk_indices, -1))
-    operands = run_kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                                        conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
-                                        chunk_indices, num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm,
-                                        beta_sigmoid=beta_sigmoid)
+    cu_seqlens, conv_rows, chunk_indices = checks.guard_many(
+        (cu_seqlens, 0), (conv.conv_state_indices, -1), (chunk_indices, -1))
+    operands = prepare_kda_prologue(x, cu_seqlens, conv.replace(conv_state_indices=conv_rows), chunk_indices,
+                                    num_warps=num_warps)()
     checks.run()  # the verdict, after the launches (deferred by default: validation.entry)
     return operands
 
 
-def run_kda_prefill_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                             conv_weight=None, conv_state=None, conv_state_indices=None, conv_has_initial_state=None,
-                             chunk_indices=None, *, num_warps=None, gate="raw", qk_l2norm=True,
-                             beta_sigmoid=True) -> dict[str, torch.Tensor]:
-    """:func:`kda_prefill_prologue`'s launches without any rule: the caller has run
-    them (and guarded the indices); the eager body of its op
-    (:mod:`kda_engram.ops.kda`). ``scale`` is not used (the operands do not fold it
-    in); it is taken so the arguments are the entry point's."""
-    del scale
-    return prepare_kda_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, conv_weight,
-                                conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                                num_warps=num_warps, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)()
+def prologue_host_rules(x: KDAInputs) -> None:
+    """The rules :func:`kda_prefill_prologue` runs even with ``check_inputs=False``
+    (host only): ``lower_bound`` and the input forms pick the kernels' branches."""
+    check_lower_bound(x.lower_bound)
+    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+
+
+def prologue_rules(x: KDAInputs, cu_seqlens, conv: ConvArgs, chunk_indices, checks) -> None:
+    """Every rule of :func:`kda_prefill_prologue`: the host rules at once and, with
+    ``checks``, the rules on device values queued (``None``: host rules only, what its
+    op runs with ``check_inputs=False``): the input forms, then the arguments (their
+    rules include ``lower_bound``'s)."""
+    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+    check_prologue_arguments(x, cu_seqlens, conv, chunk_indices, checks)
+    check_log_decay_values(x.gate, x.raw_g, checks)

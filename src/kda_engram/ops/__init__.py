@@ -6,10 +6,10 @@ wrapped in host-side heuristics without graph breaks, and Inductor must not
 reorder a kernel that writes a cache in place. A custom op is opaque to both:
 it carries a schema that says which arguments it mutates (``mutates_args``), a
 fake (meta) implementation that gives the output shapes from the input shapes
-alone, and an eager implementation that calls the kernel entry point with
-``check_inputs=False`` (every device read of the checks would be a host sync,
-forbidden under capture and a graph break under compile; the Python functions
-below check before the op, or instead call the entry point with its checks).
+alone, and an eager implementation: the entry point's launch without rules (every
+device read of the checks would be a host sync, forbidden under capture and a graph
+break under compile; the Python functions below run the rules before the op, or
+instead call the entry point with its checks).
 
 Conventions of the ops:
 
@@ -34,18 +34,19 @@ Conventions of the ops:
   :func:`handle`; the op resolves them in a weak registry. Under
   ``torch.compile`` the handle is a constant of the graph.
 
-The Python functions of this package (same names as the entry points) take the
-entry points' ``check_inputs`` switch (:func:`~kda_engram.ops.common.entry_checks`):
-by default (``True`` or ``"sync"``) they call the entry point with it, so an op call
-is checked as the function is (host rules, device rules on guarded launches, the
-deferred verdict); with ``check_inputs=False``, and while ``torch.compile`` traces,
-they validate on the host only what needs no device read (shapes, dtypes, devices,
-argument combinations) and call the op: safe under capture and compile. A serving
-layer runs its own checks once per step and calls the ops with ``check_inputs=False``.
-``chunk_kda_prefill`` and ``kda_prefill_walk`` are generated from their entry
-point's own signature (:class:`~kda_engram.ops.common.EntryOp`): same names and
-defaults, minus ``out``, plus the keyword ``check_inputs``. Each op's ``torch.ops``
-name is its Python function's name.
+Every op and its Python function come from one definition,
+:class:`~kda_engram.ops.common.EntryOp`, made from the entry point's own signature:
+same names and defaults, minus what cannot cross an op (``out``, launch overrides),
+plus the keyword ``check_inputs`` (:func:`~kda_engram.ops.common.entry_checks`). By
+default (``True`` or ``"sync"``) the function calls the entry point with it, so an op
+call is checked as the function is (host rules, device rules on guarded launches, the
+deferred verdict); with ``check_inputs=False``, and while ``torch.compile`` traces, it
+runs the entry point's host rules, the same rules function, once (shapes, dtypes,
+devices, argument combinations: no device read) and calls the op: safe under capture
+and compile. ``fn.unchecked(...)`` calls the op alone: a serving layer runs its step's
+rules once and crosses the ops so. Every op's body first raises an earlier call's
+pending broken verdict, as every entry point does. Each op's ``torch.ops`` name is its
+Python function's name.
 
 Modules: :mod:`~kda_engram.ops.kda` (KDA), :mod:`~kda_engram.ops.engram`
 (Engram), :mod:`~kda_engram.ops.common` (handles, registration).

@@ -21,7 +21,7 @@ from ..kda.fused_decode import kda_layer_decode_step as _kda_layer_decode_step
 from ..kda.fused_decode import run_kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
-from ..kda.prologue import run_kda_prefill_prologue
+from ..kda.prologue import prepare_kda_prologue, prologue_rules
 from ..validation.kda import (
     check_conv_checkpoint,
     check_conv_decode,
@@ -30,7 +30,6 @@ from ..validation.kda import (
     check_decode_multi_indices,
     check_fused_decode_arguments,
     check_input_forms,
-    check_prologue_arguments,
 )
 from .common import EntryOp, opt_float
 
@@ -115,15 +114,13 @@ def _prologue_fake(a):
 
 def _prologue_rules(a):
     """:func:`~kda_engram.kda.prologue.kda_prefill_prologue`'s host rules (no device read)."""
-    check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
-    check_prologue_arguments(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"], a["scale"],
-                             a["lower_bound"], a["cu_seqlens"], a["conv_weight"], a["conv_state"],
-                             a["conv_state_indices"], a["conv_has_initial_state"], a["chunk_indices"], None)
+    prologue_rules(KDAInputs.pick(a), a["cu_seqlens"], ConvArgs.pick(a), a["chunk_indices"], None)
     a["scale"], a["lower_bound"] = float(a["scale"]), opt_float(a["lower_bound"])
 
 
 def _prologue_run(a):
-    operands = run_kda_prefill_prologue(**vars(a))
+    args = vars(a)
+    operands = prepare_kda_prologue(KDAInputs.pick(args), a.cu_seqlens, ConvArgs.pick(args), a.chunk_indices)()
     return tuple(operands[n] for n in PROLOGUE_OUTPUTS)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bundles import StateArgs
+from ..bundles import ConvArgs, KDAInputs, StateArgs
 from ..constants import (
     STATE_DTYPES,
     CHUNK_SIZE,
@@ -282,22 +282,22 @@ def check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_i
         check_index_values(checks, "conv_state_indices", conv_state_indices, conv_state.shape[0])
 
 
-def check_prologue_arguments(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale, lower_bound, cu_seqlens,
-                             conv_weight, conv_state, conv_state_indices, conv_has_initial_state, chunk_indices,
-                             checks: DeviceChecks | None, *, scale_optional: bool = False):
-    """Every rule of :func:`kda_prefill_prologue` (and of the prefill's raw inputs):
-    host rules at once, value rules queued on ``checks`` (None: host rules only).
-    ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
-    Returns ``(T, H, K, V)``."""
-    T, H, K, V = check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias)
-    check_scale(scale, allow_none=scale_optional)
-    check_lower_bound(lower_bound)
+def check_prologue_arguments(x: KDAInputs, cu_seqlens, conv: ConvArgs, chunk_indices, checks: DeviceChecks | None,
+                             *, scale_optional: bool = False):
+    """Every rule of :func:`kda_prefill_prologue` (and of the prefill's raw inputs) on
+    its arguments (the inputs and the conv as their bundles): host rules at once,
+    value rules queued on ``checks`` (None: host rules only). ``scale_optional``:
+    ``None`` stands for ``K ** -0.5`` (the prefill's default). Returns ``(T, H, K, V)``."""
+    q = x.q
+    T, H, K, V = check_prefill_inputs(q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias)
+    check_scale(x.scale, allow_none=scale_optional)
+    check_lower_bound(x.lower_bound)
     lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True,
                                return_lengths=chunk_indices is not None)
     N = cu_seqlens.numel() - 1
     if chunk_indices is not None:
         check_chunk_indices(chunk_indices, N, q.device, checks, lengths)
-    check_conv_arguments(conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
+    check_conv_arguments(conv.conv_weight, conv.conv_state, conv.conv_state_indices, conv.conv_has_initial_state,
                          channels=2 * H * K + H * V, num_seqs=N, device=q.device, checks=checks)
     return T, H, K, V
 

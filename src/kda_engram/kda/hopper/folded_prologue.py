@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...bundles import ConvArgs, KDAInputs
 from ...constants import CHUNK_SIZE, SUB_CHUNK
 from ..prologue import intra_launcher, launch_warps, prologue_dot_dtype
 from ..prologue_kernels import _load_rows, _mm, _program_chunk, _store_rows, _tri_inv
@@ -166,17 +167,14 @@ def allocate_folded_operands(q: torch.Tensor, v: torch.Tensor, num_chunks: int) 
     )
 
 
-def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                            conv_weight=None, conv_state=None, conv_state_indices=None,
-                            conv_has_initial_state=None, *, num_warps=None, gate="raw", qk_l2norm=True,
-                            beta_sigmoid=True):
-    """The host half of the folded prologue (arguments as
-    :func:`kda_engram.kda.prologue.kda_prefill_prologue`, assumed valid). Returns
-    ``launch()``, which makes the launches (the conv's first, when on) and returns
-    ``dict(qg, kd, t_fold, a_fold, decay, v)``: ``v`` is the value band the walk
-    must read (the conv's output when the conv is on, else ``v`` itself). ``gate``,
-    ``qk_l2norm`` and ``beta_sigmoid`` are the input forms of
-    :func:`kda_engram.kda.chunk_kda_prefill`."""
+def prepare_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs = ConvArgs(), *,
+                            num_warps=None):
+    """The host half of the folded prologue (the arguments of
+    :func:`kda_engram.kda.prologue.kda_prefill_prologue` as bundles, assumed valid and
+    guarded). Returns ``launch()``, which makes the launches (the conv's first, when
+    on) and returns ``dict(qg, kd, t_fold, a_fold, decay, v)``: ``v`` is the value band
+    the walk must read (the conv's output when the conv is on, else ``v`` itself)."""
+    q, v, raw_beta = x.q, x.v, x.raw_beta
     _, T, H, K = q.shape
     V = v.shape[3]
     dev = q.device
@@ -187,9 +185,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
     if num_chunks == 0 or H == 0:
         return lambda: out
     dot_dtype = prologue_dot_dtype(q)
-    launch_intra = intra_launcher(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                                  conv_weight, conv_state, conv_state_indices, conv_has_initial_state,
-                                  gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, num_warps=intra_warps)
+    launch_intra = intra_launcher(x, cu_seqlens, chunk_indices, conv, num_warps=intra_warps)
     akk = torch.empty(1, T, H, CHUNK_SIZE, dtype=torch.float32, device=dev)
     grid = (num_chunks * H,)
 
@@ -203,7 +199,7 @@ def prepare_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_boun
             raw_beta, raw_beta.stride(1), raw_beta.stride(2),
             out["t_fold"], out["a_fold"], akk,
             H,
-            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype, BETA_SIGMOID=bool(beta_sigmoid),
+            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, DOT=dot_dtype, BETA_SIGMOID=bool(x.beta_sigmoid),
             num_warps=fold_warps, num_stages=1,
         )
         return out

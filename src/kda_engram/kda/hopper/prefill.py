@@ -68,10 +68,7 @@ def hopper_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices
     final_state = None
     if state.output_final_state:
         final_state = allocate_final_state(state, (N, H, V, K), x.q.device)
-    ops = prepare_folded_prologue(x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, x.lower_bound, cu_seqlens,
-                                  chunk_indices, conv.conv_weight, conv.conv_state, conv.conv_state_indices,
-                                  conv.conv_has_initial_state, gate=x.gate, qk_l2norm=x.qk_l2norm,
-                                  beta_sigmoid=x.beta_sigmoid)()
+    ops = prepare_folded_prologue(x, cu_seqlens, chunk_indices, conv)()
     has = state.has_initial_state.view(torch.uint8) if state.has_initial_state is not None else None
     folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, x.scale, cu_seqlens,
                 chunk_offsets, initial_state=state.initial_state, final_state=final_state,

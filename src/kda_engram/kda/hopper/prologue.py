@@ -48,6 +48,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from ...bundles import ConvArgs, KDAInputs
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from .folded_prologue import allocate_folded_operands
 
@@ -341,9 +342,8 @@ def gluon_prologue_unsupported(q, lower_bound, *, gate="raw", num_warps=None) ->
     return None
 
 
-def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices,
-                          conv_weight=None, conv_state=None, conv_state_indices=None, conv_has_initial_state=None,
-                          *, num_warps=None, gate="raw", qk_l2norm=True, beta_sigmoid=True, maxnreg=None):
+def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs = ConvArgs(), *, num_warps=None,
+                          maxnreg=None):
     """Drop-in for :func:`kda_engram.kda.hopper.folded_prologue.prepare_folded_prologue`
     (same arguments, assumed valid; same ``launch()`` returning ``dict(qg, kd,
     t_fold, a_fold, decay, v)``), one Gluon launch instead of two Triton ones.
@@ -357,12 +357,13 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
 
     ``maxnreg``: a register cap for the GPU sweep (uncapped it compiles to 255 registers,
     one CTA of 8 warps per SM; 128 would fit two, with a spill: see the design record)."""
-    why = gluon_prologue_unsupported(q, lower_bound, gate=gate, num_warps=num_warps)
+    q, k, raw_g, raw_beta, A_log, dt_bias = x.q, x.k, x.raw_g, x.raw_beta, x.A_log, x.dt_bias
+    why = gluon_prologue_unsupported(q, x.lower_bound, gate=x.gate, num_warps=num_warps)
     if why is not None:
         raise ValueError(f"gluon_folded_prologue: {why}")
     _, T, H, K = q.shape
     num_chunks = chunk_indices.shape[0]
-    out = allocate_folded_operands(q, v, num_chunks)
+    out = allocate_folded_operands(q, x.v, num_chunks)
     if num_chunks == 0 or H == 0:
         return lambda: out
     if dt_bias.dim() == 1:
@@ -373,11 +374,12 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
 
     def launch():
         qb, kb = q, k
-        if conv_weight is not None:
+        if conv.on:
             from ..conv import conv_prefill_bands
 
-            qb, kb, out["v"] = conv_prefill_bands(q, k, v, conv_weight, cu_seqlens, chunk_indices, conv_state,
-                                                  conv_state_indices, conv_has_initial_state)
+            qb, kb, out["v"] = conv_prefill_bands(q, k, x.v, conv.conv_weight, cu_seqlens, chunk_indices,
+                                                  conv.conv_state, conv.conv_state_indices,
+                                                  conv.conv_has_initial_state)
         _gluon_prologue_kernel[grid](
             qb, qb.stride(1), qb.stride(2), qb.stride(3),
             kb, kb.stride(1), kb.stride(2), kb.stride(3),
@@ -387,8 +389,8 @@ def gluon_folded_prologue(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
             dt_bias, sdtb_h, sdtb_c,
             cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
             out["qg"], out["kd"], out["t_fold"], out["a_fold"], out["decay"],
-            H, float(lower_bound),
-            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+            H, float(x.lower_bound),
+            K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, QK_L2NORM=bool(x.qk_l2norm), BETA_SIGMOID=bool(x.beta_sigmoid),
             num_warps=GLUON_PROLOGUE_WARPS, **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
         )
         return out
@@ -415,7 +417,7 @@ def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: floa
     A_log, dt_bias = rnd(heads) * 0.5, rnd(heads * K)
     cu = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * seqlen
     _, indices = prepare_chunk_metadata(cu, T)
-    args = (x["q"], x["k"], x["v"], x["raw_g"], raw_beta, A_log, dt_bias, lower_bound, cu, indices)
+    args = (KDAInputs(**x, raw_beta=raw_beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound), cu, indices)
     launches = {"triton": prepare_folded_prologue(*args)}
     for mr in maxnregs:
         launches["gluon" if mr is None else f"gluon_maxnreg{mr}"] = gluon_folded_prologue(*args, maxnreg=mr)

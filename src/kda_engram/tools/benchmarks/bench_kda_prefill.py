@@ -64,6 +64,7 @@ from ...kda.hopper.walk import folded_walk
 from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
+from ...bundles import KDAInputs
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
@@ -322,8 +323,7 @@ def _hopper_stages(x, out, offs, idx, quick):
     where it cannot serve the inputs."""
     if not verify("hopper", PrefillCall(x["q"], x["v"], out, cu_seqlens=x["cu"]))[0]:
         return None, None
-    pro = prepare_folded_prologue(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-                                  LOWER_BOUND, x["cu"], idx)
+    pro = prepare_folded_prologue(KDAInputs.pick({**x, "lower_bound": LOWER_BOUND}), x["cu"], idx)
     ops = pro()
     ht = torch.empty_like(x["h0"])
     walk = lambda: folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"],  # noqa: E731
