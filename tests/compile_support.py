@@ -372,7 +372,7 @@ def drive_batch_rules() -> None:
     from kda_engram.layers.kda import KDABatch
     from kda_engram.validation.common import DeviceChecks
     from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES
-    from kda_engram.validation.kda import check_kda_batch
+    from kda_engram.validation.kda_batch import check_kda_batch
 
     for B, N, ckpt, separate in ((256, 0, False, False), (64, 8, True, False),
                                  (MAX_ONE_PROGRAM_INDICES // 2, MAX_ONE_PROGRAM_INDICES // 4, True, True)):

@@ -3,7 +3,7 @@ to the kernels, as one immutable value each.
 
 The public functions keep the seed's keyword arguments and build the bundles once,
 at entry (an op's body picks them by name from its arguments, ``StateArgs.pick(a)``);
-the rules (:mod:`kda_engram.validation.kda`),
+the rules (:mod:`kda_engram.validation.kda_prefill`),
 the prefill paths and their launchers take the bundles. Why: the prefill's ~29
 arguments were spelled out at every hop, and a new state argument touched each.
 Custom-op schemas stay flat (torch.library needs them so); they are generated from

@@ -312,9 +312,9 @@ def test_refused_step_through_the_pytorch_rules_leaves_every_cache_bit_identical
                                                                                  tokens, monkeypatch):
     """The same through the rules a batch too large for one rule program takes
     (PyTorch ops, then the guards): same messages, no cache written."""
-    from kda_engram.validation import kda as kda_rules
+    from kda_engram.validation import kda_batch
 
-    monkeypatch.setattr(kda_rules, "fits_kda_batch_rules", lambda *a: False)
+    monkeypatch.setattr(kda_batch, "fits_kda_batch_rules", lambda *a: False)
     _refused_step_leaves_every_cache_bit_identical(error, message, make_batch, tokens, True)
 
 

@@ -226,7 +226,7 @@ def walk_args():
 
 
 #: One valid call of each op here: (args, kwargs), tiny CPU shapes, and the host rules
-#: (the functions of validation/kda.py) its op path runs.
+#: (the functions of validation/kda_*.py) its op path runs.
 OP_CASES = {
     "kda_decode": (decode_args, {"check_input_forms", "check_decode_inputs", "check_decode_indices"}),
     "chunk_kda_prefill": (prefill_args, {"check_state_structure", "check_input_forms", "check_prologue_arguments",

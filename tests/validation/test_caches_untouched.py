@@ -240,7 +240,7 @@ def test_guarded_layer_step_on_the_gpu(gpu, rows, message):
 def test_kda_decode_past_the_one_program_rules(indices, monkeypatch):
     """Past MAX_ONE_PROGRAM_INDICES rows the decode's rules run as PyTorch ops:
     the same refusal, the cache untouched."""
-    import kda_engram.validation.kda as rules
+    import kda_engram.validation.kda_decode as rules
 
     monkeypatch.setattr(rules, "MAX_ONE_PROGRAM_INDICES", 2)
     cache = with_sentinels(6, H, V, K)

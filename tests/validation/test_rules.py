@@ -11,13 +11,9 @@ from kda_engram.validation import common
 from kda_engram.validation.common import DeviceChecks, check_index_values, check_int, check_real
 from kda_engram.validation.engram import check_column_sizes, check_gate_scalars
 from kda_engram.bundles import StateArgs
-from kda_engram.validation.kda import (
-    check_cu_seqlens,
-    check_decode_multi_indices,
-    check_lower_bound,
-    check_scale,
-    check_state_arguments,
-)
+from kda_engram.validation.kda_decode import check_decode_multi_indices
+from kda_engram.validation.kda_inputs import check_cu_seqlens, check_lower_bound, check_scale
+from kda_engram.validation.kda_prefill import check_state_arguments
 
 
 @pytest.mark.parametrize("value, sign, exc", [
@@ -382,7 +378,7 @@ def test_index_set_rules_match_the_pytorch_rules(sizes):
 
 def test_index_sets_too_large_for_one_launch_take_the_pytorch_rules():
     from kda_engram.validation.index_rules import MAX_ONE_PROGRAM_INDICES, fits_index_set_rules
-    from kda_engram.validation.kda import queue_index_sets
+    from kda_engram.validation.common import queue_index_sets
 
     big = torch.arange(MAX_ONE_PROGRAM_INDICES + 1)
     assert not fits_index_set_rules([("rows", [big], big.numel())])
@@ -495,7 +491,7 @@ def _state_rule_cases(N: int, gen: torch.Generator):
 def test_state_rules_match_the_pytorch_rules(N, monkeypatch):
     """The one-launch state and checkpoint rules give the error (message and
     details) the PyTorch rules give, case by case, and none on valid calls."""
-    from kda_engram.validation import kda as kda_rules
+    from kda_engram.validation import kda_prefill as kda_rules
 
     gen = torch.Generator().manual_seed(N)
     seen = []
@@ -531,7 +527,7 @@ def test_decode_multi_rules_match_the_pytorch_rules(B, S, monkeypatch):
     """``kda_decode_multi``'s one-launch rules give the error the PyTorch rules give:
     valid rows (a sequence may start from a row it writes itself), written and
     initial rows out of range or duplicated, and a start on another sequence's row."""
-    from kda_engram.validation import kda as kda_rules
+    from kda_engram.validation import kda_decode as kda_rules
 
     gen = torch.Generator().manual_seed(B * S)
     slots = B * S + B + 3
@@ -659,7 +655,7 @@ def test_kda_batch_rules_match_the_pytorch_rules(B, N, monkeypatch):
     of its PyTorch rules, case by case, none on valid batches, and the same guarded
     copies: the fields the launches read, unchanged when every rule holds, all
     "none" when one is broken."""
-    from kda_engram.validation import kda as kda_rules
+    from kda_engram.validation import kda_batch as kda_rules
 
     launched = []
     real = kda_rules.kda_batch_rules

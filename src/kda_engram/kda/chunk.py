@@ -41,11 +41,10 @@ from ..launch_config import ChunkConfig, chunk_launch, walk_tile
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import INDEX_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
-from ..validation.kda import (
+from ..validation.kda_inputs import check_cu_seqlens, check_scale
+from ..validation.kda_prefill import (
     check_chunk_offsets,
     check_chunk_operands,
-    check_cu_seqlens,
-    check_scale,
     check_state_arguments,
     check_state_structure,
 )

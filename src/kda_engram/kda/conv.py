@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..constants import CHUNK_SIZE
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_conv_checkpoint, check_conv_decode
+from ..validation.kda_conv import check_conv_checkpoint, check_conv_decode
 from .metadata import chunk_row
 
 __all__ = ["kda_conv_decode", "kda_conv_checkpoint"]

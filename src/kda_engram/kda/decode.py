@@ -46,13 +46,8 @@ from ..constants import L2NORM_EPS
 from ..launch_config import decode_tiling_for, device_arch, is_pow2
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
-from ..validation.kda import (
-    check_decode_inputs,
-    check_decode_multi_indices,
-    check_input_forms,
-    check_log_decay_values,
-    guard_decode_indices,
-)
+from ..validation.kda_decode import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
+from ..validation.kda_inputs import check_input_forms, check_log_decay_values
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling", "launch_decode"]

@@ -44,7 +44,7 @@ from ..constants import CONV_WIDTH, L2NORM_EPS
 from ..launch_config import device_arch, fused_decode_tiling_for
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_fused_decode_arguments
+from ..validation.kda_decode import check_fused_decode_arguments
 from .decode import _l2_normalize, _log_decay
 from .state_dtype import round_state
 
@@ -301,7 +301,7 @@ def kda_layer_decode_step(
 
     ``check_inputs`` validates every argument with one device read-back after
     the launch, which a broken rule turns into a no-op on both caches
-    (:func:`kda_engram.validation.kda.check_fused_decode_arguments`); ``False``
+    (:func:`kda_engram.validation.kda_decode.check_fused_decode_arguments`); ``False``
     skips it (CUDA-graph capturable). Rows written in one call
     must be distinct, and no sequence may start from a row another one writes.
     """

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..constants import CHUNK_SIZE
 from ..platform import interpreting
 from ..validation.common import check_int
-from ..validation.kda import check_cu_seqlens
+from ..validation.kda_inputs import check_cu_seqlens
 
 __all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 

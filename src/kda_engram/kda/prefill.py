@@ -28,14 +28,8 @@ from ..constants import CHUNK_SIZE, KDA_HEAD_DIMS
 from ..platform import interpreting, is_gpu
 from ..validation.common import FLOAT_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
-from ..validation.kda import (
-    check_input_forms,
-    check_log_decay_values,
-    check_lower_bound,
-    check_prologue_arguments,
-    check_state_arguments,
-    check_state_structure,
-)
+from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
+from ..validation.kda_prefill import check_prologue_arguments, check_state_arguments, check_state_structure
 from .chunk import walk_chunks
 from .groups import resolve_groups
 from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)

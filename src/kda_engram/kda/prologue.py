@@ -49,7 +49,8 @@ from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_input_forms, check_log_decay_values, check_lower_bound, check_prologue_arguments
+from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
+from ..validation.kda_prefill import check_prologue_arguments
 from .conv import conv_prefill_bands
 from .metadata import prepare_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel

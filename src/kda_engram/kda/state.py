@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 
 from ..bundles import StateArgs
-from ..validation.kda import final_state_dtype
+from ..validation.kda_prefill import final_state_dtype
 
 __all__ = ["allocate_final_state", "guarded_state"]
 
 
 def allocate_final_state(state: StateArgs, shape, device) -> torch.Tensor:
     """The returned final state ``torch.empty(shape)`` in
-    :func:`~kda_engram.validation.kda.final_state_dtype` (its rules, a dtype the state
-    may take and one dtype per call, are :func:`~kda_engram.validation.kda.check_state_structure`'s)."""
+    :func:`~kda_engram.validation.kda_prefill.final_state_dtype` (its rules, a dtype the state
+    may take and one dtype per call, are :func:`~kda_engram.validation.kda_prefill.check_state_structure`'s)."""
     return torch.empty(*shape, dtype=final_state_dtype(state), device=device)
 
 

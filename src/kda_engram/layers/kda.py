@@ -59,7 +59,7 @@ from ..validation.common import (
     check_tensor,
 )
 from ..validation.entry import EntryChecks
-from ..validation.kda import check_kda_batch, check_kda_layer_inputs, check_kda_requests
+from ..validation.kda_batch import check_kda_batch, check_kda_layer_inputs, check_kda_requests
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
 
@@ -153,7 +153,7 @@ class KDABatch:
         With the cache sizes, index ranges and distinctness are checked too: all
         state rows written in the step (decode, prefill, checkpoints) must differ,
         and so must the conv rows. The rules are
-        :func:`kda_engram.validation.kda.check_kda_batch`, the ones the layer's
+        :func:`kda_engram.validation.kda_batch.check_kda_batch`, the ones the layer's
         forward runs by default."""
         checks = DeviceChecks()
         check_kda_batch(self, num_tokens, None, checks, state_slots=state_slots, conv_slots=conv_slots,
@@ -418,7 +418,7 @@ class KimiDeltaAttention(nn.Module):
                 (rows ``batch.checkpoint_indices``); default the caches themselves.
             check_inputs: every rule of the step before any launch that writes a
                 cache: the host rules raise at once; the rules on the batch's device
-                values (:func:`~kda_engram.validation.kda.check_kda_batch`: offsets,
+                values (:func:`~kda_engram.validation.kda_batch.check_kda_batch`: offsets,
                 rows in range and distinct, the token count) are queued, the launches
                 run on guarded copies of the batch's index tensors (all rows "none"
                 and every sequence empty when a rule is broken, so no cache row is

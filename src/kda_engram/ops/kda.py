@@ -22,15 +22,14 @@ from ..kda.fused_decode import run_kda_layer_decode_step
 from ..kda.prefill import chunk_kda_prefill as _chunk_kda_prefill
 from ..kda.prologue import kda_prefill_prologue as _kda_prefill_prologue
 from ..kda.prologue import prepare_kda_prologue, prologue_rules
-from ..validation.kda import (
-    check_conv_checkpoint,
-    check_conv_decode,
+from ..validation.kda_conv import check_conv_checkpoint, check_conv_decode
+from ..validation.kda_decode import (
     check_decode_indices,
     check_decode_inputs,
     check_decode_multi_indices,
     check_fused_decode_arguments,
-    check_input_forms,
 )
+from ..validation.kda_inputs import check_input_forms
 from .common import EntryOp, opt_float
 
 Tensor = torch.Tensor

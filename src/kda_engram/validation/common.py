@@ -18,12 +18,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from .. import platform
-from .index_rules import MAX_GUARDED, guard_tensors, index_rule_messages
+from .index_rules import MAX_GUARDED, fits_index_set_rules, guard_tensors, index_rule_messages, index_set_rules
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 __all__ = [
+    "queue_index_sets",
     "FLOAT_DTYPES",
     "INDEX_DTYPES",
     "DeviceChecks",
@@ -477,3 +478,21 @@ def check_index_range(name: str, idx: torch.Tensor, upper: int, *, allow_negativ
     checks = DeviceChecks()
     check_index_values(checks, name, idx, upper, allow_negative=allow_negative)
     checks.run()
+
+
+def queue_index_sets(checks: DeviceChecks, sets) -> None:
+    """Queue the range and distinctness rules of ``sets`` (``(name, segments,
+    rows available)``, a set's rows being all its segments together): in one launch
+    when :func:`~kda_engram.validation.index_rules.fits_index_set_rules`, else the
+    PyTorch rules per set (:func:`check_index_values`). The same rules in the same
+    order with the same messages either way; empty sets queue nothing."""
+    sets = [(name, [x if x.dim() == 1 else x.reshape(-1) for x in segments], upper) for name, segments, upper in sets]
+    sets = [(name, segments, upper) for name, segments, upper in sets if sum(x.numel() for x in segments)]
+    if not sets:
+        return
+    if fits_index_set_rules(sets):
+        index_set_rules(checks, sets)
+        return
+    for name, segments, upper in sets:
+        rows = segments[0] if len(segments) == 1 else torch.cat([x.to(torch.int64) for x in segments])
+        check_index_values(checks, name, rows, upper)

@@ -454,7 +454,7 @@ def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int,
                 offsets_message: str) -> None:
     """Queue, in one launch, the device rules of a prefill's state and checkpoint
     arguments on ``checks`` (the same rules, order and messages as the PyTorch
-    rules of :func:`kda_engram.validation.kda.check_state_arguments`): state rows
+    rules of :func:`kda_engram.validation.kda_prefill.check_state_arguments`): state rows
     in ``[0, slots)`` and distinct (``state_indices``, None: no cache); checkpoint
     offsets 0 or multiples of ``alignment`` within the sequence (``cu_seqlens``,
     None: not bounded); the rows of the sequences that export (offset > 0) in
@@ -535,7 +535,7 @@ def fits_decode_multi_rules(batch: int, steps: int) -> bool:
 def decode_multi_rules(checks, state_indices: torch.Tensor, initial_state_indices: torch.Tensor, slots: int) -> None:
     """Queue, in one launch, ``kda_decode_multi``'s device rules on ``checks`` (the
     same rules, order and messages as the PyTorch rules of
-    :func:`kda_engram.validation.kda.check_decode_multi_indices`): the written rows
+    :func:`kda_engram.validation.kda_decode.check_decode_multi_indices`): the written rows
     ``state_indices [B, S]`` and the initial rows ``initial_state_indices [B]`` each
     in range (negative = none) and distinct, and no sequence starting from a row
     another sequence writes. The caller checks :func:`fits_decode_multi_rules`
@@ -755,7 +755,7 @@ def kda_batch_rules(checks, batch, prefill_tokens: int, sets, *, query_lens_mess
     """Queue, in one launch, every device rule of a layer step's ``batch`` (a
     :class:`~kda_engram.layers.kda.KDABatch`, its host rules checked) on ``checks``,
     as one verdict, the same rules in the same order with the same messages as the
-    PyTorch path of :func:`kda_engram.validation.kda.check_kda_batch`:
+    PyTorch path of :func:`kda_engram.validation.kda_batch.check_kda_batch`:
 
     * the decode query lengths are 1 (``query_lens_message``; None: not given);
     * ``prefill_cu_seqlens`` from 0, non-decreasing, to ``prefill_tokens``

@@ -1,0 +1,192 @@
+"""Rules of the KDA decode entry points: one step, S steps (speculative decoding) and
+the fused layer step."""
+
+from __future__ import annotations
+
+import torch
+
+from ..constants import CONV_WIDTH, DECODE_MAX_HEAD_DIM, KDA_HEAD_DIMS, STATE_DTYPES
+from ..launch_config import is_pow2
+from .common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    DeviceChecks,
+    check_index_values,
+    check_kernel_device,
+    check_real,
+    check_same_dtype,
+    check_tensor,
+    queue_index_sets,
+    value_at,
+)
+from .index_rules import (
+    MAX_ONE_PROGRAM_INDICES,
+    decode_multi_clash_message,
+    decode_multi_rules,
+    fits_decode_multi_rules,
+    index_rules,
+)
+from .kda_conv import check_out_dtype
+from .kda_inputs import check_lower_bound, check_scale
+from .kda_prefill import owner_of_rows
+
+__all__ = [
+    "check_decode_indices",
+    "check_decode_inputs",
+    "check_decode_multi_indices",
+    "check_fused_decode_arguments",
+    "guard_decode_indices",
+]
+
+
+def check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
+                        lead: int) -> tuple[int, ...]:
+    """Host rules shared by both decode entry points; ``lead`` is 1 (``[B]``) or 2
+    (``[B, S]``). Returns the leading sizes."""
+    check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)
+    check_kernel_device("state_cache", state_cache)
+    if state_cache.dim() != 4:
+        raise ValueError(f"state_cache: expected shape [slots, H, V, K], got {list(state_cache.shape)}")
+    dev = state_cache.device
+    _, H, V, K = state_cache.shape
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, device=dev)
+    if q.dim() != lead + 2:
+        want = "[B, S, H, K]" if lead == 2 else "[B, H, K]"
+        raise ValueError(f"q: expected shape {want}, got {list(q.shape)}")
+    lead_sizes = [q.shape[i] for i in range(lead)]
+    check_tensor("q", q, shape=[*lead_sizes, H, K])
+    check_tensor("k", k, shape=[*lead_sizes, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("v", v, shape=[*lead_sizes, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    check_same_dtype(["q", "k", "v"], [q, k, v])
+    check_tensor("raw_g", raw_g, shape=[*lead_sizes, H, K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[*lead_sizes, H], dtypes=FLOAT_DTYPES, device=dev)
+    if A_log is not None or dt_bias is not None:  # both None: gate='log_decay' (check_input_forms)
+        check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+        check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+        if list(dt_bias.shape) not in ([H, K], [H * K]):
+            raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    if not (is_pow2(K) and is_pow2(V) and 16 <= K <= DECODE_MAX_HEAD_DIM and 16 <= V <= DECODE_MAX_HEAD_DIM):
+        raise ValueError(
+            f"state_cache: head dims K and V must be powers of two in [16, {DECODE_MAX_HEAD_DIM}], got K={K}, V={V}"
+        )
+    if out is not None:
+        check_tensor("out", out, shape=[*lead_sizes, H, V], dtypes=FLOAT_DTYPES, device=dev)
+    check_scale(scale)
+    check_lower_bound(lower_bound)
+    return tuple(lead_sizes)
+
+
+def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks | None) -> None:
+    """``kda_decode``'s ``state_indices [B]``: in range, negative = padding,
+    distinct (queued)."""
+    check_tensor("state_indices", state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=state_cache.device)
+    if checks is not None:
+        check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+
+
+def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks) -> torch.Tensor:
+    """:func:`check_decode_indices` for a launch-then-read-back call: queues the
+    value rules on ``checks`` and returns the indices to launch with (all -1 when
+    a rule is broken), with ``checks`` sealed (the last rule of the call). One
+    Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
+    (:mod:`kda_engram.validation.index_rules`), the PyTorch rules and
+    :meth:`DeviceChecks.guard` beyond."""
+    check_decode_indices(state_indices, batch, state_cache, None)
+    slots = state_cache.shape[0]
+    if state_indices.numel() <= MAX_ONE_PROGRAM_INDICES:
+        guarded = index_rules(checks, "state_indices", state_indices, slots)
+        checks.seal()  # the verdict complete before the decode launch (the next call waits for it only)
+        return guarded
+    check_index_values(checks, "state_indices", state_indices, slots)
+    return checks.guard(state_indices, -1)
+
+
+def check_decode_multi_indices(state_indices, initial_state_indices, batch: int, steps: int, state_cache,
+                               checks: DeviceChecks | None) -> None:
+    """``kda_decode_multi``: ``state_indices [B, S]`` written rows in range and
+    distinct; ``initial_state_indices [B]`` (default ``state_indices[:, 0]``) in
+    range and distinct; no sequence starts from a row another sequence writes (the
+    write could land before the read). Value rules queued on ``checks``: one
+    launch (:func:`~kda_engram.validation.index_rules.decode_multi_rules`) up to
+    :data:`~kda_engram.validation.index_rules.MAX_STATE_RULE_SEQS` written rows,
+    PyTorch ops beyond."""
+    dev = state_cache.device
+    check_tensor("state_indices", state_indices, shape=[batch, steps], dtypes=INDEX_DTYPES, device=dev)
+    if initial_state_indices is not None:
+        check_tensor("initial_state_indices", initial_state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=dev)
+    if checks is None or steps == 0 or batch == 0:
+        return
+    init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
+    slots = state_cache.shape[0]
+    if fits_decode_multi_rules(batch, steps):
+        decode_multi_rules(checks, state_indices, init, slots)  # one launch
+        return
+    check_index_values(checks, "state_indices", state_indices, slots)
+    check_index_values(checks, "initial_state_indices", init, slots)
+    # owner[r] = the flat position b * S + s writing row r; its sequence is position // S.
+    owner = owner_of_rows(state_indices, slots)
+    start = init.to(torch.int64)
+    who = owner[torch.where((start >= 0) & (start < slots), start, slots)]
+    seq = torch.arange(batch, device=dev)
+    clash = (who >= 0) & (torch.div(who, steps, rounding_mode="floor") != seq)
+    b = torch.argmax(clash.to(torch.int8))
+    checks.add(clash.any(), decode_multi_clash_message(), b, value_at(start, b))
+
+
+def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta, g_out, conv_weight, conv_state,
+                                 conv_state_indices, A_log, dt_bias, o_norm_weight, state_cache, state_indices,
+                                 initial_state_indices, initial_conv_indices, scale, lower_bound, norm_eps,
+                                 out, *, out_dtype=None) -> None:
+    """``kda_layer_decode_step``: host rules raise at once; the index rules (rows
+    in range, distinct, no sequence starting from a row another one writes) are
+    queued on ``checks`` for the caller's one read-back (``None``: host rules only)."""
+    check_tensor("state_cache", state_cache, dtypes=STATE_DTYPES)
+    check_kernel_device("state_cache", state_cache)
+    if state_cache.dim() != 4 or state_cache.shape[2] != state_cache.shape[3] or state_cache.shape[3] not in KDA_HEAD_DIMS:
+        raise ValueError(f"state_cache: expected [slots, H, D, D] with D in {KDA_HEAD_DIMS}, "
+                         f"got {list(state_cache.shape)}")
+    _, H, V, K = state_cache.shape
+    C = 2 * H * K + H * V
+    dev = state_cache.device
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, device=dev)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [B, {C}] or [B, S, {C}], got {list(x.shape)}")
+    multi = x.dim() == 3
+    lead = list(x.shape[:-1])
+    check_tensor("x", x, shape=[*lead, C])
+    check_tensor("raw_g", raw_g, shape=[*lead, H * K], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("raw_beta", raw_beta, shape=[*lead, H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("g_out", g_out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("conv_weight", conv_weight, shape=[C, CONV_WIDTH], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("conv_state", conv_state, shape=[None, C, CONV_WIDTH - 1], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("A_log", A_log, shape=[H], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor("dt_bias", dt_bias, dtypes=FLOAT_DTYPES, device=dev)
+    if list(dt_bias.shape) not in ([H, K], [H * K]):
+        raise ValueError(f"dt_bias: expected shape [{H}, {K}] or [{H * K}], got {list(dt_bias.shape)}")
+    check_tensor("o_norm_weight", o_norm_weight, shape=[V], dtypes=FLOAT_DTYPES, device=dev)
+    if out is not None:
+        check_tensor("out", out, shape=[*lead, H * V], dtypes=FLOAT_DTYPES, device=dev)
+    check_out_dtype(out_dtype)
+    check_scale(scale)
+    check_lower_bound(lower_bound)
+    check_real("norm_eps", norm_eps, sign="non-negative")
+    if not multi:
+        for name, t in (("initial_state_indices", initial_state_indices),
+                        ("initial_conv_indices", initial_conv_indices)):
+            if t is not None:
+                raise ValueError(f"{name}: only with S tokens per sequence (x [B, S, C])")
+        check_decode_indices(state_indices, lead[0], state_cache, None)
+        check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
+        if checks is not None:  # both index sets in one launch
+            queue_index_sets(checks, [("state_indices", [state_indices], state_cache.shape[0]),
+                                      ("conv_state_indices", [conv_state_indices], conv_state.shape[0])])
+        return
+    B, S = lead
+    check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
+    check_tensor("conv_state_indices", conv_state_indices, shape=lead, dtypes=INDEX_DTYPES, device=dev)
+    if initial_conv_indices is not None:
+        check_tensor("initial_conv_indices", initial_conv_indices, shape=[B], dtypes=INDEX_DTYPES, device=dev)
+    if checks is not None and B and S:
+        cinit = conv_state_indices[:, 0] if initial_conv_indices is None else initial_conv_indices
+        queue_index_sets(checks, [("conv_state_indices", [conv_state_indices], conv_state.shape[0]),
+                                  ("initial_conv_indices", [cinit], conv_state.shape[0])])  # one launch
