@@ -104,8 +104,7 @@ class EntryOp:
     * the schema is the entry point's parameters minus ``check_inputs`` and
       ``host_only`` (arguments that do not cross the op; a dict gives, for those the
       entry point requires, the value from the call's arguments, ``{"out": alloc}``,
-      and ``None`` for those left at the entry point's default),
-      typed from their
+      and ``None`` for those left at the entry point's default), typed from their
       annotations; ``handles`` names the arguments that cross as an integer
       :func:`handle` (``{"layout": EngramLayout}``); ``mutates_args`` are the caches
       the op writes in place;
