@@ -229,13 +229,14 @@ def walk_args():
 #: (the functions of validation/kda_*.py) its op path runs.
 OP_CASES = {
     "kda_decode": (decode_args, {"check_input_forms", "check_decode_inputs", "check_decode_indices"}),
-    "chunk_kda_prefill": (prefill_args, {"check_state_structure", "check_input_forms", "check_prologue_arguments",
-                                         "check_state_arguments"}),
+    "chunk_kda_prefill": (prefill_args, {"check_state_structure", "check_lower_bound", "check_input_forms",
+                                         "check_prologue_arguments", "check_state_arguments"}),
     "kda_prefill_walk": (walk_args, {"check_state_structure", "check_chunk_operands", "check_scale",
                                      "check_cu_seqlens", "check_state_arguments"}),
     "kda_decode_multi": (decode_multi_args, {"check_input_forms", "check_decode_inputs",
                                              "check_decode_multi_indices"}),
-    "kda_prefill_prologue": (prologue_args, {"check_input_forms", "check_prologue_arguments"}),
+    "kda_prefill_prologue": (prologue_args, {"check_lower_bound", "check_input_forms",
+                                             "check_prologue_arguments"}),
     "kda_conv_decode": (conv_decode_args, {"check_conv_decode"}),
     "kda_conv_checkpoint": (conv_checkpoint_args, {"check_conv_checkpoint"}),
     "kda_layer_decode_step": (lambda: (layer_step_args("cpu", S=2), dict(initial_state_indices=idx([2, -1], "cpu"))),

@@ -267,10 +267,8 @@ def prefill_host_rules(x: KDAInputs, state: StateArgs) -> None:
 def prefill_rules(x: KDAInputs, state: StateArgs, conv: ConvArgs, cu_seqlens, out, checks) -> None:
     """Every rule of :func:`chunk_kda_prefill`: the host rules at once and, with
     ``checks``, the rules on device values queued (``None``: host rules only, what its
-    op runs with ``check_inputs=False``): :func:`prefill_host_rules` but
-    ``lower_bound``'s, which the arguments' rules include."""
-    check_state_structure(state)
-    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+    op runs with ``check_inputs=False``)."""
+    prefill_host_rules(x, state)
     T, H, K, V = check_prologue_arguments(x, cu_seqlens, conv, None, checks, scale_optional=True)
     check_log_decay_values(x.gate, x.raw_g, checks)
     if out is not None:

@@ -282,8 +282,7 @@ def prologue_host_rules(x: KDAInputs) -> None:
 def prologue_rules(x: KDAInputs, cu_seqlens, conv: ConvArgs, chunk_indices, checks) -> None:
     """Every rule of :func:`kda_prefill_prologue`: the host rules at once and, with
     ``checks``, the rules on device values queued (``None``: host rules only, what its
-    op runs with ``check_inputs=False``): the input forms, then the arguments (their
-    rules include ``lower_bound``'s)."""
-    check_input_forms(x.gate, x.A_log, x.dt_bias, x.lower_bound, x.qk_l2norm, x.beta_sigmoid)
+    op runs with ``check_inputs=False``)."""
+    prologue_host_rules(x)
     check_prologue_arguments(x, cu_seqlens, conv, chunk_indices, checks)
     check_log_decay_values(x.gate, x.raw_g, checks)

@@ -22,7 +22,7 @@ from .common import (
 )
 from .index_rules import fits_state_rules, snapshot_clash_message, state_rules
 from .kda_conv import check_conv_arguments
-from .kda_inputs import check_head_dims, check_chunk_indices, check_cu_seqlens, check_lower_bound, check_prefill_inputs, check_scale
+from .kda_inputs import check_chunk_indices, check_cu_seqlens, check_head_dims, check_prefill_inputs, check_scale
 
 __all__ = [
     "check_checkpoint_offsets",
@@ -98,14 +98,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def check_prologue_arguments(x: KDAInputs, cu_seqlens, conv: ConvArgs, chunk_indices, checks: DeviceChecks | None,
                              *, scale_optional: bool = False):
-    """Every rule of :func:`kda_prefill_prologue` (and of the prefill's raw inputs) on
-    its arguments (the inputs and the conv as their bundles): host rules at once,
-    value rules queued on ``checks`` (None: host rules only). ``scale_optional``:
-    ``None`` stands for ``K ** -0.5`` (the prefill's default). Returns ``(T, H, K, V)``."""
+    """The rules of :func:`kda_prefill_prologue`'s arguments (and of the prefill's raw
+    inputs; the inputs and the conv as their bundles) but ``lower_bound`` and the input
+    forms, which the entry points check on every call (they pick kernel branches):
+    host rules at once, value rules queued on ``checks`` (None: host rules only).
+    ``scale_optional``: ``None`` stands for ``K ** -0.5`` (the prefill's default).
+    Returns ``(T, H, K, V)``."""
     q = x.q
     T, H, K, V = check_prefill_inputs(q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias)
     check_scale(x.scale, allow_none=scale_optional)
-    check_lower_bound(x.lower_bound)
     lengths = check_cu_seqlens(cu_seqlens, T, q.device, checks, covers_all=True,
                                return_lengths=chunk_indices is not None)
     N = cu_seqlens.numel() - 1
