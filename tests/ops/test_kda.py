@@ -122,7 +122,7 @@ def test_opcheck_kda_layer_decode_step_op(device):
                              initial_conv_indices=idx([0, 4], device)))
 
 
-def test_wrappers_match_the_entry_points():
+def test_wrappers_match_the_entry_points(monkeypatch):
     T = 70
     q, k, v, g, b, A, dt = kda_raw(T, "cpu", seed=20)
     cu = idx([0, 64, 70], "cpu")
@@ -158,6 +158,24 @@ def test_wrappers_match_the_entry_points():
     o3, _ = prefill_direct(q, k, v, g, b, A, dt, state_cache=c3, **kw)
     o4, _ = ops.chunk_kda_prefill(q, k, v, g, b, A, dt, state_cache=c4, **kw)
     assert torch.equal(o3, o1) and torch.equal(c3, c1) and torch.equal(c4, c1)
+    # The cache passed as its own checkpoint buffer crosses the op as None on every
+    # crossing, .unchecked included: mutated arguments of a custom op must not alias
+    # (torch leaves it undefined, and detects it nowhere here, so the op's body is spied).
+    import kda_engram.ops.kda as ops_kda
+
+    real, seen = ops_kda.run_prefill, []
+
+    def spy(x, cu_seqlens, state, conv, **kwargs):
+        seen.append(state.checkpoint_state)
+        return real(x, cu_seqlens, state, conv, **kwargs)
+
+    monkeypatch.setattr(ops_kda, "run_prefill", spy)
+    for cross in (lambda **a: ops.chunk_kda_prefill(**a, check_inputs=False), ops.chunk_kda_prefill.unchecked):
+        c5 = cache0.clone()
+        o5, _ = cross(q=q, k=k, v=v, raw_g=g, raw_beta=b, A_log=A, dt_bias=dt, state_cache=c5, checkpoint_state=c5,
+                      **kw)
+        assert torch.equal(o5, o1) and torch.equal(c5, c1)
+    assert seen == [None, None]
 
 
 def test_the_op_wrappers_have_their_entry_points_signatures():

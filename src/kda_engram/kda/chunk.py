@@ -215,9 +215,8 @@ def kda_prefill_walk(
         expected = walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets, state, checks)
     else:
         check_state_structure(state)  # host only, even with check_inputs off: a wrong combination drops state
-    if chunk_offsets is None:
-        # The checks have built it already; otherwise one launch, no host sync.
-        chunk_offsets = expected if checks.on else prepare_chunk_metadata(cu_seqlens, qg.shape[1], CHUNK_SIZE)[0]
+    if checks.on and chunk_offsets is None:
+        chunk_offsets = expected  # the rules have built it already
     # Launch, then read back: a broken rule turns the batch into empty sequences
     # (cu_seqlens and chunk_offsets zeros) whose rows are all "none" and offsets
     # 0, so the launches below touch no cache, checkpoint or output row.
@@ -255,10 +254,13 @@ def walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offset
                 config=None, groups=None, min_group_chunks=None,
                 group_workspace=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kda_prefill_walk`'s launches without any rule: the caller has run them
-    and guarded the indices (the prefill's portable path, the walk's op). Returns
-    ``(out, final_state | None)``."""
+    and guarded the indices (the prefill's portable path, the walk's op). A missing
+    ``chunk_offsets`` is built on the device from ``cu_seqlens`` (one launch, no host
+    sync). Returns ``(out, final_state | None)``."""
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
     num_seqs = cu_seqlens.numel() - 1
     initial_state, state_cache, state_indices = state.initial_state, state.state_cache, state.state_indices
     has_initial_state, checkpoint_state = state.has_initial_state, state.snapshots

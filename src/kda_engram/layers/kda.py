@@ -503,9 +503,8 @@ class KimiDeltaAttention(nn.Module):
                 cu_seqlens=batch.prefill_cu_seqlens, scale=self.scale, lower_bound=self.lower_bound,
                 state_cache=state_cache, state_indices=batch.prefill_state_indices,
                 has_initial_state=batch.prefill_has_initial_state,
-                # None: the snapshots go to rows of the state cache itself (an op cannot
-                # take one buffer as two mutated arguments).
-                checkpoint_state=checkpoint_state if ckpt and checkpoint_state is not state_cache else None,
+                # None: the snapshots go to rows of the state cache itself.
+                checkpoint_state=checkpoint_state if ckpt else None,
                 checkpoint_offsets=batch.checkpoint_offsets if ckpt else None,
                 checkpoint_state_indices=batch.checkpoint_indices if ckpt else None,
                 conv_weight=self.conv_weight, conv_state=conv_state, conv_state_indices=batch.prefill_conv_indices,

@@ -111,7 +111,10 @@ class EntryOp:
     * ``rules(a)`` are the entry point's host rules (shapes, dtypes, devices,
       combinations: no device read), the same validation functions the entry point
       runs, on the call's arguments by name (a dict it may normalise, e.g. a scalar
-      to ``float``); ``run(a)`` is the eager implementation, the entry point's launch
+      to ``float``); ``prepare(a)`` puts the arguments in the form the op takes,
+      on every crossing (``.unchecked`` included: e.g. a checkpoint buffer that is
+      the state cache crosses as ``None``, since an op cannot take one buffer as two
+      mutated arguments); ``run(a)`` is the eager implementation, the entry point's launch
       without any rule (the wrapper has run them, once); ``fake(a)`` gives the
       outputs from the arguments alone; ``run`` and ``fake`` take one namespace of
       the arguments by name (``a.q``, ``a.state_cache``, handles resolved for
@@ -136,7 +139,7 @@ class EntryOp:
 
     def __init__(self, name: str, entry, *, run, rules, fake, returns: str, mutates_args: tuple[str, ...] = (),
                  host_only: tuple[str, ...] | dict = (), handles: dict | None = None, result=None,
-                 doc: str | None = None):
+                 prepare=None, doc: str | None = None):
         sig = inspect.signature(entry)
         self.host_values = dict(host_only) if isinstance(host_only, dict) else {}
         host_only = (*host_only, "check_inputs")
@@ -158,6 +161,7 @@ class EntryOp:
         self.schema = f"({', '.join(fields)}) -> {returns}"
         self.entry, self.rules = entry, rules
         self.result = result if result is not None else (lambda a, value: value)
+        self.prepare = prepare
         names, kinds = self.names, self.handles
 
         def eager_impl(*args):
@@ -195,6 +199,8 @@ class EntryOp:
     def cross(self, a: dict):
         """Run the op on a :meth:`bind` result (objects become their handles) and
         give the entry point's kind of value."""
+        if self.prepare is not None:
+            self.prepare(a)
         value = self.op(*(handle(a[n]) if n in self.handles else a[n] for n in self.names))
         return self.result(a, value)
 

@@ -7,7 +7,6 @@ from ..bundles import ConvArgs, KDAInputs, StateArgs
 from ..constants import CHUNK_SIZE
 from ..kda.chunk import kda_prefill_walk as _kda_prefill_walk
 from ..kda.chunk import walk_chunks, walk_rules
-from ..kda.metadata import prepare_chunk_metadata
 from ..kda.prefill import prefill_rules, run_prefill
 from ..kda.state import allocate_final_state
 from ..kda.conv import kda_conv_checkpoint as _kda_conv_checkpoint
@@ -156,24 +155,19 @@ def _walk_rules(a):
     """:func:`~kda_engram.kda.chunk.kda_prefill_walk`'s host rules (no device read)."""
     walk_rules(a["qg"], a["w"], a["u"], a["kg_t"], a["aqk"], a["decay"], None, a["scale"], a["cu_seqlens"],
                a["chunk_offsets"], StateArgs.pick(a), None)
-    _cache_snapshots_as_none(a)
     a["scale"] = float(a["scale"])
 
 
-def _walk_out(a):
+def _walk_out(a: dict):
     """The walk's output ``[1, T, H, V]`` in ``u``'s dtype (the op allocates it)."""
-    u = a["u"] if isinstance(a, dict) else a.u
+    u = a["u"]
     return torch.empty(1, *u.shape[1:], dtype=u.dtype, device=u.device)
 
 
 def _walk_run(a):
     H, V, K = a.u.shape[2], a.u.shape[3], a.qg.shape[3]
-    T = a.u.shape[1]
-    out = _walk_out(a)
-    chunk_offsets = a.chunk_offsets
-    if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_metadata(a.cu_seqlens, T, CHUNK_SIZE)[0]
-    _, final = walk_chunks(a.qg, a.w, a.u, a.kg_t, a.aqk, a.decay, out, a.scale, a.cu_seqlens, chunk_offsets,
+    out = _walk_out(vars(a))
+    _, final = walk_chunks(a.qg, a.w, a.u, a.kg_t, a.aqk, a.decay, out, a.scale, a.cu_seqlens, a.chunk_offsets,
                            StateArgs.pick(vars(a)), groups=a.groups, min_group_chunks=a.min_group_chunks)
     return out, (final if final is not None else _empty_state(H, V, K, a.u.device))
 
@@ -191,6 +185,7 @@ kda_prefill_walk = EntryOp(
     "kda_prefill_walk", _kda_prefill_walk,
     host_only={"out": _walk_out, "config": None, "group_workspace": None},
     mutates_args=("checkpoint_state", "state_cache"), returns="(Tensor, Tensor)", rules=_walk_rules, run=_walk_run,
+    prepare=_cache_snapshots_as_none,
     fake=lambda a: _prefill_outputs_fake(a, a.u.shape[1], a.u.shape[2], a.u.shape[3], a.qg.shape[3], a.u.dtype,
                                          a.u.device),
     result=_no_empty_final,
@@ -204,7 +199,6 @@ kda_prefill_walk = EntryOp(
 def _prefill_rules(a):
     """:func:`~kda_engram.kda.prefill.chunk_kda_prefill`'s host rules (no device read)."""
     prefill_rules(KDAInputs.pick(a), StateArgs.pick(a), ConvArgs.pick(a), a["cu_seqlens"], None, None)
-    _cache_snapshots_as_none(a)
     a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
 
 
@@ -223,7 +217,7 @@ chunk_kda_prefill = EntryOp(
     "chunk_kda_prefill", _chunk_kda_prefill,
     host_only=("out",),
     mutates_args=("state_cache", "checkpoint_state", "conv_state"), returns="(Tensor, Tensor)", rules=_prefill_rules,
-    run=_prefill_run, result=_no_empty_final,
+    prepare=_cache_snapshots_as_none, run=_prefill_run, result=_no_empty_final,
     fake=lambda a: _prefill_outputs_fake(a, a.q.shape[1], a.q.shape[2], a.v.shape[3], a.q.shape[3], a.v.dtype,
                                          a.v.device),
     doc=""":func:`kda_engram.kda.prefill.chunk_kda_prefill` as an op, with its
