@@ -1,55 +1,33 @@
 """Every public kernel entry point as a ``torch.library`` custom op (``torch.ops.kda_engram.*``).
 
 Why: a serving engine captures its layers in CUDA graphs and compiles them with
-``torch.compile(fullgraph=True)``. Dynamo cannot trace through a Triton launch
-wrapped in host-side heuristics without graph breaks, and Inductor must not
-reorder a kernel that writes a cache in place. A custom op is opaque to both:
-it carries a schema that says which arguments it mutates (``mutates_args``), a
-fake (meta) implementation that gives the output shapes from the input shapes
-alone, and an eager implementation: the entry point's launch without rules (every
-device read of the checks would be a host sync, forbidden under capture and a graph
-break under compile; the Python functions below run the rules before the op, or
-instead call the entry point with its checks).
+``torch.compile(fullgraph=True)``. Dynamo cannot trace a Triton launch wrapped in
+host-side heuristics without graph breaks, and Inductor must not reorder a kernel
+that writes a cache in place. A custom op is opaque to both: a schema that says
+which arguments it mutates, a fake implementation (output shapes from input shapes)
+and an eager body, the entry point's launch without rules (a device read of the
+checks would be a host sync: forbidden under capture, a graph break under compile).
 
-Conventions of the ops:
+Each op and its Python function (same name, same arguments but ``out`` and launch
+overrides, plus ``check_inputs``) come from one definition,
+:class:`~kda_engram.ops.common.EntryOp`: by default the function calls the entry point,
+checked as the function is; with ``check_inputs=False`` (and while ``torch.compile``
+traces) it runs the entry point's host rules once, then the op; ``fn.unchecked(...)``
+crosses the op alone, for a caller that ran the rules (the layers, once per step).
+Every op's body first raises an earlier call's pending broken verdict.
 
-* Outputs are allocated inside the op (``torch.empty``, contiguous); an op never
-  returns an alias of an input (a custom-op rule). Mutated arguments are the
-  caches the kernels update in place: ``state_cache`` / ``checkpoint_state``
-  (KDA recurrent state), ``conv_state`` (KDA conv windows), history caches
-  (Engram hash history).
-* A checkpoint written into the state cache itself cannot be passed as a second
-  tensor argument (two mutable arguments aliasing one buffer are not allowed by
-  functionalization): ``checkpoint_state=None`` with ``checkpoint_offsets`` means
-  "into ``state_cache``" in the entry points too, so it crosses as ``None`` (the
-  wrappers turn ``checkpoint_state is state_cache`` into that).
-* Outputs keep their entry point's contract: e.g. the prologue's ``kg_t`` /
-  ``decay`` rows past the batch's real chunks (the static ``T // 64 + N`` bound)
-  stay undefined, as nothing reads them.
-* Optional returns are not expressible: a final state that was not asked for
-  comes back as a ``[0, H, V, K]`` tensor; the Python wrappers turn it into
-  ``None``.
-* Non-tensor objects (an :class:`~kda_engram.engram.layout.EngramLayout`, an
-  :class:`~kda_engram.engram.table.EngramTable`) travel as integer handles from
-  :func:`handle`; the op resolves them in a weak registry. Under
-  ``torch.compile`` the handle is a constant of the graph.
+Conventions: outputs are allocated inside the op and never alias an input; the
+mutated arguments are the caches (``state_cache``, ``checkpoint_state``,
+``conv_state``, Engram history caches). A checkpoint buffer that is the state cache
+crosses as ``None`` ("into ``state_cache``", as in the entry points): mutated
+arguments must not alias. Rows the entry point leaves undefined stay undefined (the
+prologue's ``kg_t`` / ``decay`` past the real chunks). A final state not asked for
+comes back as ``[0, H, V, K]`` and the function turns it into ``None``. An
+``EngramLayout`` / ``EngramTable`` travels as an integer :func:`handle` (a constant of
+a compiled graph).
 
-Every op and its Python function come from one definition,
-:class:`~kda_engram.ops.common.EntryOp`, made from the entry point's own signature:
-same names and defaults, minus what cannot cross an op (``out``, launch overrides),
-plus the keyword ``check_inputs`` (:func:`~kda_engram.ops.common.entry_checks`). By
-default (``True`` or ``"sync"``) the function calls the entry point with it, so an op
-call is checked as the function is (host rules, device rules on guarded launches, the
-deferred verdict); with ``check_inputs=False``, and while ``torch.compile`` traces, it
-runs the entry point's host rules, the same rules function, once (shapes, dtypes,
-devices, argument combinations: no device read) and calls the op: safe under capture
-and compile. ``fn.unchecked(...)`` calls the op alone: a serving layer runs its step's
-rules once and crosses the ops so. Every op's body first raises an earlier call's
-pending broken verdict, as every entry point does. Each op's ``torch.ops`` name is its
-Python function's name.
-
-Modules: :mod:`~kda_engram.ops.kda` (KDA), :mod:`~kda_engram.ops.engram`
-(Engram), :mod:`~kda_engram.ops.common` (handles, registration).
+Modules: :mod:`~kda_engram.ops.kda` (KDA), :mod:`~kda_engram.ops.engram` (Engram),
+:mod:`~kda_engram.ops.common` (handles, the op definition).
 """
 
 from .common import NAMESPACE, handle, resolve
