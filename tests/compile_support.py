@@ -240,6 +240,16 @@ def drive_hopper_variants() -> None:
         bands = [proj[..., i * H * D:(i + 1) * H * D].view(1, T, H, D) for i in range(3)]
         run(conv=ConvArgs(conv_weight=torch.zeros(C, 4, dtype=dt)), q=bands[0], k=bands[1], v=bands[2],
             lower_bound=-5.0)
+        # The walk with its warp-specialised TMA loader (the fused prefill's consumer side).
+        from kda_engram.kda.hopper.walk import folded_walk
+
+        cache = torch.zeros(6, H, D, D)
+        qg, kd, tf = (torch.zeros(1, T, H, D, dtype=dt) for _ in range(3))
+        folded_walk(qg, kd, tf, torch.zeros(1, T, H, 64, dtype=dt), x["v"], torch.zeros(int(offsets[-1]), H, D), out,
+                    D ** -0.5, cu, offsets, state_cache=cache, state_indices=torch.tensor([0, 1]),
+                    has_initial_state=torch.ones(2, dtype=torch.uint8), checkpoint_state=cache,
+                    checkpoint_offsets=torch.tensor([512, 1024]), checkpoint_state_indices=torch.tensor([2, 3]),
+                    warp_specialized=True)
     drive_gluon_prologue_variants()
 
 

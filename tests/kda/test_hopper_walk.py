@@ -157,10 +157,15 @@ def test_gpu_walk_ragged_matches_fp64_and_the_recipe(gpu, gate):
 
 @pytest.mark.gpu
 def test_gpu_walk_variants(gpu):
-    """Same inputs (the first gate): V-half CTAs, synchronous wgmma, no initial state, no final state."""
+    """Same inputs (the first gate): V-half CTAs, synchronous wgmma, the warp-specialised
+    loader (the same arithmetic: bit for bit the default walk's ``o`` and state), no
+    initial state, no final state."""
     sm90_or_skip(gpu, "the Gluon walk")
     d = _case(LENGTHS, next(iter(GATES)), gpu)
     o_emu, s_emu = d["emu"]
+    o_plain, s_plain = _walk(d["kin"], d["scale"], d["init"])
+    o_ws, s_ws = _walk(d["kin"], d["scale"], d["init"], warp_specialized=True)
+    assert torch.equal(o_ws, o_plain) and torch.equal(s_ws, s_plain), "the warp-specialised walk differs"
     for name, opts in (("vb=64 (V-half CTAs, 4 warps)", dict(vb=64)), ("synchronous wgmma", dict(use_async=False))):
         o, s = _walk(d["kin"], d["scale"], d["init"], **opts)
         e_o, e_s = _rel(o, o_emu), _rel(s, s_emu)

@@ -56,6 +56,7 @@ from ...constants import CHUNK_SIZE
 
 __all__ = ["WALK_STAGES", "folded_walk", "tma_compatible"]
 
+WALK_LOADER_REGS = 40  # the warp-specialised variant's one-warp TMA loader: it holds a few scalars
 WALK_STAGES = 2  # three stages need 237,592 B of shared memory, past the 232,448 B an SM offers
 
 
@@ -88,10 +89,10 @@ def _issue_loads(c, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, 
 @gluon.jit
 def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
                 qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
-                qg_s, kd_s, tf_s, af_s, v_s, o_s, bars,
+                qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
                 o_ptr, s_ot, s_oh, dec_ptr,
                 K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                TAIL: gl.constexpr, ASYNC: gl.constexpr, num_warps: gl.constexpr):
+                TAIL: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
     """One chunk: returns ``S_next``. ``Lc`` valid rows (``BT`` unless ``TAIL``);
     ``dec_ptr`` is the chunk's per-channel decay pointer vector (``[K]``)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -103,7 +104,7 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
     op_dt: gl.constexpr = kd_desc.dtype
 
     st = c % STAGES
-    mbarrier.wait(bars.index(st), (c // STAGES) & 1)
+    mbarrier.wait(ready.index(st), (c // STAGES) & 1)
     qs = qg_s.index(st)
     ks = kd_s.index(st)
     ts = tf_s.index(st)
@@ -142,10 +143,15 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
     if ASYNC:
         oT, S = warpgroup_mma_wait(0, deps=(oT, S))
 
-    # Both warpgroups' wgmmas on stage st are complete (the lowering puts a CTA
-    # barrier before the TMA issue): prefetch chunk c + STAGES into it.
-    _issue_loads(c + STAGES, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s,
-                 bars, K, V, BT, STAGES)
+    if WS:
+        # Every consumer warp's wgmmas on stage st are complete: release it to the loader.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st))
+    else:
+        # Both warpgroups' wgmmas on stage st are complete (the lowering puts a CTA
+        # barrier before the TMA issue): prefetch chunk c + STAGES into it.
+        _issue_loads(c + STAGES, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s,
+                     v_s, ready, K, V, BT, STAGES)
 
     tma.store_wait(0)  # the previous chunk's o store has read o_s
     o_s.permute((1, 0)).store((oT * scale).to(o_desc.dtype))
@@ -166,52 +172,34 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
 
 
 @gluon.jit
-def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
-                        o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
-                        cu_ptr, coff_ptr, scale, H,
-                        s_ot, s_oh,
-                        s_dc, s_dh, s_dk,
-                        s_in_n, s_in_h, s_in_v, s_in_k,
-                        s_out_n, s_out_h, s_out_v, s_out_k,
-                        s_ck_n, s_ck_h, s_ck_v, s_ck_k,
-                        K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                        LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
-                        CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr, ASYNC: gl.constexpr,
-                        num_warps: gl.constexpr):
-    """Grid ``(N * H * V / VB,)``, V-blocks of a head adjacent. ``LOAD_STATE``: 0 zeros,
-    1 ``initial_state[n]``, 2 cache row ``s_idx[n]`` where ``has[n]``; ``STORE_STATE``:
-    0 none, 1 ``final_state[n]``, 2 cache row ``s_idx[n]``."""
-    gl.static_assert(VB == 16 * num_warps, "VB rows = 16 per warp (one m64 wgmma per warpgroup)")
-    NVB: gl.constexpr = V // VB
-    pid = gl.program_id(0)
-    vb = pid % NVB
-    h = (pid // NVB) % H
-    n = pid // (NVB * H)
-    v0 = vb * VB
+def _walk_loader(qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s, ready, empty,
+                 NT, bos, h, v0, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr):
+    """The loader partition (one warp): chunk ``c``'s TMA loads into stage ``c % STAGES``
+    once the consumers have released it (``empty``; the first pass through the ring
+    waits for nothing)."""
+    for c in range(NT):
+        st = c % STAGES
+        mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+        _issue_loads(c, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s,
+                     ready, K, V, BT, STAGES)
 
-    bos = gl.load(cu_ptr + n).to(gl.int32)
-    eos = gl.load(cu_ptr + n + 1).to(gl.int32)
-    seqlen = eos - bos
-    NF = seqlen // BT  # full chunks
-    NT = (seqlen + BT - 1) // BT  # all chunks (NT - NF is 0 or 1)
-    crow0 = gl.load(coff_ptr + n).to(gl.int64)  # decay row of chunk 0
 
+@gluon.jit
+def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
+                   o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
+                   n, h, v0, bos, seqlen, NF, NT, crow0, scale,
+                   s_ot, s_oh, s_dc, s_dh, s_dk,
+                   s_in_n, s_in_h, s_in_v, s_in_k,
+                   s_out_n, s_out_h, s_out_v, s_out_k,
+                   s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                   K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                   LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
+                   CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The walk of one (sequence, head, V-block): the start state, every chunk, the
+    checkpoint and the final state (the consumer partition when ``WS``)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, K, 16])
-    qg_s = gl.allocate_shared_memory(qg_desc.dtype, [STAGES, BT, K], qg_desc.layout)
-    kd_s = gl.allocate_shared_memory(kd_desc.dtype, [STAGES, BT, K], kd_desc.layout)
-    tf_s = gl.allocate_shared_memory(tf_desc.dtype, [STAGES, BT, K], tf_desc.layout)
-    af_s = gl.allocate_shared_memory(af_desc.dtype, [STAGES, BT, BT], af_desc.layout)
-    v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BT, VB], v_desc.layout)
-    o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, VB], o_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
-    for s in gl.static_range(STAGES):
-        _issue_loads(s, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s,
-                     bars, K, V, BT, STAGES)
-
     rv = gl.arange(0, VB, gl.SliceLayout(1, S_L))
     ck = gl.arange(0, K, gl.SliceLayout(0, S_L))
     tile_in = (v0 + rv)[:, None] * s_in_v + ck[None, :] * s_in_k
@@ -245,8 +233,8 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
     dec_base = decay_ptr + h.to(gl.int64) * s_dh + ck * s_dk
     for c in range(NF):
         S = _walk_chunk(c, BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
-                        qg_s, kd_s, tf_s, af_s, v_s, o_s, bars, o_ptr, s_ot, s_oh, dec_base + (crow0 + c) * s_dc,
-                        K, V, VB, BT, STAGES, False, ASYNC, num_warps)
+                        qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh, dec_base + (crow0 + c) * s_dc,
+                        K, V, VB, BT, STAGES, False, ASYNC, WS, num_warps)
         if HAS_CKPT:
             if ck_on & (ck_off == (c + 1) * BT):
                 if CKPT_BF16:
@@ -254,12 +242,10 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                 gl.store(ck_base + tile_ck, S.to(ck_ptr.dtype.element_ty))
     if NF < NT:
         S = _walk_chunk(NF, seqlen - NF * BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc,
-                        o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, bars, o_ptr, s_ot, s_oh,
-                        dec_base + (crow0 + NF) * s_dc, K, V, VB, BT, STAGES, True, ASYNC, num_warps)
+                        o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
+                        dec_base + (crow0 + NF) * s_dc, K, V, VB, BT, STAGES, True, ASYNC, WS, num_warps)
 
     tma.store_wait(0)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
     tile_out = (v0 + rv)[:, None] * s_out_v + ck[None, :] * s_out_k
     if STORE_STATE == 1:
         gl.store(s_out_ptr + n.to(gl.int64) * s_out_n + h.to(gl.int64) * s_out_h + tile_out,
@@ -268,6 +254,83 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
         slot_out = gl.load(s_idx_ptr + n).to(gl.int64)
         gl.store(s_out_ptr + gl.where(slot_out >= 0, slot_out, 0) * s_out_n + h.to(gl.int64) * s_out_h + tile_out,
                  S.to(s_out_ptr.dtype.element_ty), mask=(rv < VB)[:, None] & (slot_out >= 0))
+
+
+@gluon.jit
+def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
+                        o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
+                        cu_ptr, coff_ptr, scale, H,
+                        s_ot, s_oh,
+                        s_dc, s_dh, s_dk,
+                        s_in_n, s_in_h, s_in_v, s_in_k,
+                        s_out_n, s_out_h, s_out_v, s_out_k,
+                        s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                        K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+                        LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
+                        CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr, ASYNC: gl.constexpr,
+                        WS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid ``(N * H * V / VB,)``, V-blocks of a head adjacent. ``LOAD_STATE``: 0 zeros,
+    1 ``initial_state[n]``, 2 cache row ``s_idx[n]`` where ``has[n]``; ``STORE_STATE``:
+    0 none, 1 ``final_state[n]``, 2 cache row ``s_idx[n]``. ``WS``: a one-warp loader
+    partition (``LOADER_REGS`` registers) issues the TMA loads and the walk's warps only
+    compute (the consumer side of the fused prefill); otherwise the walk's warps
+    prefetch ``STAGES`` chunks ahead themselves."""
+    gl.static_assert(VB == 16 * num_warps, "VB rows = 16 per warp (one m64 wgmma per warpgroup)")
+    NVB: gl.constexpr = V // VB
+    pid = gl.program_id(0)
+    vb = pid % NVB
+    h = (pid // NVB) % H
+    n = pid // (NVB * H)
+    v0 = vb * VB
+
+    bos = gl.load(cu_ptr + n).to(gl.int32)
+    eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+    seqlen = eos - bos
+    NF = seqlen // BT  # full chunks
+    NT = (seqlen + BT - 1) // BT  # all chunks (NT - NF is 0 or 1)
+    crow0 = gl.load(coff_ptr + n).to(gl.int64)  # decay row of chunk 0
+
+    qg_s = gl.allocate_shared_memory(qg_desc.dtype, [STAGES, BT, K], qg_desc.layout)
+    kd_s = gl.allocate_shared_memory(kd_desc.dtype, [STAGES, BT, K], kd_desc.layout)
+    tf_s = gl.allocate_shared_memory(tf_desc.dtype, [STAGES, BT, K], tf_desc.layout)
+    af_s = gl.allocate_shared_memory(af_desc.dtype, [STAGES, BT, BT], af_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BT, VB], v_desc.layout)
+    o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, VB], o_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    if WS:
+        gl.warp_specialize([
+            (_walk_sequence, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
+                              o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
+                              n, h, v0, bos, seqlen, NF, NT, crow0, scale,
+                              s_ot, s_oh, s_dc, s_dh, s_dk,
+                              s_in_n, s_in_h, s_in_v, s_in_k,
+                              s_out_n, s_out_h, s_out_v, s_out_k,
+                              s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                              K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16, ASYNC, WS, num_warps)),
+            (_walk_loader, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s, ready, empty,
+                            NT, bos, h, v0, K, V, BT, STAGES)),
+        ], [1], [LOADER_REGS])
+    else:
+        for s in gl.static_range(STAGES):
+            _issue_loads(s, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s,
+                         ready, K, V, BT, STAGES)
+        _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready,
+                       empty, o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
+                       n, h, v0, bos, seqlen, NF, NT, crow0, scale,
+                       s_ot, s_oh, s_dc, s_dh, s_dk,
+                       s_in_n, s_in_h, s_in_v, s_in_k,
+                       s_out_n, s_out_h, s_out_v, s_out_k,
+                       s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                       K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16, ASYNC, WS,
+                       num_warps)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
 
 # --------------------------------------------------------------------------- host side
@@ -300,7 +363,8 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int, int]:
 def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens, chunk_offsets, *,
                        initial_state=None, final_state=None, state_cache=None, state_indices=None,
                        has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
-                       checkpoint_state_indices=None, vb=128, use_async=True):
+                       checkpoint_state_indices=None, vb=128, use_async=True, warp_specialized=False,
+                       loader_regs=WALK_LOADER_REGS):
     """``(kernel, grid, args, kwargs)`` of one walk launch (``None`` kernel: nothing to walk).
 
     Arguments are assumed valid and :func:`tma_compatible` (the caller's job);
@@ -333,7 +397,7 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     kwargs = dict(K=K, V=V, VB=vb, BT=BT, STAGES=WALK_STAGES, LOAD_STATE=load_state, STORE_STATE=store_state,
                   HAS_CKPT=checkpoint_state is not None, CKPT_INDEXED=ck_indexed,
                   CKPT_BF16=checkpoint_state is not None and checkpoint_state.dtype == torch.bfloat16,
-                  ASYNC=use_async, num_warps=vb // 16)
+                  ASYNC=use_async, WS=bool(warp_specialized), LOADER_REGS=int(loader_regs), num_warps=vb // 16)
     grid = (N * H * (V // vb),)
     return _folded_walk_kernel, grid, args, kwargs
 
