@@ -136,7 +136,7 @@ def _gluon_prologue_kernel(
     qg_ptr, kd_ptr, tf_ptr, af_ptr, decay_ptr,
     H, lower_bound,
     K: gl.constexpr, BT: gl.constexpr, BS: gl.constexpr,
-    QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr,
+    QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, PHASES: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Grid ``(chunk rows * H,)``, head fastest; one warpgroup per (chunk row, head).
@@ -237,6 +237,8 @@ def _gluon_prologue_kernel(
     gl.store(qg_ptr + qk_off, (qf * gl.exp2(u + e_g)).to(qg_ptr.dtype.element_ty), mask=m3)
     QE = qf * gl.exp2(u)
     # (every pointer and offset tile dies here: only QE and KE cross the strips)
+    if PHASES == 1:
+        return
 
     # ------------------------------------------------ 2'. A_kk, A_qk by strips
     for J in gl.static_range(NB):
@@ -250,6 +252,8 @@ def _gluon_prologue_kernel(
         aqk_s.slice(J * BS, BS, 1).store(gl.where(gl.expand_dims(cj, 0) <= gl.expand_dims(ri16, 1), aq,
                                                   gl.zeros_like(aq)))
     gl.thread_barrier()
+    if PHASES == 2:
+        return
 
     # ------------------------------------------------ 3. diagonal inverses, T
     # (allocated here, after the strips: their space can reuse the strips' buffers)
@@ -285,6 +289,10 @@ def _gluon_prologue_kernel(
     N3 = _mm3(Nm, N2, bhi_s, blo_s, A64, MMA64, BT, BT)
     P = gl.where(ri64 == ci64, 1.0, 0.0) - Nm + N2 - N3
     Tm = _mm3(P, Dm, bhi_s, blo_s, A64, MMA64, BT, BT)
+    if PHASES == 3:
+        gl.store(af_ptr + (start + ri64) * (H * BT) + h64 * BT + ci64, Tm.to(af_ptr.dtype.element_ty),
+                 mask=(start + ri64 < eos) & (ci64 < BT))  # T, so the phase's work is not dead code
+        return
 
     # ------------------------------------------------------------------ 4. fold
     gl.thread_barrier()
@@ -343,7 +351,7 @@ def gluon_prologue_unsupported(q, lower_bound, *, gate="raw", num_warps=None) ->
 
 
 def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs = ConvArgs(), *, num_warps=None,
-                          maxnreg=None):
+                          maxnreg=None, phases=4):
     """Drop-in for :func:`kda_engram.kda.hopper.folded_prologue.prepare_folded_prologue`
     (same arguments, assumed valid; same ``launch()`` returning ``dict(qg, kd,
     t_fold, a_fold, decay, v)``), one Gluon launch instead of two Triton ones.
@@ -356,7 +364,11 @@ def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArg
     end inside its last chunk are not part of the contract (the walk masks them).
 
     ``maxnreg``: a register cap for the GPU sweep (uncapped it compiles to 255 registers,
-    one CTA of 8 warps per SM; 128 would fit two, with a spill: see the design record)."""
+    one CTA of 8 warps per SM; 128 would fit two, with a spill: see the design record).
+    ``phases`` < 4 stops after that phase (1 gate and norms, 2 strips, 3 inverse): a
+    timing study of where the launch's time goes; its outputs are then incomplete."""
+    if phases not in (1, 2, 3, 4):
+        raise ValueError(f"gluon_folded_prologue: phases must be 1, 2, 3 or 4, got {phases!r}")
     q, k, raw_g, raw_beta, A_log, dt_bias = x.q, x.k, x.raw_g, x.raw_beta, x.A_log, x.dt_bias
     why = gluon_prologue_unsupported(q, x.lower_bound, gate=x.gate, num_warps=num_warps)
     if why is not None:
@@ -391,7 +403,7 @@ def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArg
             out["qg"], out["kd"], out["t_fold"], out["a_fold"], out["decay"],
             H, float(x.lower_bound),
             K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, QK_L2NORM=bool(x.qk_l2norm), BETA_SIGMOID=bool(x.beta_sigmoid),
-            num_warps=GLUON_PROLOGUE_WARPS, **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
+            PHASES=int(phases), num_warps=GLUON_PROLOGUE_WARPS, **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
         )
         return out
 
