@@ -4,6 +4,8 @@
   same walk with a one-warp warp-specialised TMA loader (``warp_specialized=True``: the
   fused kernel's consumer side), on the folded operands of the Triton folded prologue;
   the two must agree bit for bit.
+* The walk at 32- and 16-token chunks (plain and warp-specialised), the granularities a
+  producer that fits its registers would feed it.
 * Where the producer's time goes: the one-launch Gluon prologue stopped after each of
   its phases (1 gate and norms, 2 strips, 3 inverse, 4 fold), beside the Triton folded
   prologue.
@@ -24,7 +26,7 @@ from kda_engram.bundles import KDAInputs
 from kda_engram.kda.hopper.folded_prologue import prepare_folded_prologue
 from kda_engram.kda.hopper.prologue import gluon_folded_prologue
 from kda_engram.kda.hopper.walk import folded_walk
-from kda_engram.kda.metadata import prepare_chunk_metadata
+from kda_engram.kda.metadata import prepare_chunk_metadata, prepare_chunk_offsets
 
 CASES = {"16x2k_H32": (16, 2048, 32), "64x512_H32": (64, 512, 32), "1x8k_H96": (1, 8192, 96),
          "1x32k_H32": (1, 32768, 32)}
@@ -66,6 +68,17 @@ def main() -> None:
                                        warp_specialized=ws)
 
         fns = {"walk": walk(False), "walk_ws": walk(True), "prologue_triton": prepare_folded_prologue(inp, cu, indices)}
+        for chunk in (32, 16):  # the walk at smaller chunks, on operands of that shape (values: timing only)
+            offs = prepare_chunk_offsets(cu, chunk)
+            af = torch.randn(1, inp.q.shape[1], H, chunk, device="cuda").to(torch.bfloat16) * 0.1
+            dec = torch.rand(int(offs[-1]), H, K, device="cuda") * 0.5 + 0.5
+            for ws in (False, True):
+                o_c = torch.empty_like(inp.v)
+                fns[f"walk_c{chunk}" + ("_ws" if ws else "")] = (
+                    lambda o_c=o_c, af=af, dec=dec, offs=offs, ws=ws, chunk=chunk: folded_walk(
+                        ops["qg"], ops["kd"], ops["t_fold"], af, ops["v"], dec, o_c, inp.scale, cu, offs,
+                        initial_state=init, final_state=torch.empty(N, H, K, K, device="cuda"),
+                        warp_specialized=ws, chunk_size=chunk))
         if name == "16x2k_H32":
             for p in (1, 2, 3, 4):
                 fns[f"prologue_gluon_p{p}"] = gluon_folded_prologue(inp, cu, indices, phases=p)

@@ -57,7 +57,7 @@ def _rel(x, ref) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-def _emulated_walk(st, cu_seqlens, scale, initial_state):
+def _emulated_walk(st, cu_seqlens, scale, initial_state, C=C):
     """The walk's precision recipe in fp32 on the CPU, chunk by chunk: per head,
     ``S_op = bf16(S)``, ``R = bf16(v - kd S_op^T)``, ``o = scale (qg S_op^T + a_fold R)``,
     ``S = S * decay + R^T t_fold`` (bf16 x bf16 products are exact in fp32, so this is an
@@ -84,10 +84,11 @@ def _emulated_walk(st, cu_seqlens, scale, initial_state):
 _CASES = {}
 
 
-def _case(lengths, gate, device, H=4, K=128, V=128, seed=0):
+def _case(lengths, gate, device, H=4, K=128, V=128, seed=0, C=C):
     """Inputs, the fp64 references (with and without the initial state), the emulation
-    and the bf16 operands the kernel reads; built once per ``(lengths, gate)``."""
-    key = (tuple(lengths), gate, str(device))
+    and the bf16 operands the kernel reads, in chunks of ``C`` tokens; built once per
+    ``(lengths, gate, C)``."""
+    key = (tuple(lengths), gate, str(device), C)
     if key in _CASES:
         return _CASES[key]
     g = torch.Generator().manual_seed(seed)
@@ -116,7 +117,7 @@ def _case(lengths, gate, device, H=4, K=128, V=128, seed=0):
     kin["cu_seqlens"] = cu.to(device, torch.int32)
     kin["chunk_offsets"] = prepare_chunk_offsets(kin["cu_seqlens"], C)
     case = dict(st=st, kin=kin, scale=scale, init=init.to(device), cu=cu, ref=ref,
-                emu=_emulated_walk(st, cu, scale, init))
+                emu=_emulated_walk(st, cu, scale, init, C))
     _CASES[key] = case
     return case
 
@@ -178,6 +179,26 @@ def test_gpu_walk_variants(gpu):
     assert s is None
     e_o = _rel(o, o_emu)
     assert e_o < TOL_EMU, ("no final state", e_o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [32, 16])
+def test_gpu_walk_smaller_chunks(gpu, chunk):
+    """The walk compiled for 32- and 16-token chunks (the fused prefill's candidate
+    granularities: a chunk-64 producer does not fit its registers) on operands of that
+    chunk size, plain and warp-specialised: within the recipe of the emulation and of
+    the fp64 recurrence, bit for bit between the two."""
+    sm90_or_skip(gpu, "the Gluon walk")
+    d = _case(LENGTHS, next(iter(GATES)), gpu, C=chunk)
+    o, s = _walk(d["kin"], d["scale"], d["init"], chunk_size=chunk)
+    o_ws, s_ws = _walk(d["kin"], d["scale"], d["init"], chunk_size=chunk, warp_specialized=True)
+    assert torch.equal(o_ws, o) and torch.equal(s_ws, s)
+    o_emu, s_emu = d["emu"]
+    e_o, e_s = _rel(o, o_emu), _rel(s, s_emu)
+    assert e_o < TOL_EMU and e_s < TOL_EMU, (chunk, e_o, e_s)
+    o_ref, s_ref = d["ref"]["init"]
+    r_o, r_s = _rel(o, o_ref), _rel(s, s_ref)
+    assert r_o < TOL_REF and r_s < TOL_REF, (chunk, r_o, r_s)
 
 
 @pytest.mark.gpu

@@ -367,7 +367,7 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
                        initial_state=None, final_state=None, state_cache=None, state_indices=None,
                        has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
                        checkpoint_state_indices=None, vb=128, use_async=True, warp_specialized=False,
-                       loader_regs=WALK_LOADER_REGS):
+                       loader_regs=WALK_LOADER_REGS, chunk_size=CHUNK_SIZE):
     """``(kernel, grid, args, kwargs)`` of one walk launch (``None`` kernel: nothing to walk).
 
     Arguments are assumed valid and :func:`tma_compatible` (the caller's job);
@@ -375,7 +375,7 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     _, T, H, K = kd.shape
     V = v.shape[3]
     N = cu_seqlens.numel() - 1
-    BT = CHUNK_SIZE
+    BT = int(chunk_size)
     descs = (_descriptor(qg, [BT, K]), _descriptor(kd, [BT, K]), _descriptor(t_fold, [BT, K]),
              _descriptor(a_fold, [BT, BT]), _descriptor(v, [BT, vb]), _descriptor(out, [BT, vb]))
     if state_cache is not None:
