@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ..reference import kda_gate
 
 __all__ = ["FAULTS", "MAX_ANCHOR_SPAN", "log2_gate", "model_fused_prefill"]
 
@@ -60,20 +61,13 @@ def _r(x: torch.Tensor, on: bool) -> torch.Tensor:
 
 
 def log2_gate(raw_g, A_log, dt_bias, lower_bound, gate="raw"):
-    """The per-token log2 decay ``a * log2(e)`` (``<= 0``) of ``raw_g [..., H, K]``:
-    ``gate="raw"`` with ``lower_bound`` (``L sigmoid(e^A_log (g + dt_bias))``) or
-    without (``-e^A_log softplus(g + dt_bias)``), or ``gate="log_decay"`` (``raw_g`` is
-    the natural-log decay)."""
+    """The per-token log2 decay (``<= 0``) of ``raw_g [..., H, K]``: the reference's
+    gate (:func:`kda_engram.kda.reference.kda_gate`: bounded with ``lower_bound``,
+    softplus without) times log2(e); ``gate="log_decay"``: ``raw_g`` is the natural-log
+    decay itself."""
     if gate == "log_decay":
         return raw_g * LOG2E
-    H, K = raw_g.shape[-2], raw_g.shape[-1]
-    x = raw_g + dt_bias.reshape(H, K).to(raw_g.dtype)
-    a_scale = torch.exp(A_log.reshape(H, 1).to(raw_g.dtype))
-    if lower_bound is None:
-        a = -a_scale * torch.nn.functional.softplus(x)
-    else:
-        a = lower_bound * torch.sigmoid(a_scale * x)
-    return a * LOG2E
+    return kda_gate(raw_g, A_log, dt_bias, lower_bound) * LOG2E
 
 
 def _l2(x):
