@@ -42,7 +42,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               f"{PACKAGE}.constants", f"{PACKAGE}.launch_config")),
 ]
 
-REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.layers.reference"}
+#: The plain-PyTorch references, and the torch models of the Gluon kernels (their CPU
+#: proof: nothing on a kernel path may import them either).
+REFERENCES = {f"{PACKAGE}.kda.reference", f"{PACKAGE}.engram.reference", f"{PACKAGE}.layers.reference",
+              f"{PACKAGE}.kda.hopper.prologue_model", f"{PACKAGE}.kda.hopper.fused_model"}
 
 # ----------------------------------------------------------------------- the graph
 
