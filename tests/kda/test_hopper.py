@@ -255,13 +255,13 @@ def test_auto_picks_hopper_only_where_the_portable_walk_takes_one_group(monkeypa
     from kda_engram.kda.prefill_paths import BACKENDS
 
     raw, cu = make_raw([10], H=2, K=16, V=16)
-    monkeypatch.setitem(BACKENDS, "hopper", dataclasses.replace(BACKENDS["hopper"], verify=lambda call: (True, None)))
-    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", True)
+    hopper = dataclasses.replace(BACKENDS["hopper"], verify=lambda call: (True, None))
+    monkeypatch.setitem(BACKENDS, "hopper", hopper)
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "hopper"
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (4, 8))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper") == "hopper"
-    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", False)
+    monkeypatch.setitem(BACKENDS, "hopper", dataclasses.replace(hopper, priority=None))  # path= only
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"

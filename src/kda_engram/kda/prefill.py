@@ -8,10 +8,11 @@
    the checkpoints).
 
 That is the portable path. Each path is a registered backend
-(:mod:`kda_engram.kda.prefill_paths`): ``"portable"`` and ``"grouped"`` (its walk cut
-into chunk groups) here, ``"hopper"`` in :mod:`kda_engram.kda.hopper.prefill`; the call
-takes the one ``path=`` names, or with ``"auto"`` the first of :func:`auto_order` whose
-verifier says yes (:func:`prefill_path`).
+(:mod:`kda_engram.kda.prefill_paths`, the only list of them): ``"portable"`` and
+``"grouped"`` (its walk cut into chunk groups) here, ``"hopper"`` in
+:mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
+``"auto"`` the first of the registry's :func:`~kda_engram.kda.prefill_paths.auto_order`
+whose verifier says yes (:func:`prefill_path`).
 
 Everything between and around the launches (chunk metadata, workspaces) is
 computed on the device from static shapes, so with ``check_inputs=False`` a
@@ -32,29 +33,14 @@ from ..validation.kda_inputs import check_input_forms, check_log_decay_values, c
 from ..validation.kda_prefill import check_prologue_arguments, check_state_arguments, check_state_structure
 from .chunk import walk_chunks
 from .groups import resolve_groups
-from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)
+from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend; one such line a backend)
 from .metadata import prepare_chunk_metadata
-from .prefill_paths import BACKENDS, PrefillBackend, PrefillCall, Verdict, refusal, register, verify
+from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, register, serving
 from .prologue import prepare_kda_prologue
 from .state import guarded_state
 
-__all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_host_rules",
-           "prefill_path", "prefill_rules", "prefill_verdict", "run_prefill"]
-
-PREFILL_PATHS = ("auto", "hopper", "portable")
-
-#: Whether ``path="auto"`` takes the Hopper path where it serves the call (on since
-#: its GPU tests, walk check and benchmark passed on an H100: docs/design/kda_fused_prefill.md);
-#: ``path="hopper"`` takes it either way.
-AUTO_PICKS_HOPPER = True
-
-
-def auto_order() -> tuple[str, ...]:
-    """The backends ``path="auto"`` asks, in order; the first whose verifier says yes
-    serves the call. ``"grouped"`` first: where the portable walk cuts the sequences
-    into chunk groups (long sequences on few heads) their parallel walk beats one CTA
-    per sequence and head, Hopper's included; ``"portable"`` last, the fallback."""
-    return ("grouped", "hopper", "portable") if AUTO_PICKS_HOPPER else ("grouped", "portable")
+__all__ = ["chunk_kda_prefill", "prefill_host_rules", "prefill_path", "prefill_rules", "prefill_verdict",
+           "run_prefill"]
 
 
 def portable_verdict(call: PrefillCall) -> Verdict:
@@ -81,45 +67,36 @@ def grouped_verdict(call: PrefillCall) -> Verdict:
     return True, None
 
 
-def _serving(call: PrefillCall, path: str) -> tuple[PrefillBackend | None, str | None]:
-    """``(backend, None)``: the backend that serves ``call`` on ``path`` (for ``"auto"``
-    the first of :func:`auto_order` whose verifier says yes); else ``(None, refusal)``
-    with the refusal of the last backend asked (for ``"auto"``, the fallback's)."""
-    for name in (path,) if path != "auto" else auto_order():
-        ok, reason = verify(name, call)
-        if ok:
-            return BACKENDS[name], None
-    return None, refusal(name, reason)
-
-
 def prefill_verdict(call: PrefillCall, path: str = "auto") -> Verdict:
     """Whether ``chunk_kda_prefill(path=path)`` serves ``call`` and, if not, the one-line
     refusal it raises after ``"path: "`` (:func:`~kda_engram.kda.prefill_paths.refusal`)."""
-    backend, why = _serving(call, path)
+    backend, why = serving(call, path)
     return backend is not None, why
 
 
 def _backend(call: PrefillCall, path: str) -> PrefillBackend:
     """The backend that serves ``call`` on ``path``, or a ``ValueError`` saying why none does."""
-    if path not in PREFILL_PATHS:
-        raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
-    backend, why = _serving(call, path)
+    if path not in path_names():
+        raise ValueError(f"path: expected one of {path_names()}, got {path!r}")
+    backend, why = serving(call, path)
     if backend is None:
         raise ValueError(f"path: {why}")
     return backend
 
 
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
-    """The path :func:`chunk_kda_prefill` takes for this call: ``"hopper"`` or ``"portable"``.
+    """The path :func:`chunk_kda_prefill` takes for this call, one of the registry's
+    :func:`~kda_engram.kda.prefill_paths.path_names` but ``"auto"`` (``"hopper"`` or
+    ``"portable"`` today).
 
-    ``path="portable"`` gives the portable path; ``"hopper"`` the Hopper
-    path; ``"auto"`` the first backend of :func:`auto_order` that serves the call: the
-    Hopper path (while :data:`AUTO_PICKS_HOPPER`) where it serves the call and the
-    portable walk would not cut the sequences into chunk groups (long sequences on few
-    heads, where the groups' parallel walk is faster than one CTA per sequence and
-    head), else the portable one. A path that cannot serve the call is a ``ValueError``
-    saying why (the backends' verifiers, :mod:`kda_engram.kda.prefill_paths`). Host
-    facts only: no device value is read."""
+    ``path=<name>`` gives that backend's path; ``"auto"`` the first backend of the
+    registry's :func:`~kda_engram.kda.prefill_paths.auto_order` that serves the call:
+    the grouped portable walk where it cuts the sequences into chunk groups (long
+    sequences on few heads, where the groups' parallel walk is faster than one CTA per
+    sequence and head), else the Hopper path where it serves the call, else the portable
+    one. A path that cannot serve the call is a ``ValueError`` saying why (the backends'
+    verifiers, :mod:`kda_engram.kda.prefill_paths`). Host facts only: no device value is
+    read."""
     call = PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight)
     return _backend(call, path).path
 
@@ -212,8 +189,8 @@ def chunk_kda_prefill(
 
     ``path`` picks the implementation (:func:`prefill_path`): ``"auto"`` (the
     Hopper path of :mod:`kda_engram.kda.hopper` on sm_90 where it serves the call,
-    else the portable one), ``"hopper"`` or ``"portable"``. Both have this one
-    results contract.
+    else the portable one), ``"hopper"`` or ``"portable"`` (every registered backend:
+    :mod:`kda_engram.kda.prefill_paths`). All have this one results contract.
 
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
@@ -309,6 +286,6 @@ def portable_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indic
 
 
 register(PrefillBackend("portable", path="portable", title="the portable path", verify=portable_verdict,
-                        run=portable_kda_prefill))
+                        run=portable_kda_prefill, priority=10))
 register(PrefillBackend("grouped", path="portable", title="the grouped walk", verify=grouped_verdict,
-                        run=portable_kda_prefill))
+                        run=portable_kda_prefill, priority=30))
