@@ -251,7 +251,7 @@ def test_gpu_hopper_accuracy_32k_no_worse_than_fla(gpu, gate):
 def test_auto_picks_hopper_only_where_the_portable_walk_takes_one_group(monkeypatch):
     import dataclasses
 
-    import kda_engram.kda.prefill as prefill
+    import kda_engram.kda.portable_prefill as prefill  # the "grouped" verifier's resolve_groups
     from kda_engram.kda.prefill_paths import BACKENDS
 
     raw, cu = make_raw([10], H=2, K=16, V=16)

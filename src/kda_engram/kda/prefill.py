@@ -9,8 +9,8 @@
 
 That is the portable path. Each path is a registered backend
 (:mod:`kda_engram.kda.prefill_paths`, the only list of them): ``"portable"`` and
-``"grouped"`` (its walk cut into chunk groups) here, ``"hopper"`` in
-:mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
+``"grouped"`` (its walk cut into chunk groups) in :mod:`kda_engram.kda.portable_prefill`,
+``"hopper"`` in :mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
 ``"auto"`` the first of the registry's :func:`~kda_engram.kda.prefill_paths.auto_order`
 whose verifier says yes (:func:`prefill_path`).
 
@@ -25,46 +25,20 @@ from __future__ import annotations
 import torch
 
 from ..bundles import ConvArgs, KDAInputs, StateArgs
-from ..constants import CHUNK_SIZE, KDA_HEAD_DIMS
-from ..platform import interpreting, is_gpu
+from ..constants import CHUNK_SIZE
 from ..validation.common import FLOAT_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
 from ..validation.kda_prefill import check_prologue_arguments, check_state_arguments, check_state_structure
-from .chunk import walk_chunks
-from .groups import resolve_groups
-from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend; one such line a backend)
+# The backends' modules, one line each: importing one registers its backends.
+from . import portable_prefill as _portable_prefill  # noqa: F401 ("portable", "grouped")
+from .hopper import prefill as _hopper_prefill  # noqa: F401 ("hopper")
 from .metadata import prepare_chunk_metadata
-from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, register, serving
-from .prologue import prepare_kda_prologue
+from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, serving
 from .state import guarded_state
 
 __all__ = ["chunk_kda_prefill", "prefill_host_rules", "prefill_path", "prefill_rules", "prefill_verdict",
            "run_prefill"]
-
-
-def portable_verdict(call: PrefillCall) -> Verdict:
-    """The ``"portable"`` backend's verifier: the device runs the kernels (a CUDA/ROCm
-    GPU, or any device under the interpreter) and the head dims are served."""
-    if not (is_gpu(call.q.device) or interpreting()):
-        return False, f"needs a CUDA/ROCm device (or TRITON_INTERPRET=1), got {call.q.device}"
-    K, V = call.q.shape[3], call.v.shape[3]
-    if K not in KDA_HEAD_DIMS or V not in KDA_HEAD_DIMS:
-        return False, f"needs head dims K, V in {KDA_HEAD_DIMS}, got K={K}, V={V}"
-    return True, None
-
-
-def grouped_verdict(call: PrefillCall) -> Verdict:
-    """The ``"grouped"`` backend's verifier: the portable path serves the call and its
-    walk cuts the sequences into chunk groups (:func:`~kda_engram.kda.groups.resolve_groups`)."""
-    ok, reason = portable_verdict(call)
-    if not ok:
-        return ok, reason
-    H, K, V = call.q.shape[2], call.q.shape[3], call.v.shape[3]
-    n_groups, _ = resolve_groups(call.groups, None, call.tokens, call.num_seqs, H, K, V, call.q.device)
-    if n_groups == 1:
-        return False, "takes one chunk group here (the serial walk)"
-    return True, None
 
 
 def prefill_verdict(call: PrefillCall, path: str = "auto") -> Verdict:
@@ -270,22 +244,3 @@ def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, o
         out = torch.empty(1, T, H, V, dtype=x.v.dtype, device=x.v.device)
     return backend.run(x, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out,
                        state=state, conv=conv, groups=groups)
-
-
-def portable_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices, out, state: StateArgs,
-                         conv: ConvArgs, groups=None):
-    """The prefill on the portable path (the ``"portable"`` and ``"grouped"`` backends):
-    :func:`~kda_engram.kda.prologue.prepare_kda_prologue` then
-    :func:`~kda_engram.kda.chunk.walk_chunks`, which cuts the sequences into chunk
-    groups where ``groups`` (or its heuristic) says so. Returns ``(out, final_state |
-    None)`` as :func:`chunk_kda_prefill` does (no checks here: the caller has validated
-    and guarded every argument)."""
-    ops = prepare_kda_prologue(x, cu_seqlens, conv, chunk_indices)()
-    return walk_chunks(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, x.scale, cu_seqlens,
-                       chunk_offsets, state, groups=groups)
-
-
-register(PrefillBackend("portable", path="portable", title="the portable path", verify=portable_verdict,
-                        run=portable_kda_prefill, priority=10))
-register(PrefillBackend("grouped", path="portable", title="the grouped walk", verify=grouped_verdict,
-                        run=portable_kda_prefill, priority=30))

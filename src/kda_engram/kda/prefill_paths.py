@@ -9,13 +9,13 @@ if not, why in one line; the function that runs the prefill on the path with
 ``priority`` that places it in ``path="auto"``'s order (``None``: only ``path=`` takes
 it). The registered backends:
 
-* ``"grouped"`` (:mod:`kda_engram.kda.prefill`, priority 30): the portable path where
+* ``"grouped"`` (:mod:`kda_engram.kda.portable_prefill`, priority 30): the portable path where
   its walk cuts the sequences into parallel chunk groups (long sequences on few heads,
   where the groups' parallel walk beats one CTA per sequence and head, Hopper's
   included); it runs as ``path="portable"``;
 * ``"hopper"`` (:mod:`kda_engram.kda.hopper.prefill`, priority 20): the folded
   prologue and the Gluon walk on sm_90;
-* ``"portable"`` (:mod:`kda_engram.kda.prefill`, priority 10): the Triton prologue and
+* ``"portable"`` (:mod:`kda_engram.kda.portable_prefill`, priority 10): the Triton prologue and
   walk, on every device the kernels run on; the fallback of ``path="auto"``.
 
 From the registry alone come the ``path=`` values (:func:`path_names`: ``"auto"`` and
