@@ -57,7 +57,7 @@ import torch
 # flash_kda imports: time fla's own kernels (FlashKDA has its own column).
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
-from ...kda.chunk import chunk_config, kda_prefill_walk
+from ...kda.chunk import kda_prefill_walk
 from ...kda.hopper.folded_prologue import prepare_folded_prologue
 from ...kda.groups import chunk_groups
 from ...kda.hopper.walk import folded_walk
@@ -65,6 +65,7 @@ from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
 from ...bundles import KDAInputs
+from ...launch_config import chunk_config
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
