@@ -69,8 +69,7 @@ from ...launch_config import chunk_config
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
-from ...validation.entry import default_check_bound_ms
+from .common import copy_bandwidth_gbs, cuda_graph_ms, default_check_bound_ms, write_json
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0

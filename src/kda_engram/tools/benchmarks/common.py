@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: timing, copy bandwidth and CUDA-graph timing.
+"""What the benchmark scripts share: timing, copy bandwidth, CUDA-graph timing and the
+default checks' budget.
 
 The scripts are modules of the installed package: each runs as ``python -m
 kda_engram.tools.benchmarks.NAME`` (``bench_tp`` under ``torchrun -m`` too), and
@@ -17,6 +18,13 @@ def bench_ms(fn, quick: bool = False, *, return_mode: str = "median") -> float:
 
     return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
                                          return_mode=return_mode))
+
+
+def default_check_bound_ms(nocheck_ms: float) -> float:
+    """The most the default call (``check_inputs=True``) may add to the no-check call
+    (issue 35): max(0.02 ms, 3%), both timed the same way in one process (the benches'
+    ``checked`` columns)."""
+    return max(0.02, 0.03 * nocheck_ms)
 
 
 _COPY_BW: dict = {}
