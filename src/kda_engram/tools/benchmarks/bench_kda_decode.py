@@ -4,7 +4,7 @@
     python -m kda_engram.tools.benchmarks.bench_kda_decode --sweep         # also time every (BLOCK_V, num_warps)
     python -m kda_engram.tools.benchmarks.bench_kda_decode --cases 256x32 --no-peer
     python -m kda_engram.tools.benchmarks.bench_kda_decode --no-layer      # skip the layer-decode rows
-    python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
+    kda-engram bench kda-decode                                            # the same rows through the CLI
 
 Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
 fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``; in-kernel L2 norm,
