@@ -93,6 +93,23 @@ def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
     return max(per[0] - per[1], 0.0)
 
 
+def result_row(case, ours_ms, peer_ms, peer, floor_ms, **extra) -> dict:
+    """One row of a bench's results: ``case``, ``ours_ms``, ``peer_ms`` and ``peer`` (what
+    the peer is), ``ratio = peer_ms / ours_ms`` (above 1: ours is faster),
+    ``hbm_floor_ms`` and ``floor_fraction = hbm_floor_ms / ours_ms`` (``None`` where a
+    time is missing), then ``extra``."""
+    return {
+        "case": case,
+        "ours_ms": ours_ms,
+        "peer_ms": peer_ms,
+        "peer": peer,
+        "ratio": (peer_ms / ours_ms) if (peer_ms and ours_ms) else None,
+        "hbm_floor_ms": floor_ms,
+        "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
+        **extra,
+    }
+
+
 def write_json(rows, path) -> None:
     """The rows as indented JSON at ``path`` (values JSON cannot hold as text), and a line saying so."""
     import json
