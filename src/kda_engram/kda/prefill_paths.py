@@ -115,15 +115,27 @@ def unregister(name: str) -> PrefillBackend:
 def path_names() -> tuple[str, ...]:
     """The values ``path=`` takes: ``"auto"``, then every backend that runs as itself
     (``path == name``), sorted."""
-    return ("auto",) + tuple(sorted(name for name, b in BACKENDS.items() if b.path == name))
+    names = []  # plain loops here and below: these run on every prefill call
+    for name, backend in BACKENDS.items():
+        if backend.path == name:
+            names.append(name)
+    names.sort()
+    return ("auto", *names)
 
 
 def auto_order() -> tuple[str, ...]:
     """The backends ``path="auto"`` asks, highest priority first; the first whose
     verifier says yes serves the call, the last (the lowest priority) is the fallback
     whose refusal ``"auto"`` gives when none does."""
-    ranked = sorted((b for b in BACKENDS.values() if b.priority is not None), key=lambda b: -b.priority)
-    return tuple(b.name for b in ranked)
+    ranked = []
+    for backend in BACKENDS.values():
+        if backend.priority is not None:
+            ranked.append((-backend.priority, backend.name))
+    ranked.sort()
+    order = []
+    for _, name in ranked:
+        order.append(name)
+    return tuple(order)
 
 
 def verify(name: str, call: PrefillCall) -> Verdict:
