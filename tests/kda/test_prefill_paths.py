@@ -113,7 +113,7 @@ def test_two_backends_in_autos_order_may_not_share_a_priority():
     assert register(BACKENDS["hopper"]) is BACKENDS["hopper"]
 
 
-def test_the_runner_sees_the_registry_call_facts():
+def test_a_verifier_reads_the_calls_host_facts():
     """The verifier reads the call's host facts (``PrefillCall``) as ``chunk_kda_prefill`` passes them."""
     raw, cu = make_raw([10, 6], H=2, K=16, V=16)
     seen = []
