@@ -9,8 +9,9 @@
 
 That is the portable path. Each path is a registered backend
 (:mod:`kda_engram.kda.prefill_paths`, the only list of them): ``"portable"`` and
-``"grouped"`` (its walk cut into chunk groups) in :mod:`kda_engram.kda.portable_prefill`,
-``"hopper"`` in :mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
+``"grouped"`` (its walk cut into chunk groups) in
+:mod:`kda_engram.kda.portable_prefill`, ``"hopper"`` in
+:mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
 ``"auto"`` the first of the registry's :func:`~kda_engram.kda.prefill_paths.auto_order`
 whose verifier says yes (:func:`prefill_path`).
 
