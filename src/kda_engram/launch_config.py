@@ -40,6 +40,7 @@ __all__ = [
     "GateGeometry",
     "PrologueWarps",
     "arch_facts",
+    "chunk_config",
     "chunk_launch",
     "decode_tiling_for",
     "fused_decode_tiling_for",
@@ -250,7 +251,7 @@ def walk_programs_per_cu(arch: str, bv: int) -> int:
 
 def walk_tile(programs_per_bv, head_v: int, arch: str, compute_units: int) -> dict:
     """``{"BV", "num_warps", "num_stages"}`` of a walk over ``head_v`` rows where a
-    ``BV``-wide tile gives ``programs_per_bv(BV)`` programs (see ``chunk_config``'s
+    ``BV``-wide tile gives ``programs_per_bv(BV)`` programs (see :func:`chunk_config`'s
     docstring for the model: fewest waves of resident programs, then the narrowest).
 
     * Resident programs per unit: :func:`walk_programs_per_cu` (two per Hopper SM;
@@ -280,6 +281,36 @@ def walk_tile(programs_per_bv, head_v: int, arch: str, compute_units: int) -> di
     programs = programs_per_bv(bv)
     stages = 2 if not amd and (programs <= compute_units or bv == 32) else 1
     return {"BV": bv, "num_warps": 4, "num_stages": stages}
+
+
+def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.device | str | None = None) -> dict:
+    """Launch configuration of the chunk walk (:func:`kda_engram.kda.chunk.kda_prefill_walk`,
+    one chunk group) of ``num_seqs`` sequences of ``num_heads`` heads on ``device``: the
+    V-tile width ``BV``, ``num_warps``, ``num_stages``, as ``{"BV", "num_warps",
+    "num_stages"}`` (what a ``config=`` of the walk overrides; the benchmarks print it).
+
+    The grid is ``(V / BV) x H x N`` programs and each walks its sequence's
+    chunks serially, so a program's run time is set by the chunk count times the
+    latency of one chunk step, and the launch takes ``waves`` such runs, with
+    ``waves = ceil(programs / resident programs)``. One stage of operands
+    (qg, w, kg_t: 16 KiB each, aqk, u) is about 60 KiB of shared memory, so two
+    programs fit a Hopper SM single-staged; the width is the one with the fewest
+    waves, and among those the narrowest (a narrower tile is a shorter step).
+    Wide tiles (BV = 64) also halve the re-reads of ``w``/``qg``/``kg_t``/``aqk``
+    (one per V-tile, mostly from L2), which is what the many-wave batched cases
+    need; narrow ones fill the machine when ``N x H`` is small (1 x 8k x 32 heads
+    on 132 SMs). Software pipelining (``num_stages = 2``) doubles the staging, so
+    it is taken only where one program per unit is all the grid has anyway. On
+    AMD CDNA the walk is single-staged and the programs a CU holds are set by its
+    compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
+    per-architecture rule is :func:`walk_tile`.
+
+    BV = 16 is never picked, and BV = 32 only where its grid fits one program per
+    SM (double-staged): Triton 3.6 miscompiles both otherwise on NVIDIA (the
+    record: docs/design/kda_prefill.md, "The chunk walk's launch").
+    """
+    nh = max(num_seqs * num_heads, 1)
+    return walk_tile(lambda bv: nh * (head_v // bv), head_v, platform.arch(device), platform.num_compute_units(device))
 
 
 def scan_precision_for(ieee_operands: bool, arch: str) -> str:

@@ -251,17 +251,17 @@ def test_gpu_hopper_accuracy_32k_no_worse_than_fla(gpu, gate):
 def test_auto_picks_hopper_only_where_the_portable_walk_takes_one_group(monkeypatch):
     import dataclasses
 
-    import kda_engram.kda.prefill as prefill
+    import kda_engram.kda.portable_prefill as prefill  # the "grouped" verifier's resolve_groups
     from kda_engram.kda.prefill_paths import BACKENDS
 
     raw, cu = make_raw([10], H=2, K=16, V=16)
-    monkeypatch.setitem(BACKENDS, "hopper", dataclasses.replace(BACKENDS["hopper"], verify=lambda call: (True, None)))
-    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", True)
+    hopper = dataclasses.replace(BACKENDS["hopper"], verify=lambda call: (True, None))
+    monkeypatch.setitem(BACKENDS, "hopper", hopper)
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "hopper"
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (4, 8))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper") == "hopper"
-    monkeypatch.setattr(prefill, "AUTO_PICKS_HOPPER", False)
+    monkeypatch.setitem(BACKENDS, "hopper", dataclasses.replace(hopper, priority=None))  # path= only
     monkeypatch.setattr(prefill, "resolve_groups", lambda *a: (1, 1))
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"

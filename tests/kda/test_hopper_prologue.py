@@ -11,7 +11,7 @@ sm_90a compile (registers, spills, shared memory) is ``tests/test_compile_sm90.p
 GPU (sm_90): the kernel itself at 16x2k_H32 and on a ragged batch with an empty and
 a 1-token sequence, chunk by chunk against the Triton folded prologue, fp64 and the
 model; then the Gluon walk on its operands against the Hopper path's output and
-final state. ``python3 -m kda_engram.kda.hopper.prologue --bench`` times it.
+final state. ``python3 -m kda_engram.tools.benchmarks.bench_gluon_prologue`` times it.
 """
 
 import math
@@ -258,8 +258,8 @@ def test_gpu_walk_on_gluon_prologue_matches_hopper_path(gpu, shape):
 @pytest.mark.gpu_mem(8)
 def test_gpu_gluon_prologue_bench(gpu, capsys):
     """Prints the Gluon vs the Triton folded prologue at 16x2k_H32 (run with ``-s``)."""
-    from kda_engram.kda.hopper.prologue import bench
+    from kda_engram.tools.benchmarks.bench_gluon_prologue import run
 
     sm90_or_skip(gpu, "the Gluon prologue")
     with capsys.disabled():
-        bench()
+        run()

@@ -37,7 +37,7 @@ import torch
 
 from ..bundles import StateArgs
 from ..constants import CHUNK_SIZE, KDA_CHECKPOINT_ALIGNMENT, MAX_GRID_DIM
-from ..launch_config import ChunkConfig, chunk_launch, walk_tile
+from ..launch_config import ChunkConfig, chunk_config, chunk_launch  # noqa: F401 (chunk_config: public here too)
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.common import INDEX_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
@@ -62,33 +62,6 @@ __all__ = [
     "walk_rules",
 ]
 
-
-
-def chunk_config(num_seqs: int, num_heads: int, head_v: int, device: torch.device | str | None = None) -> dict:
-    """Launch configuration of the walk: V-tile width ``BV``, ``num_warps``, ``num_stages``.
-
-    The grid is ``(V / BV) x H x N`` programs and each walks its sequence's
-    chunks serially, so a program's run time is set by the chunk count times the
-    latency of one chunk step, and the launch takes ``waves`` such runs, with
-    ``waves = ceil(programs / resident programs)``. One stage of operands
-    (qg, w, kg_t: 16 KiB each, aqk, u) is about 60 KiB of shared memory, so two
-    programs fit a Hopper SM single-staged; the width is the one with the fewest
-    waves, and among those the narrowest (a narrower tile is a shorter step).
-    Wide tiles (BV = 64) also halve the re-reads of ``w``/``qg``/``kg_t``/``aqk``
-    (one per V-tile, mostly from L2), which is what the many-wave batched cases
-    need; narrow ones fill the machine when ``N x H`` is small (1 x 8k x 32 heads
-    on 132 SMs). Software pipelining (``num_stages = 2``) doubles the staging, so
-    it is taken only where one program per unit is all the grid has anyway. On
-    AMD CDNA the walk is single-staged and the programs a CU holds are set by its
-    compiled registers (one on gfx942, two BV = 32 walks on gfx950). The
-    per-architecture rule is :func:`kda_engram.launch_config.walk_tile`.
-
-    BV = 16 is never picked, and BV = 32 only where its grid fits one program per
-    SM (double-staged): Triton 3.6 miscompiles both otherwise on NVIDIA (the
-    record: docs/design/kda_prefill.md, "The chunk walk's launch").
-    """
-    nh = max(num_seqs * num_heads, 1)
-    return walk_tile(lambda bv: nh * (head_v // bv), head_v, arch(device), num_compute_units(device))
 
 
 def kda_prefill_walk(
@@ -166,7 +139,7 @@ def kda_prefill_walk(
     ``False`` the call launches one
     kernel (plus the ``chunk_offsets`` computation when not given) with no host
     synchronisation, so it can be captured in a CUDA graph. ``config`` overrides
-    :func:`chunk_config` (a dict or a :class:`~kda_engram.launch_config.ChunkConfig`
+    :func:`~kda_engram.launch_config.chunk_config` (a dict or a :class:`~kda_engram.launch_config.ChunkConfig`
     of the keys ``BV``, ``num_warps``, ``num_stages``, for tuning; an unknown key
     is a ``ValueError``;
     the grouped walk also reads ``BV_pass1``, ``num_warps_pass1``,

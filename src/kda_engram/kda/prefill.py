@@ -8,10 +8,12 @@
    the checkpoints).
 
 That is the portable path. Each path is a registered backend
-(:mod:`kda_engram.kda.prefill_paths`): ``"portable"`` and ``"grouped"`` (its walk cut
-into chunk groups) here, ``"hopper"`` in :mod:`kda_engram.kda.hopper.prefill`; the call
-takes the one ``path=`` names, or with ``"auto"`` the first of :func:`auto_order` whose
-verifier says yes (:func:`prefill_path`).
+(:mod:`kda_engram.kda.prefill_paths`, the only list of them): ``"portable"`` and
+``"grouped"`` (its walk cut into chunk groups) in
+:mod:`kda_engram.kda.portable_prefill`, ``"hopper"`` in
+:mod:`kda_engram.kda.hopper.prefill`; the call takes the one ``path=`` names, or with
+``"auto"`` the first of the registry's :func:`~kda_engram.kda.prefill_paths.auto_order`
+whose verifier says yes (:func:`prefill_path`).
 
 Everything between and around the launches (chunk metadata, workspaces) is
 computed on the device from static shapes, so with ``check_inputs=False`` a
@@ -24,102 +26,52 @@ from __future__ import annotations
 import torch
 
 from ..bundles import ConvArgs, KDAInputs, StateArgs
-from ..constants import CHUNK_SIZE, KDA_HEAD_DIMS
-from ..platform import interpreting, is_gpu
+from ..constants import CHUNK_SIZE
 from ..validation.common import FLOAT_DTYPES, check_tensor
 from ..validation.entry import EntryChecks
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
 from ..validation.kda_prefill import check_prologue_arguments, check_state_arguments, check_state_structure
-from .chunk import walk_chunks
-from .groups import resolve_groups
-from .hopper import prefill as _hopper_prefill  # noqa: F401 (registers the "hopper" backend)
+# The backends' modules, one line each: importing one registers its backends.
+from . import portable_prefill as _portable_prefill  # noqa: F401 ("portable", "grouped")
+from .hopper import prefill as _hopper_prefill  # noqa: F401 ("hopper")
 from .metadata import prepare_chunk_metadata
-from .prefill_paths import BACKENDS, PrefillBackend, PrefillCall, Verdict, refusal, register, verify
-from .prologue import prepare_kda_prologue
+from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, serving
 from .state import guarded_state
 
-__all__ = ["AUTO_PICKS_HOPPER", "PREFILL_PATHS", "auto_order", "chunk_kda_prefill", "prefill_host_rules",
-           "prefill_path", "prefill_rules", "prefill_verdict", "run_prefill"]
-
-PREFILL_PATHS = ("auto", "hopper", "portable")
-
-#: Whether ``path="auto"`` takes the Hopper path where it serves the call (on since
-#: its GPU tests, walk check and benchmark passed on an H100: docs/design/kda_fused_prefill.md);
-#: ``path="hopper"`` takes it either way.
-AUTO_PICKS_HOPPER = True
-
-
-def auto_order() -> tuple[str, ...]:
-    """The backends ``path="auto"`` asks, in order; the first whose verifier says yes
-    serves the call. ``"grouped"`` first: where the portable walk cuts the sequences
-    into chunk groups (long sequences on few heads) their parallel walk beats one CTA
-    per sequence and head, Hopper's included; ``"portable"`` last, the fallback."""
-    return ("grouped", "hopper", "portable") if AUTO_PICKS_HOPPER else ("grouped", "portable")
-
-
-def portable_verdict(call: PrefillCall) -> Verdict:
-    """The ``"portable"`` backend's verifier: the device runs the kernels (a CUDA/ROCm
-    GPU, or any device under the interpreter) and the head dims are served."""
-    if not (is_gpu(call.q.device) or interpreting()):
-        return False, f"needs a CUDA/ROCm device (or TRITON_INTERPRET=1), got {call.q.device}"
-    K, V = call.q.shape[3], call.v.shape[3]
-    if K not in KDA_HEAD_DIMS or V not in KDA_HEAD_DIMS:
-        return False, f"needs head dims K, V in {KDA_HEAD_DIMS}, got K={K}, V={V}"
-    return True, None
-
-
-def grouped_verdict(call: PrefillCall) -> Verdict:
-    """The ``"grouped"`` backend's verifier: the portable path serves the call and its
-    walk cuts the sequences into chunk groups (:func:`~kda_engram.kda.groups.resolve_groups`)."""
-    ok, reason = portable_verdict(call)
-    if not ok:
-        return ok, reason
-    H, K, V = call.q.shape[2], call.q.shape[3], call.v.shape[3]
-    n_groups, _ = resolve_groups(call.groups, None, call.tokens, call.num_seqs, H, K, V, call.q.device)
-    if n_groups == 1:
-        return False, "takes one chunk group here (the serial walk)"
-    return True, None
-
-
-def _serving(call: PrefillCall, path: str) -> tuple[PrefillBackend | None, str | None]:
-    """``(backend, None)``: the backend that serves ``call`` on ``path`` (for ``"auto"``
-    the first of :func:`auto_order` whose verifier says yes); else ``(None, refusal)``
-    with the refusal of the last backend asked (for ``"auto"``, the fallback's)."""
-    for name in (path,) if path != "auto" else auto_order():
-        ok, reason = verify(name, call)
-        if ok:
-            return BACKENDS[name], None
-    return None, refusal(name, reason)
+__all__ = ["chunk_kda_prefill", "prefill_host_rules", "prefill_path", "prefill_rules", "prefill_verdict",
+           "run_prefill"]
 
 
 def prefill_verdict(call: PrefillCall, path: str = "auto") -> Verdict:
     """Whether ``chunk_kda_prefill(path=path)`` serves ``call`` and, if not, the one-line
     refusal it raises after ``"path: "`` (:func:`~kda_engram.kda.prefill_paths.refusal`)."""
-    backend, why = _serving(call, path)
+    backend, why = serving(call, path)
     return backend is not None, why
 
 
 def _backend(call: PrefillCall, path: str) -> PrefillBackend:
     """The backend that serves ``call`` on ``path``, or a ``ValueError`` saying why none does."""
-    if path not in PREFILL_PATHS:
-        raise ValueError(f"path: expected one of {PREFILL_PATHS}, got {path!r}")
-    backend, why = _serving(call, path)
+    if path not in path_names():
+        raise ValueError(f"path: expected one of {path_names()}, got {path!r}")
+    backend, why = serving(call, path)
     if backend is None:
         raise ValueError(f"path: {why}")
     return backend
 
 
 def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
-    """The path :func:`chunk_kda_prefill` takes for this call: ``"hopper"`` or ``"portable"``.
+    """The path :func:`chunk_kda_prefill` takes for this call, one of the registry's
+    :func:`~kda_engram.kda.prefill_paths.path_names` but ``"auto"`` (``"hopper"`` or
+    ``"portable"`` today).
 
-    ``path="portable"`` gives the portable path; ``"hopper"`` the Hopper
-    path; ``"auto"`` the first backend of :func:`auto_order` that serves the call: the
-    Hopper path (while :data:`AUTO_PICKS_HOPPER`) where it serves the call and the
-    portable walk would not cut the sequences into chunk groups (long sequences on few
-    heads, where the groups' parallel walk is faster than one CTA per sequence and
-    head), else the portable one. A path that cannot serve the call is a ``ValueError``
-    saying why (the backends' verifiers, :mod:`kda_engram.kda.prefill_paths`). Host
-    facts only: no device value is read."""
+    ``path=<name>`` gives that backend's path; ``"auto"`` the first backend of the
+    registry's :func:`~kda_engram.kda.prefill_paths.auto_order` that serves the call:
+    the grouped portable walk where it cuts the sequences into chunk groups (long
+    sequences on few heads, where the groups' parallel walk is faster than one CTA per
+    sequence and head), else the Hopper path where it serves the call, else the portable
+    one. A path that cannot serve the call is a ``ValueError`` saying why (the backends'
+    verifiers, :mod:`kda_engram.kda.prefill_paths`). Host facts only: no device value is
+    read."""
     call = PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight)
     return _backend(call, path).path
 
@@ -212,8 +164,8 @@ def chunk_kda_prefill(
 
     ``path`` picks the implementation (:func:`prefill_path`): ``"auto"`` (the
     Hopper path of :mod:`kda_engram.kda.hopper` on sm_90 where it serves the call,
-    else the portable one), ``"hopper"`` or ``"portable"``. Both have this one
-    results contract.
+    else the portable one), ``"hopper"`` or ``"portable"`` (every registered backend:
+    :mod:`kda_engram.kda.prefill_paths`). All have this one results contract.
 
     ``check_inputs=True`` validates every argument; the rules on device values
     (``cu_seqlens``, indices, offsets) are vectorised and read back to the host in
@@ -293,22 +245,3 @@ def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, o
         out = torch.empty(1, T, H, V, dtype=x.v.dtype, device=x.v.device)
     return backend.run(x, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out,
                        state=state, conv=conv, groups=groups)
-
-
-def portable_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices, out, state: StateArgs,
-                         conv: ConvArgs, groups=None):
-    """The prefill on the portable path (the ``"portable"`` and ``"grouped"`` backends):
-    :func:`~kda_engram.kda.prologue.prepare_kda_prologue` then
-    :func:`~kda_engram.kda.chunk.walk_chunks`, which cuts the sequences into chunk
-    groups where ``groups`` (or its heuristic) says so. Returns ``(out, final_state |
-    None)`` as :func:`chunk_kda_prefill` does (no checks here: the caller has validated
-    and guarded every argument)."""
-    ops = prepare_kda_prologue(x, cu_seqlens, conv, chunk_indices)()
-    return walk_chunks(ops["qg"], ops["w"], ops["u"], ops["kg_t"], ops["aqk"], ops["decay"], out, x.scale, cu_seqlens,
-                       chunk_offsets, state, groups=groups)
-
-
-register(PrefillBackend("portable", path="portable", title="the portable path", verify=portable_verdict,
-                        run=portable_kda_prefill))
-register(PrefillBackend("grouped", path="portable", title="the grouped walk", verify=grouped_verdict,
-                        run=portable_kda_prefill))

@@ -5,12 +5,19 @@
   back in one transfer;
 * :mod:`.entry`: :class:`~.entry.EntryChecks`, the helper every entry point runs
   its checks with, and the deferred verdicts (:func:`~.entry.raise_pending_errors`);
-* :mod:`.kda`: the KDA rules (raw projections, ``cu_seqlens``, state, checkpoints,
-  conv, decode indices, scale, lower_bound);
-* :mod:`.engram`: the Engram rules (gate tensors and scalars, table, hashing).
+* the KDA rules by what they check: :mod:`.kda_inputs` (the raw projections and
+  their forms, ``scale``, ``lower_bound``, ``cu_seqlens``), :mod:`.kda_prefill` (the
+  prologue's arguments, the walk's operands, the state and checkpoints),
+  :mod:`.kda_decode` (the decode entry points), :mod:`.kda_conv` (the short
+  convolution) and :mod:`.kda_batch` (a layer step);
+* :mod:`.engram`: the Engram rules (gate tensors and scalars, table, hashing);
+* :mod:`.index_rules`: the rules on device values (indices, ``cu_seqlens``, offsets),
+  one launch each, queued on the call's :class:`~.common.DeviceChecks`; their
+  ``@triton.jit`` kernels are :mod:`.index_rules_kernels`.
 
-Bottom layer: imports only torch, :mod:`kda_engram.platform` and
-:mod:`kda_engram.constants`.
+Bottom layer: imports only torch, Triton, :mod:`kda_engram.platform`,
+:mod:`kda_engram.constants`, :mod:`kda_engram.bundles` and
+:mod:`kda_engram.launch_config`.
 """
 
 from .common import (

@@ -43,18 +43,11 @@ import torch
 
 from .common import DeviceChecks, broken_rule_message, side_slot, can_read_back
 
-__all__ = ["EntryChecks", "raise_pending_errors", "settle_pending", "check_mode", "default_check_bound_ms"]
+__all__ = ["EntryChecks", "raise_pending_errors", "settle_pending", "check_mode"]
 
 _TLS = threading.local()
 _LIVE: set = set()  # every thread's pending verdicts, for the report at exit
 _LIVE_LOCK = threading.Lock()
-
-
-def default_check_bound_ms(nocheck_ms: float) -> float:
-    """The most the default call may add to the no-check call (issue 35):
-    max(0.02 ms, 3%), both timed the same way in one process (the benches'
-    ``checked`` columns)."""
-    return max(0.02, 0.03 * nocheck_ms)
 
 
 def check_mode(check_inputs) -> str | None:

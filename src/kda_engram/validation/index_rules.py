@@ -7,14 +7,25 @@ call's index tensors.
 As separate PyTorch ops (max, sort, compare, any, stack, where, ...) these rules
 cost ~15 launches of host time per call, enough to make a default decode call
 (0.29 ms of GPU time at B = 256, H = 32) host-bound on the H200; here each is one
-Triton program writing a small int64 verdict for the one read-back.
+Triton program writing a small int64 verdict for the one read-back. This module
+launches them and reads their verdicts; the kernels are
+:mod:`kda_engram.validation.index_rules_kernels`.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
+
+from .index_rules_kernels import (
+    _cu_seqlens_rules_kernel,
+    _decode_multi_rules_kernel,
+    _guard_kernel,
+    _index_rules_kernel,
+    _index_sets_kernel,
+    _kda_batch_rules_kernel,
+    _state_rules_kernel,
+)
 
 __all__ = ["MAX_ONE_PROGRAM_INDICES", "cu_seqlens_messages", "cu_seqlens_rules", "index_rule_messages", "index_rules",
            "fits_kda_batch_rules", "kda_batch_rules"]
@@ -33,59 +44,6 @@ def index_rule_messages(name: str, upper: int) -> tuple[str, str, str]:
 # One program sorts up to this many indices in registers (16 per thread at 8
 # warps); larger index sets use the PyTorch rules.
 MAX_ONE_PROGRAM_INDICES = 4096
-
-
-@triton.jit
-def _has_duplicate(x, valid, upper, N: tl.constexpr):
-    """Whether two entries of ``x`` (int64 ``[N]``, ``valid`` marks the real ones)
-    are equal and non-negative: sort, then compare each entry with the next
-    (``O(N log^2 N)``; the pairwise compare it replaced cost ``O(N^2)`` on one SM).
-    Entries are clamped to ``[-1, min(upper, 2^31 - 1)]`` first, so the int32 sort
-    neither wraps nor calls padding or negative "no row" entries duplicates; an
-    entry at or past ``upper`` breaks the range rule anyway."""
-    key = tl.where(valid & (x >= 0), tl.minimum(tl.minimum(x, upper), 2**31 - 1), -1).to(tl.int32)
-    s = tl.sort(key)
-    o = tl.arange(0, N)
-    after = tl.gather(s, tl.minimum(o + 1, N - 1), 0)
-    return tl.max(((s == after) & (o + 1 < N) & (s >= 0)).to(tl.int32), axis=0) > 0
-
-
-@triton.jit
-def _range_and_duplicates(rows, m, upper, N: tl.constexpr):
-    """The range and distinctness rules on register rows (negative = none; ``m``
-    marks the real ones): ``(max >= upper, duplicate non-negative rows, max)`` as
-    int64 scalars."""
-    top = tl.max(tl.where(m, rows, -(2**62)), axis=0)
-    return (top >= upper).to(tl.int64), _has_duplicate(rows, m, upper, N).to(tl.int64), top
-
-
-@triton.jit
-def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
-                        N: tl.constexpr, ALLOW_NEGATIVE: tl.constexpr, DISTINCT: tl.constexpr):
-    """One program; ``N`` (a power of two >= ``n``, so few compiled variants)
-    entries in registers. ``verdict = [max >= upper, min < 0 (when negatives are
-    not allowed), duplicate non-negative entries, max, min]``; ``guarded[i] =
-    idx[i]``, or -1 for every i when any rule is broken."""
-    o = tl.arange(0, N)
-    m = o < n
-    raw = tl.load(idx_ptr + o * stride, mask=m, other=0)
-    x = raw.to(tl.int64)
-    top = tl.max(tl.where(m, x, -(2**62)), axis=0)
-    low = tl.min(tl.where(m, x, 2**62), axis=0)
-    bad_range = top >= upper
-    bad_negative = low < 0
-    if ALLOW_NEGATIVE:
-        bad_negative = low < -(2**62)  # never
-    bad_dup = low < -(2**62)  # never, unless DISTINCT finds one
-    if DISTINCT:
-        bad_dup = _has_duplicate(x, m, upper, N)
-    bad = bad_range | bad_negative | bad_dup
-    tl.store(guarded_ptr + o, tl.where(bad, -1, raw), mask=m)
-    tl.store(verdict_ptr + 0, bad_range.to(tl.int64))
-    tl.store(verdict_ptr + 1, bad_negative.to(tl.int64))
-    tl.store(verdict_ptr + 2, bad_dup.to(tl.int64))
-    tl.store(verdict_ptr + 3, top)
-    tl.store(verdict_ptr + 4, low)
 
 
 def _width(n: int) -> int:
@@ -124,33 +82,6 @@ def index_rules(checks, name: str, idx: torch.Tensor, upper: int, *, allow_negat
     return guarded
 
 
-@triton.jit
-def _cu_seqlens_rules_kernel(cu_ptr, num_seqs, stride, total, verdict_ptr,
-                             BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, COVERS_ALL: tl.constexpr):
-    """One program. ``verdict = [cu[0] != 0, some length < 0, cu[N] != total
-    (COVERS_ALL) or > total, cu[0], the smallest length, cu[N]]``."""
-    offs = tl.arange(0, BLOCK)
-    low = tl.full([BLOCK], 2**62, tl.int64)
-    for blk in range(NUM_BLOCKS):
-        i = blk * BLOCK + offs
-        m = i < num_seqs
-        a = tl.load(cu_ptr + i * stride, mask=m, other=0).to(tl.int64)
-        b = tl.load(cu_ptr + (i + 1) * stride, mask=m, other=0).to(tl.int64)
-        low = tl.minimum(low, tl.where(m, b - a, 2**62))
-    shortest = tl.min(low, axis=0)
-    first = tl.load(cu_ptr).to(tl.int64)
-    last = tl.load(cu_ptr + num_seqs * stride).to(tl.int64)
-    tl.store(verdict_ptr + 0, (first != 0).to(tl.int64))
-    tl.store(verdict_ptr + 1, (shortest < 0).to(tl.int64))
-    if COVERS_ALL:
-        tl.store(verdict_ptr + 2, (last != total).to(tl.int64))
-    else:
-        tl.store(verdict_ptr + 2, (last > total).to(tl.int64))
-    tl.store(verdict_ptr + 3, first)
-    tl.store(verdict_ptr + 4, shortest)
-    tl.store(verdict_ptr + 5, last)
-
-
 def cu_seqlens_rules(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all: bool, name: str = "cu_seqlens",
                      tokens: str = "the tokens of the inputs"):
     """``(verdict, rules)`` for :meth:`~kda_engram.validation.common.DeviceChecks.add_packed`:
@@ -185,49 +116,6 @@ def cu_seqlens_messages(name: str, total_tokens: int, *, covers_all: bool,
 #: ``index_set_rules``: sets per launch, segments per set.
 MAX_SETS = 3
 MAX_SEGMENTS = 3
-_NOT_SPECIALISED = [f"{s}{k}" for s in "abc" for k in ("n0", "n1", "n2", "n", "upper")]
-
-
-@triton.jit
-def _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, i, other):
-    """Entries ``i`` of the concatenation of three segments, as int64; ``other``
-    past its end."""
-    in0 = i < n0
-    in1 = (i >= n0) & (i < n0 + n1)
-    in2 = (i >= n0 + n1) & (i < n0 + n1 + n2)
-    x0 = tl.load(p0 + i * s0, mask=in0, other=0).to(tl.int64)
-    x1 = tl.load(p1 + (i - n0) * s1, mask=in1, other=0).to(tl.int64)
-    x2 = tl.load(p2 + (i - n0 - n1) * s2, mask=in2, other=0).to(tl.int64)
-    return tl.where(in0, x0, tl.where(in1, x1, tl.where(in2, x2, other)))
-
-
-@triton.jit
-def _set_verdict(verdict_ptr, k, num_sets, p0, n0, s0, p1, n1, s1, p2, n2, s2, n, upper, N: tl.constexpr):
-    """Set ``k`` of ``n = n0 + n1 + n2 <= N`` entries: ``verdict[2k] = max >=
-    upper``, ``verdict[2k + 1]`` = duplicate non-negative entries, ``verdict[2
-    num_sets + k] = max``."""
-    o = tl.arange(0, N)
-    x = _segment_values(p0, n0, s0, p1, n1, s1, p2, n2, s2, o, -(2**62))
-    out_of_range, duplicate, top = _range_and_duplicates(x, o < n, upper, N)
-    tl.store(verdict_ptr + 2 * k, out_of_range)
-    tl.store(verdict_ptr + 2 * k + 1, duplicate)
-    tl.store(verdict_ptr + 2 * num_sets + k, top)
-
-
-@triton.jit(do_not_specialize=_NOT_SPECIALISED)
-def _index_sets_kernel(verdict_ptr,
-                       a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper,
-                       b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper,
-                       c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper,
-                       NUM_SETS: tl.constexpr, N: tl.constexpr):
-    """One program: the range and distinctness rules of up to three index sets,
-    each the concatenation of up to three segments (rows one call writes into one
-    cache). ``verdict = [range_0, dup_0, ..., max_0, ...]``."""
-    _set_verdict(verdict_ptr, 0, NUM_SETS, a0, an0, as0, a1, an1, as1, a2, an2, as2, an, aupper, N)
-    if NUM_SETS > 1:
-        _set_verdict(verdict_ptr, 1, NUM_SETS, b0, bn0, bs0, b1, bn1, bs1, b2, bn2, bs2, bn, bupper, N)
-    if NUM_SETS > 2:
-        _set_verdict(verdict_ptr, 2, NUM_SETS, c0, cn0, cs0, c1, cn1, cs1, c2, cn2, cs2, cn, cupper, N)
 
 
 def fits_index_set_rules(sets) -> bool:
@@ -271,42 +159,6 @@ def index_set_rules(checks, sets) -> None:
 MAX_GUARDED = 8
 
 
-@triton.jit
-def _guard_copy(x_ptr, y_ptr, n, stride, none, bad, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    for blk in range(NUM_BLOCKS):
-        start = blk * BLOCK
-        m = start + offs < n
-        x = tl.load(x_ptr + (start + offs) * stride, mask=m, other=0)
-        tl.store(y_ptr + start + offs, tl.where(bad, none, x), mask=m)
-
-
-@triton.jit(do_not_specialize=["n_flags", "n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"])
-def _guard_kernel(flags_ptr, n_flags,
-                  x0, y0, n0, s0, e0, x1, y1, n1, s1, e1, x2, y2, n2, s2, e2, x3, y3, n3, s3, e3,
-                  x4, y4, n4, s4, e4, x5, y5, n5, s5, e5, x6, y6, n6, s6, e6, x7, y7, n7, s7, e7,
-                  COUNT: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr, FLAG_BLOCK: tl.constexpr):
-    """One program: ``bad`` = any of the ``n_flags`` verdict flags; ``y_k = x_k``,
-    or every entry ``e_k`` when ``bad``, for the ``COUNT`` tensors."""
-    fo = tl.arange(0, FLAG_BLOCK)
-    bad = tl.max((tl.load(flags_ptr + fo, mask=fo < n_flags, other=0) != 0).to(tl.int32), axis=0) > 0
-    _guard_copy(x0, y0, n0, s0, e0, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 1:
-        _guard_copy(x1, y1, n1, s1, e1, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 2:
-        _guard_copy(x2, y2, n2, s2, e2, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 3:
-        _guard_copy(x3, y3, n3, s3, e3, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 4:
-        _guard_copy(x4, y4, n4, s4, e4, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 5:
-        _guard_copy(x5, y5, n5, s5, e5, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 6:
-        _guard_copy(x6, y6, n6, s6, e6, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 7:
-        _guard_copy(x7, y7, n7, s7, e7, bad, BLOCK, NUM_BLOCKS)
-
-
 def guard_tensors(flags: torch.Tensor, pairs, n_flags: int | None = None) -> list:
     """``[x if no flag is set else x filled with none for (x, none) in pairs]``, new
     1-d tensors of each ``x``'s dtype, in one launch; ``flags`` is a contiguous 1-d
@@ -333,107 +185,6 @@ def guard_tensors(flags: torch.Tensor, pairs, n_flags: int | None = None) -> lis
 MAX_STATE_RULE_SEQS = 2048
 #: Bits of a sort key below the row: the owner (sequence) and the kind bit.
 _OWNER_BITS = 21
-
-
-@triton.jit
-def _first_index(bad, o, N: tl.constexpr):
-    """The smallest position where ``bad`` holds (``N`` when none)."""
-    return tl.min(tl.where(bad, o, N), axis=0)
-
-
-@triton.jit
-def _pick(x, at, o):
-    """``x[at]`` of a register vector, as an int64 scalar (0 when ``at`` is past it)."""
-    return tl.sum(tl.where(o == at, x, 0).to(tl.int64), axis=0)
-
-
-@triton.jit
-def _foreign_claim(w_rows, w_owner, w_ok, r_rows, r_owner, r_ok, OWNER_BITS: tl.constexpr, N: tl.constexpr):
-    """Whether a row of ``r_rows`` (with owner ``r_owner``) is also a row of
-    ``w_rows`` of another owner; ``*_ok`` mark the entries that count. Sorts the
-    (row, kind, owner) keys of both sets, so a row held by both lands side by side
-    (``w`` first); the caller's distinctness rules make each row appear at most once
-    per set (when they are broken the verdict is broken anyway). Returns int64
-    ``(found, the smallest such r owner, its row, the w owner)``. O(N log^2 N)."""
-    mask = (1 << OWNER_BITS) - 1
-    key_w = tl.where(w_ok, (w_rows << (OWNER_BITS + 1)) | w_owner.to(tl.int64), -1)
-    key_r = tl.where(r_ok, (r_rows << (OWNER_BITS + 1)) | (1 << OWNER_BITS) | r_owner.to(tl.int64), -1)
-    keys = tl.sort(tl.reshape(tl.join(key_w, key_r), [2 * N]))
-    o2 = tl.arange(0, 2 * N)
-    after = tl.gather(keys, tl.minimum(o2 + 1, 2 * N - 1), 0)
-    clash = ((keys >= 0) & (o2 + 1 < 2 * N) & ((keys >> (OWNER_BITS + 1)) == (after >> (OWNER_BITS + 1)))
-             & ((keys >> OWNER_BITS) & 1 == 0) & ((after >> OWNER_BITS) & 1 == 1)
-             & ((keys & mask) != (after & mask)))
-    seq = tl.where(clash, after & mask, 2**62)
-    first = tl.min(seq, axis=0)
-    hit = clash & (seq == first)
-    found = (tl.max(clash.to(tl.int32), axis=0) > 0).to(tl.int64)
-    return (found, tl.where(first < 2**62, first, 0), tl.sum(tl.where(hit, after >> (OWNER_BITS + 1), 0), axis=0),
-            tl.sum(tl.where(hit, keys & mask, 0), axis=0))
-
-
-@triton.jit
-def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_stride, ck_upper, off_ptr, off_stride,
-                        cu_ptr, cu_stride, HAS_STATE: tl.constexpr, HAS_CKPT: tl.constexpr,
-                        HAS_CK_IDX: tl.constexpr, HAS_LENGTHS: tl.constexpr, SAME_CACHE: tl.constexpr,
-                        ALIGN: tl.constexpr, OWNER_BITS: tl.constexpr, N: tl.constexpr):
-    """One program over ``n <= N`` sequences. ``verdict`` (int64 [14]): flags
-    ``[0] state row >= slots, [1] duplicate state rows, [2] bad checkpoint offset,
-    [3] checkpoint row >= ck_upper, [4] duplicate checkpoint rows, [5] a snapshot
-    on another sequence's state row``, then details ``[6] max state row, [7] first
-    bad offset's sequence, [8] its length (its offset without lengths), [9] its
-    offset, [10] max checkpoint row, [11] first clashing sequence, [12] its
-    checkpoint row, [13] the sequence owning that state row``. Entries of absent
-    parts are 0."""
-    o = tl.arange(0, N)
-    m = o < n
-    zero = tl.zeros([], tl.int64)
-    state_range, state_dup, state_max = zero, zero, zero
-    off_bad, off_seq, off_length, off_value = zero, zero, zero, zero
-    ck_range, ck_dup, ck_max = zero, zero, zero
-    clash, clash_seq, clash_row, clash_owner = zero, zero, zero, zero
-    state = tl.full([N], -1, tl.int64)
-    if HAS_STATE:
-        state = tl.load(si_ptr + o * si_stride, mask=m, other=-1).to(tl.int64)
-        state_range, state_dup, state_max = _range_and_duplicates(state, m, slots, N)
-    if HAS_CKPT:
-        offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
-        bad = (offs < 0) | (offs % ALIGN != 0)
-        length = offs
-        if HAS_LENGTHS:
-            start = tl.load(cu_ptr + o * cu_stride, mask=m, other=0).to(tl.int64)
-            end = tl.load(cu_ptr + (o + 1) * cu_stride, mask=m, other=0).to(tl.int64)
-            length = end - start
-            bad = bad | (offs > length)
-        bad = bad & m
-        first = _first_index(bad, o, N)
-        first = tl.where(first < N, first, 0)  # the PyTorch rule's argmax of all-false
-        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
-        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
-        # Only the sequences that export a snapshot claim a checkpoint row.
-        active = m & (offs > 0)
-        if HAS_CK_IDX:
-            ck = tl.where(active, tl.load(ck_ptr + o * ck_stride, mask=m, other=-1).to(tl.int64), -1)
-            ck_range, ck_dup, ck_max = _range_and_duplicates(ck, m, ck_upper, N)
-        else:
-            ck = tl.where(active, o.to(tl.int64), -1)
-        if SAME_CACHE:  # the snapshots go into the state cache itself
-            clash, clash_seq, clash_row, clash_owner = _foreign_claim(
-                state, o, m & (state >= 0) & (state < slots), ck, o, (ck >= 0) & (ck < slots), OWNER_BITS, N)
-    tl.store(verdict_ptr + 0, state_range)
-    tl.store(verdict_ptr + 1, state_dup)
-    tl.store(verdict_ptr + 2, off_bad)
-    tl.store(verdict_ptr + 3, ck_range)
-    tl.store(verdict_ptr + 4, ck_dup)
-    tl.store(verdict_ptr + 5, clash)
-    tl.store(verdict_ptr + 6, state_max)
-    tl.store(verdict_ptr + 7, off_seq)
-    tl.store(verdict_ptr + 8, off_length)
-    tl.store(verdict_ptr + 9, off_value)
-    tl.store(verdict_ptr + 10, ck_max)
-    tl.store(verdict_ptr + 11, clash_seq)
-    tl.store(verdict_ptr + 12, clash_row)
-    tl.store(verdict_ptr + 13, clash_owner)
 
 
 def fits_state_rules(num_seqs: int, *tensors) -> bool:
@@ -495,37 +246,6 @@ def state_rules(checks, *, num_seqs: int, cu_seqlens, state_indices, slots: int,
 # ---------------------------------------------------- kda_decode_multi's rules
 
 
-@triton.jit
-def _decode_multi_rules_kernel(verdict_ptr, batch, steps, w_ptr, w_stride_b, w_stride_s, r_ptr, r_stride, slots,
-                               OWNER_BITS: tl.constexpr, N: tl.constexpr):
-    """One program over the ``batch * steps <= N`` written rows ``w [B, S]`` and the
-    ``B`` initial rows ``r``. ``verdict`` (int64 [10]): flags ``[0] written row >=
-    slots, [1] duplicate written rows, [2] initial row >= slots, [3] duplicate
-    initial rows, [4] a sequence starting from a row another sequence writes``,
-    then details ``[5] max written row, [6] max initial row, [7] that sequence,
-    [8] its initial row, [9] the writing sequence``."""
-    o = tl.arange(0, N)
-    mw = o < batch * steps
-    seq = o // steps
-    w = tl.load(w_ptr + seq * w_stride_b + (o % steps) * w_stride_s, mask=mw, other=-1).to(tl.int64)
-    w_range, w_dup, w_max = _range_and_duplicates(w, mw, slots, N)
-    mr = o < batch
-    r = tl.load(r_ptr + o * r_stride, mask=mr, other=-1).to(tl.int64)
-    r_range, r_dup, r_max = _range_and_duplicates(r, mr, slots, N)
-    clash, clash_seq, clash_row, clash_owner = _foreign_claim(
-        w, seq, mw & (w >= 0) & (w < slots), r, o, mr & (r >= 0) & (r < slots), OWNER_BITS, N)
-    tl.store(verdict_ptr + 0, w_range)
-    tl.store(verdict_ptr + 1, w_dup)
-    tl.store(verdict_ptr + 2, r_range)
-    tl.store(verdict_ptr + 3, r_dup)
-    tl.store(verdict_ptr + 4, clash)
-    tl.store(verdict_ptr + 5, w_max)
-    tl.store(verdict_ptr + 6, r_max)
-    tl.store(verdict_ptr + 7, clash_seq)
-    tl.store(verdict_ptr + 8, clash_row)
-    tl.store(verdict_ptr + 9, clash_owner)
-
-
 def fits_decode_multi_rules(batch: int, steps: int) -> bool:
     """Whether :func:`decode_multi_rules` takes ``[batch, steps]`` written rows in
     one program."""
@@ -574,170 +294,6 @@ MAX_BATCH_SETS = 4
 #: ``[21 + k]`` set ``k``'s max.
 _BATCH_WORDS = 25
 _SET_KINDS = {"state": 1, "conv": 2, "checkpoint": 3}
-
-
-@triton.jit
-def _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, i, n):
-    """Entries ``i`` (``0 <= i < n``, else -1) of the rows the sequences that export
-    a checkpoint write: ``checkpoint_indices[i]`` where ``checkpoint_offsets[i] >
-    0``, else -1 (none)."""
-    m = (i >= 0) & (i < n)
-    offs = tl.load(off_ptr + i * off_stride, mask=m, other=0).to(tl.int64)
-    rows = tl.load(ck_ptr + i * ck_stride, mask=m, other=-1).to(tl.int64)
-    return tl.where(m & (offs > 0), rows, -1)
-
-
-@triton.jit
-def _batch_set(verdict_ptr, k, upper, o, B, N, d_ptr, d_stride, p_ptr, p_stride, ck_ptr, ck_stride, off_ptr,
-               off_stride, KIND: tl.constexpr, WITH_CK: tl.constexpr, N_REG: tl.constexpr):
-    """Set ``k`` (``KIND`` 1: rows ``d`` of the ``B`` decode rows then ``p`` of the
-    ``N`` prefill sequences, then the checkpoint rows when ``WITH_CK``; 3: the
-    checkpoint rows alone): stores its range and distinctness flags and its max;
-    returns whether one is broken."""
-    if KIND == 3:
-        x = _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, o, N)
-        n = N
-    else:
-        d = tl.load(d_ptr + o * d_stride, mask=o < B, other=-1).to(tl.int64)
-        p = tl.load(p_ptr + (o - B) * p_stride, mask=(o >= B) & (o < B + N), other=-1).to(tl.int64)
-        x = tl.where(o < B, d, p)
-        n = B + N
-        if WITH_CK:
-            x = tl.where(o >= n, _checkpoint_rows(ck_ptr, ck_stride, off_ptr, off_stride, o - n, N), x)
-            n = n + N
-    out_of_range, duplicate, top = _range_and_duplicates(x, o < n, upper, N_REG)
-    tl.store(verdict_ptr + 5 + 2 * k, out_of_range)
-    tl.store(verdict_ptr + 6 + 2 * k, duplicate)
-    tl.store(verdict_ptr + 21 + k, top)
-    return (out_of_range | duplicate) != 0
-
-
-@triton.jit
-def _guarded_copy(out_ptr, x_ptr, x_stride, n, o, none, bad):
-    """``out[:n] = x[:n]``, or ``none`` everywhere when ``bad`` (int64)."""
-    m = o < n
-    x = tl.load(x_ptr + o * x_stride, mask=m, other=0).to(tl.int64)
-    tl.store(out_ptr + o, tl.where(bad, none, x), mask=m)
-
-
-@triton.jit(do_not_specialize=["B", "N", "prefill_tokens", "upper0", "upper1", "upper2", "upper3"])
-def _kda_batch_rules_kernel(
-    out_ptr, B, N, prefill_tokens,
-    ds_ptr, ds_stride, dc_ptr, dc_stride, ps_ptr, ps_stride, pc_ptr, pc_stride,
-    cu_ptr, cu_stride, lens_ptr, lens_stride, off_ptr, off_stride, ck_ptr, ck_stride,
-    upper0, upper1, upper2, upper3,
-    HAS_LENS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    SET0: tl.constexpr, SET1: tl.constexpr, SET2: tl.constexpr, SET3: tl.constexpr,
-    CK0: tl.constexpr, CK1: tl.constexpr, CK2: tl.constexpr, CK3: tl.constexpr,
-    GUARD_DECODE: tl.constexpr, GUARD_PREFILL: tl.constexpr, GUARD_CKPT: tl.constexpr,
-    ALIGN: tl.constexpr, WORDS: tl.constexpr, N_REG: tl.constexpr,
-):
-    """One program: every device rule of a layer step's batch (``B`` decode rows,
-    ``N <= N_REG - 1`` prefill sequences, ``B + 2N <= N_REG``) and the guarded copies
-    of its index tensors. ``out`` (int64): the verdict (``WORDS`` words, see the
-    positions above; absent parts 0), then the copies the launches read, each all
-    "none" when any rule is broken: decode state and conv rows (``GUARD_DECODE``,
-    ``B`` each), ``cu_seqlens`` and the prefill state and conv rows
-    (``GUARD_PREFILL``: ``N + 1``, ``N``, ``N``), checkpoint offsets and rows
-    (``GUARD_CKPT``: ``N`` each). ``SETk``: 0 none, 1 state rows, 2 conv rows, 3
-    the checkpoint rows alone; ``CKk``: the set takes the checkpoint rows too."""
-    o = tl.arange(0, N_REG)
-    zero = tl.zeros([], tl.int64)
-    # The decode rows' query lengths are 1.
-    lens_bad, lens_first, lens_value = zero, zero, zero
-    if HAS_LENS:
-        lens = tl.load(lens_ptr + o * lens_stride, mask=o < B, other=1).to(tl.int64)
-        bad = (lens != 1) & (o < B)
-        first = _first_index(bad, o, N_REG)
-        first = tl.where(first < N_REG, first, 0)  # the PyTorch rule's argmax of all-false
-        lens_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
-        lens_first, lens_value = first.to(tl.int64), _pick(lens, first, o)
-    # cu_seqlens: from 0, non-decreasing, to the prefill tokens.
-    m = o < N
-    start = tl.load(cu_ptr + o * cu_stride, mask=m, other=0).to(tl.int64)
-    length = tl.load(cu_ptr + (o + 1) * cu_stride, mask=m, other=0).to(tl.int64) - start
-    shortest = tl.min(tl.where(m, length, 2**62), axis=0)
-    cu_first = tl.load(cu_ptr).to(tl.int64)
-    cu_last = tl.load(cu_ptr + N * cu_stride).to(tl.int64)
-    cu_start, cu_decreasing, cu_end = cu_first != 0, shortest < 0, cu_last != prefill_tokens
-    # Checkpoint offsets: 0 or a multiple of ALIGN at most the length.
-    off_bad, off_seq, off_length, off_value = zero, zero, zero, zero
-    if HAS_CKPT:
-        offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
-        bad = ((offs < 0) | (offs % ALIGN != 0) | (offs > length)) & m
-        first = _first_index(bad, o, N_REG)
-        first = tl.where(first < N_REG, first, 0)
-        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
-        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
-    bad = (lens_bad != 0) | cu_start | cu_decreasing | cu_end | (off_bad != 0)
-    # The index sets: rows in range, and the rows one cache takes this step distinct.
-    if SET0 == 1:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK0, N_REG)
-    if SET0 == 2:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK0, N_REG)
-    if SET0 == 3:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET1 == 1:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK1, N_REG)
-    if SET1 == 2:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK1, N_REG)
-    if SET1 == 3:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET2 == 1:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK2, N_REG)
-    if SET2 == 2:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK2, N_REG)
-    if SET2 == 3:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET3 == 1:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK3, N_REG)
-    if SET3 == 2:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK3, N_REG)
-    if SET3 == 3:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    tl.store(out_ptr + 0, lens_bad)
-    tl.store(out_ptr + 1, cu_start.to(tl.int64))
-    tl.store(out_ptr + 2, cu_decreasing.to(tl.int64))
-    tl.store(out_ptr + 3, cu_end.to(tl.int64))
-    tl.store(out_ptr + 4, off_bad)
-    tl.store(out_ptr + 13, lens_first)
-    tl.store(out_ptr + 14, lens_value)
-    tl.store(out_ptr + 15, cu_first)
-    tl.store(out_ptr + 16, shortest)
-    tl.store(out_ptr + 17, cu_last)
-    tl.store(out_ptr + 18, off_seq)
-    tl.store(out_ptr + 19, off_length)
-    tl.store(out_ptr + 20, off_value)
-    # The copies the launches read (decode, prefill, checkpoint parts in that order).
-    decode_base = out_ptr + WORDS
-    if GUARD_DECODE:
-        _guarded_copy(decode_base, ds_ptr, ds_stride, B, o, -1, bad)
-        _guarded_copy(decode_base + B, dc_ptr, dc_stride, B, o, -1, bad)
-        prefill_base = decode_base + 2 * B
-    else:
-        prefill_base = decode_base
-    if GUARD_PREFILL:
-        _guarded_copy(prefill_base, cu_ptr, cu_stride, N + 1, o, 0, bad)
-        _guarded_copy(prefill_base + N + 1, ps_ptr, ps_stride, N, o, -1, bad)
-        _guarded_copy(prefill_base + 2 * N + 1, pc_ptr, pc_stride, N, o, -1, bad)
-        ckpt_base = prefill_base + 3 * N + 1
-    else:
-        ckpt_base = prefill_base
-    if GUARD_CKPT:
-        _guarded_copy(ckpt_base, off_ptr, off_stride, N, o, 0, bad)
-        _guarded_copy(ckpt_base + N, ck_ptr, ck_stride, N, o, -1, bad)
 
 
 def fits_kda_batch_rules(num_decode: int, num_prefill: int, checkpoints: bool, num_sets: int) -> bool:

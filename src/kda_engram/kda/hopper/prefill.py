@@ -78,6 +78,9 @@ def hopper_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices
     return out, final_state
 
 
+# Priority 20: ``path="auto"`` takes it after the grouped walk, before the portable path
+# (since its GPU tests, walk check and benchmark passed on an H100:
+# docs/design/kda_fused_prefill.md).
 register(PrefillBackend("hopper", path="hopper", title="the Hopper path", verify=hopper_verdict,
-                        run=hopper_kda_prefill))
+                        run=hopper_kda_prefill, priority=20))
 

@@ -38,7 +38,9 @@ bf16, K = 128, ``qk_l2norm`` and ``beta_sigmoid`` either way, the conv (its own
 launch first, as the Triton prologue does). Anything else is a ``ValueError``
 naming what it cannot serve (the caller keeps the Triton folded prologue for it).
 The kernel's order of operations is modelled in torch by
-:mod:`kda_engram.kda.hopper.prologue_model` (Gluon has no CPU interpreter).
+:mod:`kda_engram.kda.hopper.prologue_model` (Gluon has no CPU interpreter); its
+benchmark against the Triton folded prologue is
+:mod:`kda_engram.tools.benchmarks.bench_gluon_prologue`.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from ...bundles import ConvArgs, KDAInputs
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
 from .folded_prologue import allocate_folded_operands
 
-__all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "bench", "gluon_folded_prologue", "gluon_prologue_unsupported"]
+__all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "gluon_folded_prologue", "gluon_prologue_unsupported"]
 
 #: One warpgroup: warp w owns sub-chunk w (the rows of one m64 wgmma).
 GLUON_PROLOGUE_WARPS = 8
@@ -408,46 +410,3 @@ def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArg
         return out
 
     return launch
-
-
-def bench(seqs: int = 16, seqlen: int = 2048, heads: int = 32, lower_bound: float = -5.0,
-          maxnregs=(None, 168, 128)) -> dict[str, float]:
-    """Time the Gluon prologue (uncapped and at each ``maxnregs`` cap) against the Triton
-    folded prologue (``do_bench`` medians, ms) on one GPU, bf16, K = V = 128; prints and
-    returns ``{name: ms}``."""
-    import triton
-
-    from .folded_prologue import prepare_folded_prologue
-    from ..metadata import prepare_chunk_metadata
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    T, K = seqs * seqlen, 128
-    rnd = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
-    x = {n: rnd(1, T, heads, K).to(torch.bfloat16) for n in ("q", "k", "v", "raw_g")}
-    raw_beta = rnd(1, T, heads).to(torch.bfloat16)
-    A_log, dt_bias = rnd(heads) * 0.5, rnd(heads * K)
-    cu = torch.arange(seqs + 1, device=dev, dtype=torch.int32) * seqlen
-    _, indices = prepare_chunk_metadata(cu, T)
-    args = (KDAInputs(**x, raw_beta=raw_beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound), cu, indices)
-    launches = {"triton": prepare_folded_prologue(*args)}
-    for mr in maxnregs:
-        launches["gluon" if mr is None else f"gluon_maxnreg{mr}"] = gluon_folded_prologue(*args, maxnreg=mr)
-    ms = {name: float(triton.testing.do_bench(fn)) for name, fn in launches.items()}
-    print(f"{seqs}x{seqlen}_H{heads} ({torch.cuda.get_device_name(dev)}): "
-          + ", ".join(f"{name} {t:.3f} ms" for name, t in ms.items())
-          + f"; triton / gluon {ms['triton'] / ms['gluon']:.2f}x", flush=True)
-    return ms
-
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bench", action="store_true", help="time it against the Triton folded prologue")
-    parser.add_argument("--seqs", type=int, default=16)
-    parser.add_argument("--seqlen", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    ns = parser.parse_args()
-    if ns.bench:
-        bench(ns.seqs, ns.seqlen, ns.heads)

@@ -43,7 +43,7 @@ from ...engram.gate import engram_post_wkv
 from ...engram.reference import gate_from_sums, shard_kv_by_dim
 from ...engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
+from .common import copy_bandwidth_gbs, cuda_graph_ms, result_row, write_json
 
 HC = 4
 EPS = 1e-6
@@ -114,19 +114,6 @@ def _compiled_reference():
     return torch.compile(reference_math, dynamic=False)
 
 
-def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
-    return {
-        "case": case,
-        "ours_ms": ours_ms,
-        "peer_ms": peer_ms,
-        "peer": peer,
-        "ratio": (peer_ms / ours_ms) if (peer_ms and ours_ms) else None,
-        "hbm_floor_ms": floor_ms,
-        "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
-        **extra,
-    }
-
-
 def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
     """Rows ``{case, ours_ms, peer_ms, peer, ratio, hbm_floor_ms, floor_fraction,
     max_abs_diff, ...}``. ``cases``: a subset of ``(T, dim)`` post-wkv shapes (default:
@@ -165,7 +152,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
             except Exception as exc:  # report, do not crash
                 name = f"torch.compile failed: {type(exc).__name__}: {exc}"
         rows.append(
-            _row(
+            result_row(
                 f"post_wkv T={T} d={dim}", ours_ms, peer_ms, name, floor(post_wkv_bytes(T, dim)),
                 max_abs_diff=diff, anchor_compile_ms=ANCHOR_COMPILE_MS.get((T, dim)), copy_gbs=bw,
                 graph_ms=graph_ms, peer_graph_ms=peer_graph_ms,
@@ -176,7 +163,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
                 v_ms = _bench(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False, **variant))
                 label = ",".join(f"{a}={b}" for a, b in variant.items())
                 rows.append(
-                    _row(
+                    result_row(
                         f"post_wkv T={T} d={dim} [{label}]", v_ms, ours_ms, "engram_post_wkv (default)",
                         floor(post_wkv_bytes(T, dim)),
                     )
@@ -208,7 +195,7 @@ def run(cases=None, peers: bool = True, quick: bool = False) -> list[dict]:
             single_out = torch.empty_like(hidden)
             single_ms = _bench(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=single_out, check_inputs=False))
         rows.append(
-            _row(
+            result_row(
                 f"sharded P={P} T={T} d={dim}", partials_ms + finish_ms, single_ms, "engram_post_wkv (1 rank)",
                 floor(sharded_bytes(T, dim, P)), max_abs_diff=diff, partials_ms=partials_ms, finish_ms=finish_ms,
                 graph_ms=graph_ms, peer_graph_ms=single_graph_ms,
@@ -228,9 +215,9 @@ def check_cost_row(hidden, kv, q, k, out, floor_ms: float) -> dict:
     unchecked_ms = _bench(lambda: engram_post_wkv(hidden, kv, q, k, eps=EPS, out=out, check_inputs=False))
     added = checked_ms - unchecked_ms
     bound = max(CHECK_BOUND_MS, CHECK_BOUND_FRACTION * unchecked_ms)
-    return _row(f"post_wkv T={T} d={dim} [default checks]", checked_ms, unchecked_ms, "check_inputs=False", floor_ms,
-                default_ms=checked_ms, no_check_ms=unchecked_ms, added_ms=added, bound_ms=bound,
-                within_bound=added <= bound)
+    return result_row(f"post_wkv T={T} d={dim} [default checks]", checked_ms, unchecked_ms, "check_inputs=False",
+                      floor_ms, default_ms=checked_ms, no_check_ms=unchecked_ms, added_ms=added, bound_ms=bound,
+                      within_bound=added <= bound)
 
 
 def print_rows(rows: list[dict]) -> None:
@@ -339,7 +326,7 @@ def _distributed_worker(rank, world_size, port, cases, in_dim, backend, results_
             identical = all(torch.equal(everyone[r], everyone[0]) for r in range(world_size))
             diff = (outs["sharded"].float() - outs["gather"].float()).abs().max().item()
             rows.append(
-                _row(
+                result_row(
                     f"Engram layer P={world_size} T={T} d={dim}", times["sharded"], times["gather"],
                     "Engram gather path", None, max_abs_diff=diff, ranks_bit_identical=identical,
                     backend=backend, **exchanged_bytes_per_token(dim, HC, world_size),

@@ -4,7 +4,7 @@
     python -m kda_engram.tools.benchmarks.bench_kda_decode --sweep         # also time every (BLOCK_V, num_warps)
     python -m kda_engram.tools.benchmarks.bench_kda_decode --cases 256x32 --no-peer
     python -m kda_engram.tools.benchmarks.bench_kda_decode --no-layer      # skip the layer-decode rows
-    python -m kda_engram.cli bench kda-decode             # the same rows through the CLI
+    kda-engram bench kda-decode                                            # the same rows through the CLI
 
 Inputs (the anchor setting): bf16 q, k, v, raw gate, raw beta, ``[B, H, 128]``;
 fp32 ``A_log [H]``, ``dt_bias [H*128]``; ``lower_bound = -5``; in-kernel L2 norm,
@@ -57,8 +57,7 @@ import torch
 
 from ...kda.decode import decode_tiling, kda_decode, kda_decode_multi, launch_decode
 from .common import bench_ms as bench
-from .common import copy_bandwidth, write_json
-from ...validation.entry import default_check_bound_ms
+from .common import copy_bandwidth, default_check_bound_ms, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -275,7 +274,7 @@ def run(cases=None, peers=True, quick=False, sweep=False, layer=True) -> list[di
 
 def bound_fields(checked_ms, nocheck_ms, tag: str = "") -> dict:
     """``checked{tag}_ms`` (the default call) and whether it is within no-check +
-    max(0.02 ms, 3%) (:func:`kda_engram.validation.entry.default_check_bound_ms`)."""
+    max(0.02 ms, 3%) (:func:`kda_engram.tools.benchmarks.common.default_check_bound_ms`)."""
     return {f"checked{tag}_ms": checked_ms,
             f"within_check_bound{tag}": checked_ms - nocheck_ms <= default_check_bound_ms(nocheck_ms)}
 

@@ -57,7 +57,7 @@ import torch
 # flash_kda imports: time fla's own kernels (FlashKDA has its own column).
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
-from ...kda.chunk import chunk_config, kda_prefill_walk
+from ...kda.chunk import kda_prefill_walk
 from ...kda.hopper.folded_prologue import prepare_folded_prologue
 from ...kda.groups import chunk_groups
 from ...kda.hopper.walk import folded_walk
@@ -65,11 +65,11 @@ from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
 from ...bundles import KDAInputs
+from ...launch_config import chunk_config
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
-from ...validation.entry import default_check_bound_ms
+from .common import copy_bandwidth_gbs, cuda_graph_ms, default_check_bound_ms, result_row, write_json
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
@@ -245,19 +245,6 @@ def load_peers(peers: bool = True) -> dict:
     return found
 
 
-def _row(case, ours_ms, peer_ms, peer, floor_ms, **extra):
-    return {
-        "case": case,
-        "ours_ms": ours_ms,
-        "peer_ms": peer_ms,
-        "peer": peer,
-        "ratio": (peer_ms / ours_ms) if (peer_ms and ours_ms) else None,
-        "hbm_floor_ms": floor_ms,
-        "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
-        **extra,
-    }
-
-
 def _ours_call(x, out=None, check_inputs=False, groups=None, path="auto"):
     return lambda: chunk_kda_prefill(
         x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
@@ -311,10 +298,10 @@ def _serving_rows(name, x, lengths, heads, device, quick) -> list[dict]:
         make("sync")()  # validates the harness's inputs on the spot, compiles the kernels
         torch.cuda.synchronize()
         times = _interleaved({"default": make(True), "nocheck": make(False)}, quick)
-        rows.append(_row(f"{name}+{form}", times["nocheck"], None, None, None, default_ms=times["default"],
-                         check_overhead_ms=(times["default"] - times["nocheck"])
-                         if times["default"] and times["nocheck"] else None,
-                         serving_form=form, **_bound_fields(times["default"], times["nocheck"])))
+        rows.append(result_row(f"{name}+{form}", times["nocheck"], None, None, None, default_ms=times["default"],
+                               check_overhead_ms=(times["default"] - times["nocheck"])
+                               if times["default"] and times["nocheck"] else None,
+                               serving_form=form, **_bound_fields(times["default"], times["nocheck"])))
     return rows
 
 
@@ -414,7 +401,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             peer_times = {p: times.get(p) for p in PEERS}
             ran = {p: t for p, t in peer_times.items() if t is not None}
             best = min(ran, key=ran.get) if ran else None
-            row = _row(
+            row = result_row(
                 name, times["nocheck"], ran.get(best), best, floor_ms,
                 default_ms=times["default"], graph_ms=graph_ms,
                 graph_ratio=(ran[best] / graph_ms) if best else None,
@@ -448,7 +435,7 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                         continue
                     if g == 1:
                         o_g1 = o_g
-                    rows.append(_row(
+                    rows.append(result_row(
                         f"{name} G={g}", g_ms, ran.get(best), best, floor_ms, chunk_ms=g_chunk_ms,
                         forced_groups=g, groups=g, heuristic_groups=picked, copy_gbs=bw,
                         max_abs_diff_g1=None if o_g1 is None else (o_g.float() - o_g1.float()).abs().max().item(),
@@ -465,8 +452,8 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                     except Exception as exc:  # e.g. out of shared memory for a config
                         print(f"  sweep {name} {conf}: {type(exc).__name__}: {exc}")
                         continue
-                    rows.append(_row(f"{name} chunk[BV={bv},w={nw},s={ns}]", ms, chunk_ms,
-                                     f"chunk default {default_cfg}", None, sweep=True))
+                    rows.append(result_row(f"{name} chunk[BV={bv},w={nw},s={ns}]", ms, chunk_ms,
+                                           f"chunk default {default_cfg}", None, sweep=True))
         del x, out, ops, o_ours
         torch.cuda.empty_cache()
         rows[first_row]["case_seconds"] = time.perf_counter() - case_start

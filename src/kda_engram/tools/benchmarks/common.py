@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: timing, copy bandwidth and CUDA-graph timing.
+"""What the benchmark scripts share: timing, copy bandwidth, CUDA-graph timing and the
+default checks' budget.
 
 The scripts are modules of the installed package: each runs as ``python -m
 kda_engram.tools.benchmarks.NAME`` (``bench_tp`` under ``torchrun -m`` too), and
@@ -17,6 +18,13 @@ def bench_ms(fn, quick: bool = False, *, return_mode: str = "median") -> float:
 
     return float(triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
                                          return_mode=return_mode))
+
+
+def default_check_bound_ms(nocheck_ms: float) -> float:
+    """The most the default call (``check_inputs=True``) may add to the no-check call
+    (issue 35): max(0.02 ms, 3%), both timed the same way in one process (the benches'
+    ``checked`` columns)."""
+    return max(0.02, 0.03 * nocheck_ms)
 
 
 _COPY_BW: dict = {}
@@ -83,6 +91,23 @@ def cuda_graph_ms(fn, iters: int = 200, repeats: int = 5) -> float:
             times.append(start.elapsed_time(end) / iters)
         per.append(statistics.median(times))
     return max(per[0] - per[1], 0.0)
+
+
+def result_row(case, ours_ms, peer_ms, peer, floor_ms, **extra) -> dict:
+    """One row of a bench's results: ``case``, ``ours_ms``, ``peer_ms`` and ``peer`` (what
+    the peer is), ``ratio = peer_ms / ours_ms`` (above 1: ours is faster),
+    ``hbm_floor_ms`` and ``floor_fraction = hbm_floor_ms / ours_ms`` (``None`` where a
+    time is missing), then ``extra``."""
+    return {
+        "case": case,
+        "ours_ms": ours_ms,
+        "peer_ms": peer_ms,
+        "peer": peer,
+        "ratio": (peer_ms / ours_ms) if (peer_ms and ours_ms) else None,
+        "hbm_floor_ms": floor_ms,
+        "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
+        **extra,
+    }
 
 
 def write_json(rows, path) -> None:
