@@ -122,3 +122,34 @@ def test_bad_num_accepted_tokens_are_refused_and_the_pool_is_untouched(accepted,
         fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=ssm, num_accepted_tokens=accepted)
     assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("kwargs, exc, says", [
+    (dict(lower_bound=3.0), ValueError, "lower_bound: expected a finite number <= 0, got 3.0"),
+    (dict(lower_bound=float("nan")), ValueError, "lower_bound: expected a finite number <= 0, got nan"),
+    (dict(g=torch.zeros(3, H * K, dtype=torch.int32)), TypeError, "g: expected dtype"),
+    (dict(A=torch.zeros(H, dtype=torch.int64)), TypeError, "A: expected dtype"),
+    (dict(g_bias=torch.zeros(H * K, dtype=torch.int32)), TypeError, "g_bias: expected dtype"),
+    (dict(g_bias=torch.zeros(H * K + 1)), ValueError, "g_bias: expected H*head_k_dim"),
+    (dict(head_k_dim=0), ValueError, "head_k_dim: expected an int"),
+    (dict(beta=0.0), ValueError, "beta: expected a finite number > 0"),
+    (dict(threshold=float("inf")), ValueError, "threshold: expected a finite number"),
+])
+def test_fused_kda_gate_refuses_what_the_kernels_refuse(kwargs, exc, says):
+    """Issue 54 item 4: only the last dim was checked; lower_bound=3.0 gave positive
+    log decays, NaN gave NaN, an int32 gate was accepted."""
+    args = dict(g=rnd(3, H * K), A=torch.zeros(H), head_k_dim=K, g_bias=torch.zeros(H * K))
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        fused_kda_gate(**args)
+    assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
+
+
+def test_chunk_kda_with_fused_gate_refuses_a_batch_with_cu_seqlens():
+    """Issue 54 item 9: B=2 with cu_seqlens was flattened silently."""
+    T = 8
+    q, k, v, g = (rnd(2, T, H, K, seed=i) for i in range(4))
+    with pytest.raises(ValueError) as info:
+        chunk_kda_with_fused_gate(q, k, v, g, rnd(2, T, H, seed=5), torch.zeros(H), None,
+                                  cu_seqlens=torch.tensor([0, 8, 16]))
+    assert str(info.value).startswith("q: with cu_seqlens the batch dim must be 1"), str(info.value)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from ..kda.decode import kda_decode_multi
 from ..kda.prefill import chunk_kda_prefill
 from ..kda.reference import kda_gate
-from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, can_read_back, check_int, check_real, check_tensor
+from ..validation.kda_inputs import check_lower_bound
 from ..validation.entry import EntryChecks
 from .common import NotServed, even_cu_seqlens, fold_batch
 
@@ -60,6 +61,9 @@ def chunk_kda_with_fused_gate(
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:
         cu_seqlens = even_cu_seqlens(B, T, q.device)
+    elif B != 1:
+        raise ValueError(f"q: with cu_seqlens the batch dim must be 1 (the sequences are packed along T), "
+                         f"got {list(q.shape)}")
     try:
         flat = [fold_batch(x, n) for n, x in (("q", q), ("k", k), ("v", v), ("raw_g", raw_g), ("raw_beta", raw_beta))]
     except NotServed as reason:
@@ -191,11 +195,26 @@ def fused_kda_gate(
     ``beta``/``threshold`` semantics; at the defaults it is
     :func:`kda_engram.kda.reference.kda_gate`), or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A) (g + g_bias))``. ``A``: ``[H]`` or any shape of
-    ``H`` elements; ``g_bias``: ``[H*D]`` or None.
+    ``H`` elements; ``g_bias``: ``[H*D]`` or None. ``g``, ``A`` and ``g_bias`` are float
+    tensors (bf16, fp16 or fp32) on one device; ``lower_bound`` is None or a finite
+    number <= 0 (as every entry point: a positive one would give positive log decays);
+    ``beta`` is a finite number > 0 and ``threshold`` a finite number. Host checks only
+    (no device values are read).
     """
+    check_tensor("g", g, dtypes=FLOAT_DTYPES)
+    check_tensor("A", A, dtypes=FLOAT_DTYPES, device=g.device)
+    check_int("head_k_dim", head_k_dim, low=1)
+    check_lower_bound(lower_bound)
+    check_real("beta", beta, sign="positive")
+    check_real("threshold", threshold)
     H = A.numel()
-    if g.shape[-1] != H * head_k_dim:
-        raise ValueError(f"g: last dim must be H*head_k_dim = {H}*{head_k_dim}, got {g.shape[-1]}")
+    if g.dim() < 1 or g.shape[-1] != H * head_k_dim:
+        raise ValueError(f"g: last dim must be H*head_k_dim = {H}*{head_k_dim}, got shape {list(g.shape)}")
+    if g_bias is not None:
+        check_tensor("g_bias", g_bias, dtypes=FLOAT_DTYPES, device=g.device)
+        if g_bias.numel() != H * head_k_dim:
+            raise ValueError(f"g_bias: expected H*head_k_dim = {H * head_k_dim} elements ([{H * head_k_dim}] or "
+                             f"[{H}, {head_k_dim}]), got shape {list(g_bias.shape)}")
     x = g.float().view(*g.shape[:-1], H, head_k_dim)
     A_log = A.reshape(H).float()
     bias = torch.zeros(H * head_k_dim, device=g.device) if g_bias is None else g_bias.reshape(-1).float()
