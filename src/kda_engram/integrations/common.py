@@ -28,6 +28,24 @@ def even_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
 
 
+def packed_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor | None, named) -> tuple[torch.Tensor, list]:
+    """The varlen form of a call taking ``[B, T, ...]`` tensors: without ``cu_seqlens``
+    the batch is folded into ``[1, B*T, ...]`` views (:func:`fold_batch`) with
+    ``B`` sequences of ``T`` tokens; with it ``B`` must be 1 (the sequences are
+    packed along T). ``named``: ``(name, tensor or None)`` pairs, returned in order.
+    ``ValueError`` naming the argument otherwise."""
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"q: with cu_seqlens the batch dim must be 1 (the sequences are packed along T), "
+                             f"got {list(q.shape)}")
+        return cu_seqlens, [x for _, x in named]
+    try:
+        return even_cu_seqlens(B, T, q.device), [None if x is None else fold_batch(x, n) for n, x in named]
+    except NotServed as reason:
+        raise ValueError(str(reason)) from None
+
+
 def capturing() -> bool:
     """A CUDA graph is being captured on the current stream (no host sync allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -25,7 +25,7 @@ from ..kda.reference import kda_gate
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, can_read_back, check_int, check_real, check_tensor
 from ..validation.kda_inputs import check_lower_bound
 from ..validation.entry import EntryChecks
-from .common import NotServed, even_cu_seqlens, fold_batch
+from .common import even_cu_seqlens, packed_varlen
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
 
@@ -59,15 +59,8 @@ def chunk_kda_with_fused_gate(
     if g_bias is None:
         g_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
     B, T = q.shape[0], q.shape[1]
-    if cu_seqlens is None:
-        cu_seqlens = even_cu_seqlens(B, T, q.device)
-    elif B != 1:
-        raise ValueError(f"q: with cu_seqlens the batch dim must be 1 (the sequences are packed along T), "
-                         f"got {list(q.shape)}")
-    try:
-        flat = [fold_batch(x, n) for n, x in (("q", q), ("k", k), ("v", v), ("raw_g", raw_g), ("raw_beta", raw_beta))]
-    except NotServed as reason:
-        raise ValueError(str(reason)) from None
+    cu_seqlens, flat = packed_varlen(q, cu_seqlens, (("q", q), ("k", k), ("v", v), ("raw_g", raw_g),
+                                                     ("raw_beta", raw_beta)))
     o, final = chunk_kda_prefill(
         *flat, A_log, g_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
         initial_state=initial_state, output_final_state=output_final_state,

@@ -1,0 +1,184 @@
+"""vLLM 0.33's Kimi-K3 KDA kernel calls, with vLLM's exact contracts, on kda-engram's kernels.
+
+Plain functions (no vLLM import) with the signatures and conventions of the
+functions vLLM 0.33's Kimi-K3 (ROCm and NVIDIA) and Kimi-Linear layers call, so
+that :mod:`kda_engram.integrations.vllm_plugin` can put them under those names:
+
+* :func:`chunk_kda_prefill` -- ``vllm/models/kimi_k3/amd/ops/kda_prefill.py``'s
+  prefill (the paged state cache, checkpoints, ``out``, every ``backend``);
+  onto :func:`kda_engram.kda.chunk_kda_prefill`.
+* :func:`fused_recurrent_kda_packed_decode` -- the one-token decode from the packed
+  post-conv QKV (``ops/third_party/kda/fused_recurrent.py`` of both vendors; the
+  NVIDIA copy's ``out``); onto :func:`kda_engram.kda.kda_decode`.
+
+vLLM's conventions, adapted here on the device (no host sync), where our kernels
+have their own:
+
+* ``NULL_BLOCK_ID = 0``: a state or checkpoint row index ``<= 0`` is no row (our
+  kernels: negative), mapped to -1.
+* a checkpoint offset that is not a multiple of 64 is skipped (ours refuse it):
+  mapped to 0 (none).
+* the prefill's returned final state is fp32 (ours: the initial state's dtype).
+
+States are V-first ``[*, H, V, K]`` in vLLM and in our kernels: nothing is transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..constants import CHUNK_SIZE
+from ..kda.decode import kda_decode
+from ..kda.prefill import chunk_kda_prefill as kda_prefill
+from ..validation.common import check_tensor
+from .common import packed_varlen
+
+__all__ = ["BACKENDS", "NULL_BLOCK_ID", "chunk_kda_prefill", "fused_recurrent_kda_packed_decode", "null_rows_to_none"]
+
+#: vLLM's ``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``: index 0 is no row.
+NULL_BLOCK_ID = 0
+#: The ``backend`` values vLLM's ROCm ``chunk_kda_prefill`` takes (all served by ours).
+BACKENDS = ("triton", "fused", "gluon")
+
+
+def null_rows_to_none(indices: torch.Tensor | None) -> torch.Tensor | None:
+    """vLLM's row indices (``<= NULL_BLOCK_ID``: no row) as ours (-1: no row), on the device."""
+    if indices is None:
+        return None
+    return torch.where(indices > NULL_BLOCK_ID, indices, torch.full_like(indices, -1))
+
+
+def chunk_kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    g_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    backend: str = "triton",
+    out: torch.Tensor | None = None,
+    checkpoint_state: torch.Tensor | None = None,
+    checkpoint_offsets: torch.Tensor | None = None,
+    checkpoint_state_indices: torch.Tensor | None = None,
+    state_cache: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA prefill from the raw gate and beta (vLLM 0.33's ROCm Kimi-K3 ``chunk_kda_prefill``).
+
+    ``q, k, raw_g``: ``[1, T, H, K]``; ``v``: ``[1, T, H, V]``; ``raw_beta``:
+    ``[1, T, H]`` (before its sigmoid); ``A_log [H]``; ``g_bias`` ``[H*K]`` or None
+    (zeros). ``cu_seqlens`` int ``[N+1]`` (None: ``[B, T, ...]`` inputs, ``B``
+    sequences of ``T`` tokens). Gate ``-exp(A_log) softplus(raw_g + g_bias)``, or
+    ``lower_bound * sigmoid(exp(A_log) (raw_g + g_bias))`` with ``lower_bound``.
+    ``use_qk_l2norm_in_kernel`` (default False, as vLLM's) L2-normalises q and k.
+
+    State, V-first: ``initial_state [N, H, V, K]`` / ``output_final_state`` (the
+    final state is fp32), or the paged ``state_cache [slots, H, V, K]`` (fp32 or
+    bf16) with ``state_indices [N]`` and bool ``has_initial_state [N]``, updated in
+    place (the returned final state is then None; a row index ``<= 0`` is no row:
+    the sequence starts from zeros and writes no row). ``checkpoint_offsets`` int
+    ``[N]`` snapshot the state after that many tokens (0, or any offset that is not
+    a multiple of 64: none) into ``checkpoint_state`` (the cache itself in vLLM's
+    layer) at ``checkpoint_state_indices`` (``<= 0``: none), or at row ``n`` of a
+    staging ``checkpoint_state`` without indices. Served on every ``backend``
+    (vLLM's own path serves checkpoints only on ``"fused"``).
+
+    ``chunk_indices`` and ``chunk_offsets`` (vLLM's precomputed chunk metadata) are
+    accepted and not read: the kernels build the same from ``cu_seqlens`` on the
+    device. ``out`` ``[1, T, H, V]``: the output lands there (returned). Unlike
+    vLLM's Triton path, ``v`` is never overwritten.
+
+    Rules on values (index ranges, offsets at most the length) are checked on the
+    device and raised by the next kda-engram call (:func:`kda_engram.raise_pending_errors`).
+    Returns ``(o [1, T, H, V], final_state [N, H, V, K] fp32 | None)``.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [1, T, H, K] (or [B, T, H, K] without cu_seqlens), got {list(q.shape)}")
+    B, T, H, K = q.shape
+    if g_bias is None:
+        g_bias = torch.zeros(H * K, dtype=torch.float32, device=q.device)
+    cu_seqlens, (q, k, v, raw_g, raw_beta, out) = packed_varlen(
+        q, cu_seqlens, (("q", q), ("k", k), ("v", v), ("raw_g", raw_g), ("raw_beta", raw_beta), ("out", out)))
+    if checkpoint_offsets is not None:
+        check_tensor("checkpoint_offsets", checkpoint_offsets)
+        aligned = torch.remainder(checkpoint_offsets, CHUNK_SIZE) == 0
+        checkpoint_offsets = torch.where(aligned, checkpoint_offsets, torch.zeros_like(checkpoint_offsets))
+    for name, x in (("state_indices", state_indices), ("checkpoint_state_indices", checkpoint_state_indices)):
+        if x is not None:
+            check_tensor(name, x)
+    o, final = kda_prefill(
+        q, k, v, raw_g, raw_beta, A_log, g_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
+        initial_state=initial_state, output_final_state=output_final_state, state_cache=state_cache,
+        state_indices=null_rows_to_none(state_indices), has_initial_state=has_initial_state,
+        checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
+        checkpoint_state_indices=null_rows_to_none(checkpoint_state_indices), out=out,
+        final_state_dtype=torch.float32 if output_final_state else None,
+        qk_l2norm=bool(use_qk_l2norm_in_kernel),
+    )
+    return o.view(B, T, *o.shape[2:]), final
+
+
+def fused_recurrent_kda_packed_decode(
+    mixed_qkv: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    initial_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA decode step per sequence from the packed post-conv QKV (vLLM 0.33's
+    ``fused_recurrent_kda_packed_decode``, both vendors' copies).
+
+    ``mixed_qkv``: ``[B, 2*H*K + H*V]`` (q, k, v channel ranges, last dim
+    contiguous; the token stride may be wider); ``raw_g``: ``[1, B, H, K]`` (before
+    ``dt_bias`` and the gate); ``raw_beta``: ``[1, B, H]`` (before its sigmoid);
+    ``A_log [H]``; ``dt_bias [H*K]``; ``lower_bound``: None (softplus gate) or the
+    bounded gate's bound. q and k are L2-normalised, ``scale`` defaults to
+    ``K ** -0.5``. ``initial_state``: the V-first pool ``[slots, H, V, K]`` (fp32 or
+    bf16), updated in place at ``state_indices [B]``; an index ``<= 0`` is padding:
+    no row is read or written and its output is zero. ``out``: optional
+    ``[1, B, H, V]`` (the NVIDIA copy's argument).
+
+    Returns ``(out [1, B, H, V] in mixed_qkv's dtype, initial_state)``.
+    """
+    check_tensor("mixed_qkv", mixed_qkv, last_dim_contiguous=True)
+    check_tensor("initial_state", initial_state)
+    if mixed_qkv.dim() != 2:
+        raise ValueError(f"mixed_qkv: expected [B, 2*H*K + H*V], got {list(mixed_qkv.shape)}")
+    if initial_state.dim() != 4:
+        raise ValueError(f"initial_state: expected the pool [slots, H, V, K], got {list(initial_state.shape)}")
+    B = mixed_qkv.shape[0]
+    _, H, V, K = initial_state.shape
+    if mixed_qkv.shape[1] != 2 * H * K + H * V:
+        raise ValueError(f"mixed_qkv: expected [{B}, {2 * H * K + H * V}] (2*H*K + H*V with the pool's H={H}, "
+                         f"V={V}, K={K}), got {list(mixed_qkv.shape)}")
+    check_tensor("raw_g", raw_g, shape=[1, B, H, K])
+    check_tensor("raw_beta", raw_beta, shape=[1, B, H])
+    check_tensor("state_indices", state_indices, shape=[B])
+    q = mixed_qkv[:, :H * K].unflatten(1, (H, K))
+    k = mixed_qkv[:, H * K:2 * H * K].unflatten(1, (H, K))
+    v = mixed_qkv[:, 2 * H * K:].unflatten(1, (H, V))
+    if out is None:
+        out = torch.empty(1, B, H, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    else:
+        check_tensor("out", out, shape=[1, B, H, V])
+    kda_decode(q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, initial_state, null_rows_to_none(state_indices),
+               scale=scale, lower_bound=lower_bound, out=out[0])
+    return out, initial_state

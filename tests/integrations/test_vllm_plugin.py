@@ -1,0 +1,236 @@
+"""The vLLM plugin against vLLM 0.33.0's own kernel-call code (CPU, fp32, interpreter).
+
+vLLM's files come from its wheel (``tests/integrations/vllm_wheel.py``: fetched with
+``pip download --no-deps``, extracted to a temporary folder, a few modules outside
+the kernel-call code stubbed; skipped with the reason when the wheel cannot be
+had). Each test calls the name vLLM's layer calls, once as vLLM ships it and once
+after the plugin replaced it, with the same arguments, and compares within 1e-5.
+"""
+
+import inspect
+import logging
+import math
+
+import pytest
+import torch
+
+from kda_engram.integrations import vllm_plugin
+
+from .vllm_wheel import vllm_kernels_on_cpu, vllm_root  # noqa: F401 (vllm_root: a fixture)
+
+H, K = 2, 32
+ATOL = 1e-5
+AMD_PREFILL = "vllm.models.kimi_k3.amd.ops.kda_prefill"
+VENDOR_KDA = {v: f"vllm.models.kimi_k3.{v}.ops.third_party.kda" for v in ("amd", "nvidia")}
+
+
+def rnd(*s, seed=0):
+    return torch.randn(*s, generator=torch.Generator().manual_seed(seed))
+
+
+def close(a, b, atol=ATOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a.double() - b.double()).abs().max().item()
+    assert err < atol, f"max abs error {err:.3g} >= {atol}"
+
+
+def _targets():
+    import importlib
+
+    for module_name, name, importers in vllm_plugin.REPLACEMENTS:
+        for m in (module_name, *importers):
+            try:
+                module = importlib.import_module(m)
+            except ImportError:
+                continue
+            if hasattr(module, name):
+                yield module, name
+
+
+@pytest.fixture
+def vllm_own(vllm_root):  # noqa: F811
+    """vLLM's own functions (before any replacement), by ``(module, name)``; every
+    target restored and the plugin's per-process state reset afterwards."""
+    saved = {(m.__name__, n): getattr(m, n) for m, n in _targets()}
+    vllm_plugin._state.update(done=False, replaced=[], skipped=[])
+    yield saved
+    for (m, n), f in saved.items():
+        setattr(__import__("sys").modules[m], n, f)
+    vllm_plugin._state.update(done=False, replaced=[], skipped=[])
+
+
+@pytest.fixture
+def plugin_on(vllm_own, monkeypatch):
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    vllm_plugin.register()
+    return vllm_own
+
+
+def current(module_name, name):
+    return getattr(__import__("sys").modules[module_name], name)
+
+
+# ------------------------------------------------------------------- the switch
+
+
+def test_the_switch_off_changes_nothing(vllm_own, monkeypatch, caplog):
+    monkeypatch.delenv(vllm_plugin.SWITCH, raising=False)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        vllm_plugin.register()
+    assert vllm_plugin.replaced() == [] and caplog.records == []
+    assert all(current(m, n) is f for (m, n), f in vllm_own.items())
+
+
+def test_another_vllm_version_is_refused_with_one_warning(vllm_own, monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        vllm_plugin.register()
+        vllm_plugin.register()
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "serves vLLM 0.33.x, found 0.34.0: nothing replaced" in caplog.records[0].getMessage()
+    assert all(current(m, n) is f for (m, n), f in vllm_own.items())
+
+
+def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
+    from kda_engram.integrations import vllm_kimi_k3
+
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        vllm_plugin.register()
+        vllm_plugin.register()
+    assert len(caplog.records) == 1 and caplog.records[0].levelname == "INFO"
+    assert current(AMD_PREFILL, "chunk_kda_prefill") is vllm_kimi_k3.chunk_kda_prefill
+    for vendor, package in VENDOR_KDA.items():
+        # The package attribute is what the layers (and Kimi-Linear, at each forward) import.
+        assert current(package, "fused_recurrent_kda_packed_decode") is vllm_kimi_k3.fused_recurrent_kda_packed_decode
+    assert current("vllm.models.kimi_k3.amd.ops.kda_chunk", "is_fused_kda_chunk_supported")() is True
+    assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _ in vllm_plugin.REPLACEMENTS}
+    assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
+
+
+def test_the_signatures_are_vllms(vllm_own):
+    from kda_engram.integrations import vllm_kimi_k3
+
+    def params(f):
+        return [(p.name, p.default, p.kind) for p in inspect.signature(f).parameters.values()]
+
+    assert params(vllm_kimi_k3.chunk_kda_prefill) == params(vllm_own[(AMD_PREFILL, "chunk_kda_prefill")])
+    ours = params(vllm_kimi_k3.fused_recurrent_kda_packed_decode)
+    amd = params(vllm_own[(VENDOR_KDA["amd"], "fused_recurrent_kda_packed_decode")])
+    nvidia = params(vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda_packed_decode")])
+    assert ours == nvidia and ours[:len(amd)] == amd  # NVIDIA's copy adds `out` at the end
+
+
+# ------------------------------------------------------------------- prefill
+
+
+def prefill_inputs(lengths, seed=0):
+    T = sum(lengths)
+    q, k, v, raw_g = (rnd(1, T, H, K, seed=seed + i) for i in range(4))
+    raw_beta, A_log, g_bias = rnd(1, T, H, seed=seed + 4), rnd(H, seed=seed + 5) * 0.5, rnd(H * K, seed=seed + 6)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return q, k, v, raw_g, raw_beta, A_log, g_bias, cu
+
+
+@pytest.mark.parametrize("lower_bound, l2norm", [(-5.0, True), (None, True), (-5.0, False)])
+def test_prefill_matches_vllms_triton_path(plugin_on, lower_bound, l2norm):
+    q, k, v, raw_g, raw_beta, A_log, g_bias, cu = prefill_inputs([3, 70, 20])
+    if not l2norm:  # the caller normalised them
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    h0 = rnd(3, H, K, K, seed=9)
+    kw = dict(initial_state=h0, output_final_state=True, lower_bound=lower_bound, use_qk_l2norm_in_kernel=l2norm,
+              cu_seqlens=cu)
+    with vllm_kernels_on_cpu():
+        # vLLM's Triton path writes its output over v: it gets a copy.
+        o_vllm, f_vllm = plugin_on[(AMD_PREFILL, "chunk_kda_prefill")](q, k, v.clone(), raw_g, raw_beta, A_log,
+                                                                        g_bias, **kw)
+    v_before = v.clone()
+    o, f = current(AMD_PREFILL, "chunk_kda_prefill")(q, k, v, raw_g, raw_beta, A_log, g_bias, **kw)
+    close(o, o_vllm)
+    close(f, f_vllm)
+    assert f.dtype == f_vllm.dtype == torch.float32
+    assert torch.equal(v, v_before)
+
+
+def test_prefill_state_cache_checkpoints_and_null_rows(plugin_on):
+    """The ROCm layer's call: the paged cache, checkpoints into the cache itself,
+    ``out``, ``backend="fused"``; vLLM's conventions: index 0 is no row, an offset
+    that is not a multiple of 64 is skipped. vLLM's own Triton path serves neither
+    the cache on a CPU (its gather asserts CUDA) nor checkpoints (only its HIP
+    kernel does), so its references are its own call on the gathered rows, and on
+    the prompts cut at the checkpoint offsets."""
+    vllm_prefill = plugin_on[(AMD_PREFILL, "chunk_kda_prefill")]
+    lengths = [70, 130, 5]
+    q, k, v, raw_g, raw_beta, A_log, g_bias, cu = prefill_inputs(lengths, seed=20)
+    T = sum(lengths)
+    pool = rnd(8, H, K, K, seed=30)
+    pool[0] = math.nan  # the null block: never read nor written
+    before = pool.clone()
+    rows = torch.tensor([3, 5, 0], dtype=torch.int32)
+    has_init = torch.tensor([True, False, True])
+    ckpt_offsets = torch.tensor([64, 128, 20], dtype=torch.int32)  # 20: not a multiple of 64, skipped
+    ckpt_rows = torch.tensor([6, 7, 2], dtype=torch.int32)
+    out = torch.full((1, T + 4, H, K), math.nan)
+    o, final = current(AMD_PREFILL, "chunk_kda_prefill")(
+        q, k, v, raw_g, raw_beta, A_log, g_bias, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+        backend="fused", out=out[:, 2:T + 2], checkpoint_state=pool, checkpoint_offsets=ckpt_offsets,
+        checkpoint_state_indices=ckpt_rows, state_cache=pool, state_indices=rows, has_initial_state=has_init)
+    assert final is None and o.data_ptr() == out[:, 2:].data_ptr()
+    # vLLM's own call on the rows the cache holds (zeros: no initial state / null row).
+    h0 = torch.stack([before[r] if h and r > 0 else torch.zeros(H, K, K) for r, h in zip(rows.tolist(),
+                                                                                        has_init.tolist())])
+    with vllm_kernels_on_cpu():
+        o_vllm, f_vllm = vllm_prefill(q, k, v.clone(), raw_g, raw_beta, A_log, g_bias, initial_state=h0,
+                                      output_final_state=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=cu)
+    close(o, o_vllm)
+    close(pool[3], f_vllm[0])
+    close(pool[5], f_vllm[1])
+    # The checkpoints: vLLM's own call on the prompts cut at their offsets.
+    starts = cu[:-1].long()
+    cut = [(0, 64), (1, 128)]
+    for (n, off), row in zip(cut, (6, 7)):
+        s = int(starts[n])
+        part = [x[:, s:s + off] for x in (q, k, v, raw_g, raw_beta)]
+        with vllm_kernels_on_cpu():
+            _, f_cut = vllm_prefill(*part[:2], part[2].clone(), *part[3:], A_log, g_bias, initial_state=h0[n:n + 1],
+                                    output_final_state=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=torch.tensor([0, off], dtype=torch.int32))
+        close(pool[row], f_cut[0])
+    # Row 0 (null) and row 2 (the skipped checkpoint) untouched, bit for bit; and
+    # the rows no index names.
+    for r in (0, 1, 2, 4):
+        assert torch.equal(pool[r].view(torch.int32), before[r].view(torch.int32)), r
+    assert out[:, :2].isnan().all() and out[:, T + 2:].isnan().all()
+
+
+# ------------------------------------------------------------------- packed decode
+
+
+@pytest.mark.parametrize("vendor", ["amd", "nvidia"])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_packed_decode_matches_vllms_kernel(plugin_on, vendor, lower_bound):
+    B, V = 4, K
+    width = 2 * H * K + H * V
+    proj = rnd(B, width + 16, seed=40)  # the token stride is wider (the output gate follows)
+    mixed_qkv = proj[:, :width]
+    raw_g, raw_beta = rnd(1, B, H, K, seed=41), rnd(1, B, H, seed=42)
+    A_log, dt_bias = rnd(H, seed=43) * 0.5, rnd(H * K, seed=44)
+    pool = rnd(8, H, V, K, seed=45)
+    rows = torch.tensor([3, 0, 5, -1])  # 0 (NULL_BLOCK_ID) and -1: padding
+    args = (mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound)
+    theirs_pool, ours_pool = pool.clone(), pool.clone()
+    with vllm_kernels_on_cpu():
+        o_vllm, ret_vllm = plugin_on[(VENDOR_KDA[vendor], "fused_recurrent_kda_packed_decode")](
+            *args, initial_state=theirs_pool, state_indices=rows)
+    o, ret = current(VENDOR_KDA[vendor], "fused_recurrent_kda_packed_decode")(*args, initial_state=ours_pool,
+                                                                              state_indices=rows)
+    assert ret is ours_pool and ret_vllm is theirs_pool
+    close(o, o_vllm)
+    assert (o[0, 1] == 0).all() and (o[0, 3] == 0).all()
+    close(ours_pool, theirs_pool)
+    for r in (0, 1, 2, 4, 6, 7):
+        assert torch.equal(ours_pool[r], pool[r]), r
