@@ -37,7 +37,7 @@ def close(a, b, atol=ATOL):
 def _targets():
     import importlib
 
-    for module_name, name, importers in vllm_plugin.REPLACEMENTS:
+    for module_name, name, _, importers in vllm_plugin.REPLACEMENTS:
         for m in (module_name, *importers):
             try:
                 module = importlib.import_module(m)
@@ -106,8 +106,10 @@ def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
     for vendor, package in VENDOR_KDA.items():
         # The package attribute is what the layers (and Kimi-Linear, at each forward) import.
         assert current(package, "fused_recurrent_kda_packed_decode") is vllm_kimi_k3.fused_recurrent_kda_packed_decode
+        assert current(package, "fused_recurrent_kda") is (vllm_kimi_k3.fused_recurrent_kda if vendor == "amd" else
+                                                           vllm_kimi_k3.fused_recurrent_kda_nvidia)
     assert current("vllm.models.kimi_k3.amd.ops.kda_chunk", "is_fused_kda_chunk_supported")() is True
-    assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _ in vllm_plugin.REPLACEMENTS}
+    assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _, _ in vllm_plugin.REPLACEMENTS}
     assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
 
 
@@ -122,6 +124,9 @@ def test_the_signatures_are_vllms(vllm_own):
     amd = params(vllm_own[(VENDOR_KDA["amd"], "fused_recurrent_kda_packed_decode")])
     nvidia = params(vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda_packed_decode")])
     assert ours == nvidia and ours[:len(amd)] == amd  # NVIDIA's copy adds `out` at the end
+    assert params(vllm_kimi_k3.fused_recurrent_kda) == params(vllm_own[(VENDOR_KDA["amd"], "fused_recurrent_kda")])
+    assert params(vllm_kimi_k3.fused_recurrent_kda_nvidia) == params(
+        vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda")])
 
 
 # ------------------------------------------------------------------- prefill
@@ -234,3 +239,68 @@ def test_packed_decode_matches_vllms_kernel(plugin_on, vendor, lower_bound):
     close(ours_pool, theirs_pool)
     for r in (0, 1, 2, 4, 6, 7):
         assert torch.equal(ours_pool[r], pool[r]), r
+
+
+# ------------------------------------------------------------------- decode peel and speculative verify
+
+#: (tokens per sequence, ssm_state_indices, num_accepted_tokens): uneven counts,
+#: CUDA-graph padding (zero-length sequences and tokens past the last sequence),
+#: a start row 0 (NULL_BLOCK_ID: a padding sequence), a write column 0 (not written).
+VERIFY = dict(
+    spec=([3, 1, 2, 0, 1, 0], [[1, 2, 3], [4, 5, 6], [7, 0, 9], [12, 13, 14], [0, 10, 11], [0, 0, 0]],
+          [1, 3, 2, 1, 1, 1]),
+    peel=([1, 1, 1, 1], [3, 0, 5, 6], None),
+    uniform=([2, 2], [[1, 2], [3, 4]], [2, 1]),
+)
+
+
+@pytest.mark.parametrize("vendor", ["amd", "nvidia"])
+@pytest.mark.parametrize("case", list(VERIFY))
+def test_recurrent_matches_vllms_kernel(plugin_on, vendor, case):
+    counts, ssm, accepted = VERIFY[case]
+    pad = 2 if case == "spec" else 0  # tokens no sequence owns
+    T = sum(counts) + pad
+    q, k, v, raw_g = (rnd(1, T, H, K, seed=60 + i) for i in range(4))
+    raw_beta, A_log, dt_bias = rnd(1, T, H, seed=64), rnd(H, seed=65) * 0.5, rnd(H * K, seed=66)
+    cu = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
+    ssm = torch.tensor(ssm, dtype=torch.int32)
+    accepted = None if accepted is None else torch.tensor(accepted, dtype=torch.int32)
+    pool = rnd(16, H, K, K, seed=67)
+    kw = dict(cu_seqlens=cu, ssm_state_indices=ssm, num_accepted_tokens=accepted)
+    if case == "uniform" and vendor == "amd":
+        kw["uniform_sequence_length"] = 2
+    results = []
+    for fn in (plugin_on[(VENDOR_KDA[vendor], "fused_recurrent_kda")], current(VENDOR_KDA[vendor],
+                                                                               "fused_recurrent_kda")):
+        p, o = pool.clone(), torch.zeros(1, T, H, K)
+        with vllm_kernels_on_cpu():
+            got, ret = fn(q, k, v, raw_g, raw_beta, A_log, dt_bias, -5.0, p, out=o, **kw)
+        assert got is o and ret is p
+        results.append((o, p))
+    (o_vllm, p_vllm), (o, p) = results
+    close(o, o_vllm)
+    close(p, p_vllm)
+    written = {int(r) for n, c in enumerate(counts) for r in ssm.view(len(counts), -1)[n, :c] if r > 0}
+    for r in set(range(16)) - written:
+        assert torch.equal(p[r], pool[r]), r
+
+
+@pytest.mark.parametrize("counts, accepted, says", [
+    ([3, 1], [1, 4], "num_accepted_tokens: expected entries in [1, 3]"),
+    ([4, 0], [1, 1], "cu_seqlens: a sequence has more tokens than ssm_state_indices' width W=3"),
+])
+def test_recurrent_refuses_what_vllms_kernel_would_read_past(plugin_on, counts, accepted, says):
+    """vLLM's kernel reads past the index row there; ours writes no row and raises one line."""
+    from ..helpers import refused
+
+    T = sum(counts)
+    q, k, v, raw_g = (rnd(1, T, H, K, seed=70 + i) for i in range(4))
+    pool = rnd(8, H, K, K, seed=75)
+    before = pool.clone()
+    with refused(ValueError) as info:
+        current(VENDOR_KDA["amd"], "fused_recurrent_kda")(
+            q, k, v, raw_g, rnd(1, T, H), torch.zeros(H), None, None, pool,
+            cu_seqlens=torch.tensor([0, *counts]).cumsum(0), ssm_state_indices=torch.tensor([[1, 2, 3], [4, 5, 6]]),
+            num_accepted_tokens=torch.tensor(accepted))
+    assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
+    assert torch.equal(pool, before)

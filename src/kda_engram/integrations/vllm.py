@@ -25,7 +25,7 @@ from ..kda.reference import kda_gate
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, can_read_back, check_int, check_real, check_tensor
 from ..validation.kda_inputs import check_lower_bound
 from ..validation.entry import EntryChecks
-from .common import even_cu_seqlens, packed_varlen
+from .common import even_cu_seqlens, packed_varlen, queue_accepted_tokens_rule
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
 
@@ -159,10 +159,7 @@ def fused_recurrent_kda(
                 # A rule on device values: queued, the walk started from no row (padding)
                 # when it is broken, the verdict deferred like the kernels' own.
                 checks = EntryChecks(check_inputs)
-                lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
-                checks.add((lo < 1) | (hi > W), f"num_accepted_tokens: expected entries in [1, {W}] (the tokens "
-                           f"accepted per sequence, at most ssm_state_indices' width), got min {{}} and max {{}}",
-                           lo, hi)
+                queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
                 start = checks.guard(start, -1)
     o = kda_decode_multi(*tokens, None, None, state_cache=initial_state, state_indices=state_indices,
                          initial_state_indices=start, scale=scale, gate="log_decay",

@@ -10,6 +10,16 @@ that :mod:`kda_engram.integrations.vllm_plugin` can put them under those names:
 * :func:`fused_recurrent_kda_packed_decode` -- the one-token decode from the packed
   post-conv QKV (``ops/third_party/kda/fused_recurrent.py`` of both vendors; the
   NVIDIA copy's ``out``); onto :func:`kda_engram.kda.kda_decode`.
+* :func:`fused_recurrent_kda` (the ROCm copy's signature) and
+  :func:`fused_recurrent_kda_nvidia` (the NVIDIA copy's) -- the decode peel and the
+  speculative verify from the raw gate, uneven token counts per sequence and
+  zero-length (CUDA-graph padding) sequences included; onto
+  :func:`kda_engram.kda.kda_decode_multi` (tokens gathered into ``[N, W]`` on the
+  device, ``W`` the width of ``ssm_state_indices``).
+
+The device rules of our kernels run in eager mode and are skipped (host rules
+only) while a CUDA graph is captured or ``torch.compile`` traces, where vLLM calls
+these.
 
 vLLM's conventions, adapted here on the device (no host sync), where our kernels
 have their own:
@@ -28,12 +38,21 @@ from __future__ import annotations
 import torch
 
 from ..constants import CHUNK_SIZE
-from ..kda.decode import kda_decode
+from ..kda.decode import kda_decode, kda_decode_multi
 from ..kda.prefill import chunk_kda_prefill as kda_prefill
-from ..validation.common import check_tensor
-from .common import packed_varlen
+from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
+from ..validation.entry import EntryChecks
+from .common import packed_varlen, queue_accepted_tokens_rule
 
-__all__ = ["BACKENDS", "NULL_BLOCK_ID", "chunk_kda_prefill", "fused_recurrent_kda_packed_decode", "null_rows_to_none"]
+__all__ = [
+    "BACKENDS",
+    "NULL_BLOCK_ID",
+    "chunk_kda_prefill",
+    "fused_recurrent_kda",
+    "fused_recurrent_kda_nvidia",
+    "fused_recurrent_kda_packed_decode",
+    "null_rows_to_none",
+]
 
 #: vLLM's ``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``: index 0 is no row.
 NULL_BLOCK_ID = 0
@@ -126,7 +145,7 @@ def chunk_kda_prefill(
         checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
         checkpoint_state_indices=null_rows_to_none(checkpoint_state_indices), out=out,
         final_state_dtype=torch.float32 if output_final_state else None,
-        qk_l2norm=bool(use_qk_l2norm_in_kernel),
+        qk_l2norm=bool(use_qk_l2norm_in_kernel), check_inputs=can_read_back(),
     )
     return o.view(B, T, *o.shape[2:]), final
 
@@ -180,5 +199,140 @@ def fused_recurrent_kda_packed_decode(
     else:
         check_tensor("out", out, shape=[1, B, H, V])
     kda_decode(q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, initial_state, null_rows_to_none(state_indices),
-               scale=scale, lower_bound=lower_bound, out=out[0])
+               scale=scale, lower_bound=lower_bound, out=out[0], check_inputs=can_read_back())
+    return out, initial_state
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None,
+    uniform_sequence_length: int | None = None,
+    out: torch.Tensor | None = None,
+    fuse_gate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recurrent KDA steps on the state pool from the raw gate and beta (vLLM 0.33's
+    ROCm ``ops/third_party/kda`` ``fused_recurrent_kda``: the Kimi-K3 decode peel and
+    speculative verify).
+
+    ``q, k, raw_g``: ``[1, T, H, K]``; ``v``: ``[1, T, H, V]``; ``raw_beta``:
+    ``[1, T, H]`` (before its sigmoid); ``A_log [H]``; ``dt_bias [H*K]`` or None;
+    gate as in :func:`chunk_kda_prefill`; q and k L2-normalised, scale ``K ** -0.5``.
+    ``cu_seqlens`` int ``[N+1]``: sequence ``n`` is tokens ``cu[n]:cu[n+1]``, any
+    count from 0 (CUDA-graph padding: nothing read or written) to ``W``.
+    ``ssm_state_indices``: ``[N]`` (one token per sequence, ``T == N``) or ``[N, W]``:
+    the state after token ``s`` of sequence ``n`` is written to row
+    ``ssm_state_indices[n, s]``; the walk starts from row
+    ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
+    ``num_accepted_tokens``). A row ``<= 0`` is no row: not written, and as the start
+    row it makes the sequence padding (zero output, nothing written).
+    ``initial_state``: the V-first pool ``[slots, H, V, K]``, updated in place.
+    ``uniform_sequence_length`` and ``fuse_gate`` are vLLM's launch hints: accepted,
+    not needed. ``out``: optional ``[1, T, H, V]``; tokens outside every sequence are
+    left as they are.
+
+    Device rules (eager mode only): ``num_accepted_tokens`` in ``[1, W]``, every
+    sequence at most ``W`` tokens, ``cu_seqlens`` from 0, non-decreasing, ending at
+    most at ``T``; a call that breaks one writes no row, its error is raised by the
+    next kda-engram call. Returns ``(out, initial_state)``.
+    """
+    return _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                               ssm_state_indices, num_accepted_tokens, out)
+
+
+def fused_recurrent_kda_nvidia(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    fuse_gate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_recurrent_kda` with the NVIDIA copy's signature (no
+    ``uniform_sequence_length``); the same contract."""
+    return _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                               ssm_state_indices, num_accepted_tokens, out)
+
+
+def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
+                        ssm_state_indices, num_accepted_tokens, out):
+    """The body of both :func:`fused_recurrent_kda` signatures (see there)."""
+    check_tensor("q", q)
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise ValueError(f"q: expected [1, T, H, K], got {list(q.shape)}")
+    T = q.shape[1]
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=q.device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens: expected [N+1], got {list(cu_seqlens.shape)}")
+    N = cu_seqlens.numel() - 1
+    check_tensor("ssm_state_indices", ssm_state_indices, dtypes=INDEX_DTYPES, device=q.device)
+    if ssm_state_indices.dim() == 1:
+        if num_accepted_tokens is not None:
+            raise ValueError("num_accepted_tokens: needs the 2-D ssm_state_indices [N, W] (one column per token)")
+        if T != N or ssm_state_indices.shape[0] != N:
+            raise ValueError(f"ssm_state_indices: a 1-D [N] index serves one token per sequence (T == N), got "
+                             f"{list(ssm_state_indices.shape)} for N={N} sequences of T={T} tokens")
+        ssm_state_indices = ssm_state_indices[:, None]
+    if ssm_state_indices.dim() != 2 or ssm_state_indices.shape[0] != N or ssm_state_indices.shape[1] < 1:
+        raise ValueError(f"ssm_state_indices: expected [{N}] or [{N}, W >= 1], got {list(ssm_state_indices.shape)}")
+    W = ssm_state_indices.shape[1]
+    if num_accepted_tokens is not None:
+        check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES, device=q.device)
+    if out is None:
+        out = torch.zeros_like(v)
+    else:
+        check_tensor("out", out, shape=list(v.shape), device=q.device)
+    if N == 0 or T == 0:
+        return out, initial_state
+    if dt_bias is None:
+        dt_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
+    # Sequence n's token s sits at cu[n] + s: gathered into [N, W] (the kernel's
+    # per-sequence layout), positions past the sequence's length written nowhere.
+    cu = cu_seqlens.to(torch.int64)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    s = torch.arange(W, device=q.device)
+    valid = s[None, :] < lengths[:, None]
+    at = (starts[:, None] + s[None, :]).clamp(0, T - 1).reshape(-1)
+    tokens = [x[0].index_select(0, at).unflatten(0, (N, W)) for x in (q, k, v, raw_g, raw_beta)]
+    rows = torch.where(valid, null_rows_to_none(ssm_state_indices), torch.full_like(ssm_state_indices, -1))
+    col = torch.zeros_like(lengths) if num_accepted_tokens is None else (num_accepted_tokens.to(torch.int64) - 1)
+    start = null_rows_to_none(ssm_state_indices.gather(1, col.clamp(0, W - 1)[:, None])[:, 0])
+    start = torch.where(lengths > 0, start, torch.full_like(start, -1))
+    check_inputs = can_read_back()
+    checks = EntryChecks(check_inputs)
+    if check_inputs:
+        # Rules on device values, queued: broken, the walk starts from no row (padding).
+        checks.add((cu[0] != 0) | (lengths < 0).any() | (cu[-1] > T), f"cu_seqlens: expected 0 first, "
+                   f"non-decreasing, at most T={T} last, got first {{}} and last {{}}", cu[0], cu[-1])
+        checks.add((lengths > W).any(), f"cu_seqlens: a sequence has more tokens than ssm_state_indices' width "
+                   f"W={W} (one row per token), got {{}}", lengths.max())
+        if num_accepted_tokens is not None:
+            queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
+        rows, start = checks.guard_many((rows, -1), (start, -1))
+    o = kda_decode_multi(*tokens, A_log, dt_bias, state_cache=initial_state, state_indices=rows,
+                         initial_state_indices=start, lower_bound=lower_bound, check_inputs=check_inputs)
+    # Back to the token order: token t of sequence n(t) (the last n with cu[n] <= t).
+    t = torch.arange(T, device=q.device)
+    n = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=N - 1)
+    inside = (t >= cu[0]) & (t < cu[-1])
+    flat = o.reshape(N * W, *o.shape[2:])[(n * W + (t - starts[n]).clamp(0, W - 1))]
+    out[0].copy_(torch.where(inside[:, None, None], flat, out[0]))
+    checks.run()
     return out, initial_state

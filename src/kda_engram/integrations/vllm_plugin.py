@@ -21,13 +21,13 @@ Replaced so far:
   layer's prefill, every ``kda_prefill_backend``), and
   ``kda_chunk.is_fused_kda_chunk_supported`` as seen by that layer (True: the layer
   enables the ``"fused"`` backend and its prefill checkpoints, which ours serve);
-* ``fused_recurrent_kda_packed_decode`` of both vendors' ``ops/third_party/kda``
-  (the Kimi-K3 layers' and Kimi-Linear's pure-decode step; Kimi-Linear imports it
+* ``fused_recurrent_kda_packed_decode`` and ``fused_recurrent_kda`` of both
+  vendors' ``ops/third_party/kda`` (the Kimi-K3 layers' and Kimi-Linear's
+  pure-decode step, decode peel and speculative verify; Kimi-Linear imports them
   from there at each forward).
 
-Everything else in those layers (the speculative ``fused_recurrent_kda``, the
-NVIDIA ``chunk_kda_with_fused_gate``, the convolutions, the Engram layer) stays
-vLLM's own.
+Everything else in those layers (the NVIDIA and Kimi-Linear prefill
+``chunk_kda_with_fused_gate``, the convolutions, the Engram layer) stays vLLM's own.
 """
 
 from __future__ import annotations
@@ -65,13 +65,18 @@ def _ours(name: str):
     return getattr(vllm_kimi_k3, name)
 
 
-#: ``(module that defines the name, name, modules that import it by name)``.
+#: ``(module that defines the name, name, our function's name in
+#: :mod:`~kda_engram.integrations.vllm_kimi_k3`, modules that import it by name)``.
 REPLACEMENTS = (
-    (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", (f"{_AMD}.kda",)),
-    (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", "chunk_kda_prefill", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", "is_fused_kda_chunk_supported", (f"{_AMD}.kda",)),
     (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
-     (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
+     "fused_recurrent_kda_packed_decode", (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
     (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
+     "fused_recurrent_kda_packed_decode", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda",
+     (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
+    (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda_nvidia",
      (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
 )
 
@@ -114,13 +119,13 @@ def register() -> None:
         return
     if not _switch_on():
         return
-    for module_name, name, importers in REPLACEMENTS:
+    for module_name, name, our_name, importers in REPLACEMENTS:
         try:
             module = importlib.import_module(module_name)
         except Exception as e:  # another vendor's build, a missing extension
             _state["skipped"].append(f"{module_name}.{name} ({type(e).__name__}: {e})")
             continue
-        ours = _ours(name)
+        ours = _ours(our_name)
         setattr(module, name, ours)
         for importer in importers:
             loaded = sys.modules.get(importer)
