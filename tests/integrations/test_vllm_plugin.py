@@ -108,6 +108,8 @@ def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
         assert current(package, "fused_recurrent_kda_packed_decode") is vllm_kimi_k3.fused_recurrent_kda_packed_decode
         assert current(package, "fused_recurrent_kda") is (vllm_kimi_k3.fused_recurrent_kda if vendor == "amd" else
                                                            vllm_kimi_k3.fused_recurrent_kda_nvidia)
+        assert current(package, "chunk_kda_with_fused_gate") is (
+            vllm_kimi_k3.chunk_kda_with_fused_gate if vendor == "amd" else vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia)
     assert current("vllm.models.kimi_k3.amd.ops.kda_chunk", "is_fused_kda_chunk_supported")() is True
     assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _, _ in vllm_plugin.REPLACEMENTS}
     assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
@@ -125,6 +127,10 @@ def test_the_signatures_are_vllms(vllm_own):
     nvidia = params(vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda_packed_decode")])
     assert ours == nvidia and ours[:len(amd)] == amd  # NVIDIA's copy adds `out` at the end
     assert params(vllm_kimi_k3.fused_recurrent_kda) == params(vllm_own[(VENDOR_KDA["amd"], "fused_recurrent_kda")])
+    assert params(vllm_kimi_k3.chunk_kda_with_fused_gate) == params(
+        vllm_own[(VENDOR_KDA["amd"], "chunk_kda_with_fused_gate")])
+    assert params(vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia) == params(
+        vllm_own[(VENDOR_KDA["nvidia"], "chunk_kda_with_fused_gate")])
     assert params(vllm_kimi_k3.fused_recurrent_kda_nvidia) == params(
         vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda")])
 
@@ -158,6 +164,39 @@ def test_prefill_matches_vllms_triton_path(plugin_on, lower_bound, l2norm):
     close(f, f_vllm)
     assert f.dtype == f_vllm.dtype == torch.float32
     assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("vendor", ["amd", "nvidia"])
+def test_chunk_kda_with_fused_gate_matches_vllms(plugin_on, vendor):
+    """The NVIDIA Kimi-K3 layer's and Kimi-Linear's prefill call (``out`` is the
+    NVIDIA copy's argument)."""
+    q, k, v, raw_g, raw_beta, A_log, g_bias, cu = prefill_inputs([3, 70, 20], seed=50)
+    h0 = rnd(3, H, K, K, seed=59)
+    T = q.shape[1]
+    results = []
+    for fn in (plugin_on[(VENDOR_KDA[vendor], "chunk_kda_with_fused_gate")],
+               current(VENDOR_KDA[vendor], "chunk_kda_with_fused_gate")):
+        out = torch.full((1, T, H, K), math.nan) if vendor == "nvidia" else None
+        kw = {} if out is None else dict(out=out)
+        with vllm_kernels_on_cpu():
+            o, f = fn(q=q, k=k, v=v.clone(), raw_g=raw_g, raw_beta=raw_beta, A_log=A_log, g_bias=g_bias,
+                      lower_bound=-5.0, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=cu, **kw)
+        if out is not None:
+            assert o.data_ptr() == out.data_ptr()
+        results.append((o, f))
+    (o_vllm, f_vllm), (o, f) = results
+    close(o, o_vllm)
+    close(f, f_vllm)
+    assert f.dtype == f_vllm.dtype
+
+
+def test_chunk_kda_with_fused_gate_refuses_keywords_it_does_not_serve(plugin_on):
+    q, k, v, raw_g, raw_beta, A_log, g_bias, cu = prefill_inputs([3])
+    with pytest.raises(TypeError) as info:
+        current(VENDOR_KDA["nvidia"], "chunk_kda_with_fused_gate")(q, k, v, raw_g, raw_beta, A_log, g_bias,
+                                                                   cu_seqlens=cu, state_cache=torch.zeros(1))
+    assert str(info.value).startswith("state_cache: not an argument kda-engram serves"), str(info.value)
 
 
 def test_prefill_state_cache_checkpoints_and_null_rows(plugin_on):

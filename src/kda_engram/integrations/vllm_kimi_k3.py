@@ -7,6 +7,10 @@ that :mod:`kda_engram.integrations.vllm_plugin` can put them under those names:
 * :func:`chunk_kda_prefill` -- ``vllm/models/kimi_k3/amd/ops/kda_prefill.py``'s
   prefill (the paged state cache, checkpoints, ``out``, every ``backend``);
   onto :func:`kda_engram.kda.chunk_kda_prefill`.
+* :func:`chunk_kda_with_fused_gate` (the ROCm copy's signature) and
+  :func:`chunk_kda_with_fused_gate_nvidia` (the NVIDIA copy's, with ``out``) --
+  ``ops/third_party/kda/chunk.py``'s prefill on per-sequence initial states, which
+  the NVIDIA Kimi-K3 and Kimi-Linear layers call; onto :func:`chunk_kda_prefill` here.
 * :func:`fused_recurrent_kda_packed_decode` -- the one-token decode from the packed
   post-conv QKV (``ops/third_party/kda/fused_recurrent.py`` of both vendors; the
   NVIDIA copy's ``out``); onto :func:`kda_engram.kda.kda_decode`.
@@ -48,6 +52,8 @@ __all__ = [
     "BACKENDS",
     "NULL_BLOCK_ID",
     "chunk_kda_prefill",
+    "chunk_kda_with_fused_gate",
+    "chunk_kda_with_fused_gate_nvidia",
     "fused_recurrent_kda",
     "fused_recurrent_kda_nvidia",
     "fused_recurrent_kda_packed_decode",
@@ -148,6 +154,70 @@ def chunk_kda_prefill(
         qk_l2norm=bool(use_qk_l2norm_in_kernel), check_inputs=can_read_back(),
     )
     return o.view(B, T, *o.shape[2:]), final
+
+
+def _no_other_keywords(kwargs: dict, served: tuple[str, ...]) -> None:
+    """vLLM's ``chunk_kda_with_fused_gate`` swallows unknown keywords (``**kwargs``);
+    ours refuses what it does not serve rather than drop it."""
+    other = sorted(set(kwargs) - set(served))
+    if other:
+        raise TypeError(f"{other[0]}: not an argument kda-engram serves for chunk_kda_with_fused_gate "
+                        f"(served: {', '.join(served)}), got {', '.join(other)}")
+
+
+def chunk_kda_with_fused_gate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    g_bias: torch.Tensor | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    chunk_offsets: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA prefill on per-sequence initial states (vLLM 0.33's ROCm
+    ``ops/third_party/kda`` ``chunk_kda_with_fused_gate``): :func:`chunk_kda_prefill`
+    with ``initial_state [N, H, V, K]`` / ``output_final_state`` (fp32 final state).
+    ``chunk_indices``/``chunk_offsets`` are accepted and not read; of the other
+    keywords (which vLLM's copy ignores) ``out`` ``[1, T, H, V]`` is served and any
+    other is a ``TypeError``. ``v`` is never overwritten (vLLM's copy writes its
+    output over it). Returns ``(o, final_state | None)``."""
+    _no_other_keywords(kwargs, ("out",))
+    return chunk_kda_prefill(q, k, v, raw_g, raw_beta, A_log, g_bias, scale, initial_state, output_final_state,
+                             lower_bound, use_qk_l2norm_in_kernel, cu_seqlens, out=kwargs.get("out"))
+
+
+def chunk_kda_with_fused_gate_nvidia(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    g_bias: torch.Tensor | None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunk_kda_with_fused_gate` with the NVIDIA copy's signature (``out``
+    after ``cu_seqlens``; ``chunk_indices``/``chunk_offsets`` accepted as keywords
+    and not read); the same contract."""
+    _no_other_keywords(kwargs, ("chunk_indices", "chunk_offsets"))
+    return chunk_kda_prefill(q, k, v, raw_g, raw_beta, A_log, g_bias, scale, initial_state, output_final_state,
+                             lower_bound, use_qk_l2norm_in_kernel, cu_seqlens, out=out)
 
 
 def fused_recurrent_kda_packed_decode(

@@ -21,13 +21,14 @@ Replaced so far:
   layer's prefill, every ``kda_prefill_backend``), and
   ``kda_chunk.is_fused_kda_chunk_supported`` as seen by that layer (True: the layer
   enables the ``"fused"`` backend and its prefill checkpoints, which ours serve);
-* ``fused_recurrent_kda_packed_decode`` and ``fused_recurrent_kda`` of both
-  vendors' ``ops/third_party/kda`` (the Kimi-K3 layers' and Kimi-Linear's
-  pure-decode step, decode peel and speculative verify; Kimi-Linear imports them
-  from there at each forward).
+* ``chunk_kda_with_fused_gate``, ``fused_recurrent_kda_packed_decode`` and
+  ``fused_recurrent_kda`` of both vendors' ``ops/third_party/kda`` (the NVIDIA
+  Kimi-K3 layer's and Kimi-Linear's prefill, the Kimi-K3 layers' and Kimi-Linear's
+  pure-decode step, decode peel and speculative verify; the layers import them from
+  there at each forward).
 
-Everything else in those layers (the NVIDIA and Kimi-Linear prefill
-``chunk_kda_with_fused_gate``, the convolutions, the Engram layer) stays vLLM's own.
+Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
+layer) stays vLLM's own.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ REPLACEMENTS = (
      "fused_recurrent_kda_packed_decode", (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
     (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
      "fused_recurrent_kda_packed_decode", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "chunk_kda_with_fused_gate",
+     (f"{_AMD}.ops.third_party.kda",)),
+    (f"{_NVIDIA}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "chunk_kda_with_fused_gate_nvidia",
+     (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
     (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda",
      (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
     (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda_nvidia",
