@@ -10,6 +10,7 @@ after the plugin replaced it, with the same arguments, and compares within 1e-5.
 import inspect
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def vllm_own(vllm_root):  # noqa: F811
     vllm_plugin._state.update(done=False, replaced=[], skipped=[])
     yield saved
     for (m, n), f in saved.items():
-        setattr(__import__("sys").modules[m], n, f)
+        setattr(sys.modules[m], n, f)
     vllm_plugin._state.update(done=False, replaced=[], skipped=[])
 
 
@@ -67,7 +68,7 @@ def plugin_on(vllm_own, monkeypatch):
 
 
 def current(module_name, name):
-    return getattr(__import__("sys").modules[module_name], name)
+    return getattr(sys.modules[module_name], name)
 
 
 # ------------------------------------------------------------------- the switch
@@ -103,13 +104,14 @@ def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
         vllm_plugin.register()
     assert len(caplog.records) == 1 and caplog.records[0].levelname == "INFO"
     assert current(AMD_PREFILL, "chunk_kda_prefill") is vllm_kimi_k3.chunk_kda_prefill
-    for vendor, package in VENDOR_KDA.items():
-        # The package attribute is what the layers (and Kimi-Linear, at each forward) import.
-        assert current(package, "fused_recurrent_kda_packed_decode") is vllm_kimi_k3.fused_recurrent_kda_packed_decode
-        assert current(package, "fused_recurrent_kda") is (vllm_kimi_k3.fused_recurrent_kda if vendor == "amd" else
-                                                           vllm_kimi_k3.fused_recurrent_kda_nvidia)
-        assert current(package, "chunk_kda_with_fused_gate") is (
-            vllm_kimi_k3.chunk_kda_with_fused_gate if vendor == "amd" else vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia)
+    for module_name, name, our_name, importers in vllm_plugin.REPLACEMENTS:
+        ours = vllm_plugin._ours(our_name)
+        assert current(module_name, name) is ours, (module_name, name)
+        # The package attributes are what the layers (Kimi-Linear at each forward) import.
+        for importer in importers:
+            if importer in sys.modules:
+                assert current(importer, name) is ours, (importer, name)
+    assert current(VENDOR_KDA["nvidia"], "fused_recurrent_kda") is vllm_kimi_k3.fused_recurrent_kda_nvidia
     assert current("vllm.models.kimi_k3.amd.ops.kda_chunk", "is_fused_kda_chunk_supported")() is True
     assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _, _ in vllm_plugin.REPLACEMENTS}
     assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
