@@ -23,7 +23,9 @@ that :mod:`kda_engram.integrations.vllm_plugin` can put them under those names:
 
 The device rules of our kernels run in eager mode and are skipped (host rules
 only) while a CUDA graph is captured or ``torch.compile`` traces, where vLLM calls
-these.
+these. While ``torch.compile`` traces, the kernels are reached through their custom
+ops (:mod:`kda_engram.ops`), so ``torch.compile(fullgraph=True)`` takes these
+functions whole (an ``out`` is then filled by a copy from the op's output).
 
 vLLM's conventions, adapted here on the device (no host sync), where our kernels
 have their own:
@@ -41,9 +43,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..constants import CHUNK_SIZE
-from ..kda.decode import kda_decode, kda_decode_multi
-from ..kda.prefill import chunk_kda_prefill as kda_prefill
+from ..kda import decode as _decode
+from ..kda import prefill as _prefill
 from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
 from ..validation.entry import EntryChecks
 from .common import packed_varlen, queue_accepted_tokens_rule
@@ -64,6 +67,21 @@ __all__ = [
 NULL_BLOCK_ID = 0
 #: The ``backend`` values vLLM's ROCm ``chunk_kda_prefill`` takes (all served by ours).
 BACKENDS = ("triton", "fused", "gluon")
+
+
+def _launch(entry, op_function, *args, out=None, **kwargs):
+    """``entry(*args, out=out, **kwargs)`` in eager mode, checked (device rules too,
+    unless a CUDA graph is being captured); while ``torch.compile`` traces, the
+    custom op ``op_function`` (host rules only; it allocates its output, copied into
+    ``out``). The result as ``entry`` returns it."""
+    if not torch.compiler.is_compiling():
+        return entry(*args, out=out, check_inputs=can_read_back(), **kwargs)
+    result = op_function(*args, **kwargs)
+    o = result[0] if isinstance(result, tuple) else result
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, *result[1:]) if isinstance(result, tuple) else o
 
 
 def null_rows_to_none(indices: torch.Tensor | None) -> torch.Tensor | None:
@@ -144,14 +162,15 @@ def chunk_kda_prefill(
     for name, x in (("state_indices", state_indices), ("checkpoint_state_indices", checkpoint_state_indices)):
         if x is not None:
             check_tensor(name, x)
-    o, final = kda_prefill(
+    o, final = _launch(
+        _prefill.chunk_kda_prefill, ops.chunk_kda_prefill,
         q, k, v, raw_g, raw_beta, A_log, g_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
         initial_state=initial_state, output_final_state=output_final_state, state_cache=state_cache,
         state_indices=null_rows_to_none(state_indices), has_initial_state=has_initial_state,
         checkpoint_state=checkpoint_state, checkpoint_offsets=checkpoint_offsets,
         checkpoint_state_indices=null_rows_to_none(checkpoint_state_indices), out=out,
         final_state_dtype=torch.float32 if output_final_state else None,
-        qk_l2norm=bool(use_qk_l2norm_in_kernel), check_inputs=can_read_back(),
+        qk_l2norm=bool(use_qk_l2norm_in_kernel),
     )
     return o.view(B, T, *o.shape[2:]), final
 
@@ -268,8 +287,8 @@ def fused_recurrent_kda_packed_decode(
         out = torch.empty(1, B, H, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     else:
         check_tensor("out", out, shape=[1, B, H, V])
-    kda_decode(q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, initial_state, null_rows_to_none(state_indices),
-               scale=scale, lower_bound=lower_bound, out=out[0], check_inputs=can_read_back())
+    _launch(_decode.kda_decode, ops.kda_decode, q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, initial_state,
+            null_rows_to_none(state_indices), scale=scale, lower_bound=lower_bound, out=out[0])
     return out, initial_state
 
 
@@ -385,9 +404,9 @@ def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, i
     col = torch.zeros_like(lengths) if num_accepted_tokens is None else (num_accepted_tokens.to(torch.int64) - 1)
     start = null_rows_to_none(ssm_state_indices.gather(1, col.clamp(0, W - 1)[:, None])[:, 0])
     start = torch.where(lengths > 0, start, torch.full_like(start, -1))
-    check_inputs = can_read_back()
-    checks = EntryChecks(check_inputs)
-    if check_inputs:
+    checks = None
+    if not torch.compiler.is_compiling() and can_read_back():
+        checks = EntryChecks(True)
         # Rules on device values, queued: broken, the walk starts from no row (padding).
         checks.add((cu[0] != 0) | (lengths < 0).any() | (cu[-1] > T), f"cu_seqlens: expected 0 first, "
                    f"non-decreasing, at most T={T} last, got first {{}} and last {{}}", cu[0], cu[-1])
@@ -396,13 +415,14 @@ def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, i
         if num_accepted_tokens is not None:
             queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
         rows, start = checks.guard_many((rows, -1), (start, -1))
-    o = kda_decode_multi(*tokens, A_log, dt_bias, state_cache=initial_state, state_indices=rows,
-                         initial_state_indices=start, lower_bound=lower_bound, check_inputs=check_inputs)
+    o = _launch(_decode.kda_decode_multi, ops.kda_decode_multi, *tokens, A_log, dt_bias, state_cache=initial_state,
+                state_indices=rows, initial_state_indices=start, lower_bound=lower_bound)
     # Back to the token order: token t of sequence n(t) (the last n with cu[n] <= t).
     t = torch.arange(T, device=q.device)
     n = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=N - 1)
     inside = (t >= cu[0]) & (t < cu[-1])
     flat = o.reshape(N * W, *o.shape[2:])[(n * W + (t - starts[n]).clamp(0, W - 1))]
     out[0].copy_(torch.where(inside[:, None, None], flat, out[0]))
-    checks.run()
+    if checks is not None:
+        checks.run()
     return out, initial_state
