@@ -53,11 +53,12 @@ def vllm_own(vllm_root):  # noqa: F811
     """vLLM's own functions (before any replacement), by ``(module, name)``; every
     target restored and the plugin's per-process state reset afterwards."""
     saved = {(m.__name__, n): getattr(m, n) for m, n in _targets()}
-    vllm_plugin._state.update(done=False, replaced=[], skipped=[])
+    vllm_plugin._reset()
     yield saved
+    vllm_plugin._reset()
     for (m, n), f in saved.items():
-        setattr(sys.modules[m], n, f)
-    vllm_plugin._state.update(done=False, replaced=[], skipped=[])
+        if m in sys.modules:
+            setattr(sys.modules[m], n, f)
 
 
 @pytest.fixture
@@ -115,6 +116,27 @@ def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
     assert current("vllm.models.kimi_k3.amd.ops.kda_chunk", "is_fused_kda_chunk_supported")() is True
     assert set(vllm_plugin.replaced()) == {f"{m}.{n}" for m, n, _, _ in vllm_plugin.REPLACEMENTS}
     assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
+
+
+def test_a_module_vllm_imports_later_is_replaced_as_it_is_imported(vllm_own, monkeypatch):
+    """The plugin imports none of vLLM's model modules: a target imported after it
+    registered is patched as it loads, before the modules that import its names read
+    them (the package ``ops/third_party/kda`` binds the replaced names)."""
+    from kda_engram.integrations import vllm_kimi_k3
+
+    later = [m for m in sys.modules if m.startswith(VENDOR_KDA["nvidia"])]
+    for m in later:
+        monkeypatch.delitem(sys.modules, m)
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    vllm_plugin.register()
+    assert not any(r.startswith(VENDOR_KDA["nvidia"]) for r in vllm_plugin.replaced())
+    import importlib
+
+    package = importlib.import_module(VENDOR_KDA["nvidia"])
+    assert package.fused_recurrent_kda is vllm_kimi_k3.fused_recurrent_kda_nvidia
+    assert package.chunk_kda_with_fused_gate is vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia
+    assert package.fused_recurrent_kda_packed_decode is vllm_kimi_k3.fused_recurrent_kda_packed_decode
+    assert any(r.startswith(VENDOR_KDA["nvidia"]) for r in vllm_plugin.replaced())
 
 
 def test_the_signatures_are_vllms(vllm_own):

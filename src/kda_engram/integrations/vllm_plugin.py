@@ -8,12 +8,12 @@ changes nothing unless
   and contracts below are 0.33's), and
 * the switch :data:`SWITCH` (``KDA_ENGRAM_VLLM=1``) is set in the environment.
 
-Then it replaces, in the module that defines each name and in the modules that
-import it (those already imported; later imports take the replaced name), the
-functions of :data:`REPLACEMENTS` with the functions of
-:mod:`kda_engram.integrations.vllm_kimi_k3`, which have vLLM's exact contracts,
-and logs once what it replaced. A module that cannot be imported here (another
-vendor's build) is skipped and named in that log line.
+Then it replaces the functions of :data:`REPLACEMENTS` with the functions of
+:mod:`kda_engram.integrations.vllm_kimi_k3`, which have vLLM's exact contracts, in
+the module that defines each name, right after vLLM imports that module (an import
+hook; one already imported is patched at once, together with the modules that
+imported the name from it), and logs once, at INFO, what it replaces. It imports
+none of vLLM's model modules itself.
 
 Replaced so far:
 
@@ -34,6 +34,7 @@ layer) stays vLLM's own.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import logging
 import os
 import sys
@@ -85,11 +86,11 @@ REPLACEMENTS = (
      (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
 )
 
-_state = {"done": False, "replaced": [], "skipped": []}
+_state = {"done": False, "replaced": [], "finder": None}
 
 
 def replaced() -> list[str]:
-    """The ``module.name`` targets this process replaced (empty when off)."""
+    """The ``module.name`` targets this process has replaced so far (empty when off)."""
     return list(_state["replaced"])
 
 
@@ -110,8 +111,60 @@ def _switch_on() -> bool:
     return False
 
 
+def _patch(module) -> None:
+    """Replace the targets ``module`` defines, there and in its importers already loaded."""
+    for module_name, name, our_name, importers in REPLACEMENTS:
+        if module_name != module.__name__:
+            continue
+        ours = _ours(our_name)
+        setattr(module, name, ours)
+        for importer in importers:
+            loaded = sys.modules.get(importer)
+            if loaded is not None and hasattr(loaded, name):
+                setattr(loaded, name, ours)
+        _state["replaced"].append(f"{module_name}.{name}")
+        logger.debug("kda-engram: replaced %s.%s", module_name, name)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The loader of a target module, followed by :func:`_patch` once it has run."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a target module it takes the spec the next finders
+    give and wraps its loader, so the module is patched right after vLLM imports it
+    (and before any module that imports names from it reads them)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in {m for m, *_ in REPLACEMENTS}:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
 def register() -> None:
-    """The entry point (idempotent: one check and one log line per process)."""
+    """The entry point (idempotent: one check and one log line per process).
+
+    Imports nothing of vLLM's but its version: the targets already imported are
+    patched now, the others as vLLM imports them (an import hook on ``sys.meta_path``),
+    so a build without one vendor's modules simply never patches them."""
     if _state["done"]:
         return
     _state["done"] = True
@@ -124,18 +177,21 @@ def register() -> None:
         return
     if not _switch_on():
         return
-    for module_name, name, our_name, importers in REPLACEMENTS:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # another vendor's build, a missing extension
-            _state["skipped"].append(f"{module_name}.{name} ({type(e).__name__}: {e})")
-            continue
-        ours = _ours(our_name)
-        setattr(module, name, ours)
-        for importer in importers:
-            loaded = sys.modules.get(importer)
-            if loaded is not None and hasattr(loaded, name):
-                setattr(loaded, name, ours)
-        _state["replaced"].append(f"{module_name}.{name}")
-    logger.info("kda-engram: replaced %s with kda-engram's kernels%s", ", ".join(_state["replaced"]) or "nothing",
-                f"; skipped {'; '.join(_state['skipped'])}" if _state["skipped"] else "")
+    finder = _PatchOnImport()
+    sys.meta_path.insert(0, finder)
+    _state["finder"] = finder
+    for module_name in dict.fromkeys(m for m, *_ in REPLACEMENTS):
+        loaded = sys.modules.get(module_name)
+        if loaded is not None:
+            _patch(loaded)
+    logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)",
+                ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS), ", ".join(_state["replaced"]) or "none")
+
+
+def _reset() -> None:
+    """Forget this process's registration (tests): the import hook goes, the state is
+    cleared; replaced names stay replaced (restore them yourself)."""
+    finder = _state["finder"]
+    if finder is not None and finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    _state.update(done=False, replaced=[], finder=None)
