@@ -155,6 +155,11 @@ def test_the_signatures_are_vllms(vllm_own):
         vllm_own[(VENDOR_KDA["amd"], "chunk_kda_with_fused_gate")])
     assert params(vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia) == params(
         vllm_own[(VENDOR_KDA["nvidia"], "chunk_kda_with_fused_gate")])
+    # The Engram launch: the kernel's own arguments, after the grid, plus num_warps.
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    names = [n for n, _, _ in params(vllm_deepseek_v41.fused_engram_post_wkv)]
+    assert names == ["grid", *vllm_own[(ENGRAM, "_fused_engram_post_wkv_kernel")].arg_names, "num_warps"]
     assert params(vllm_kimi_k3.fused_recurrent_kda_nvidia) == params(
         vllm_own[(VENDOR_KDA["nvidia"], "fused_recurrent_kda")])
 
@@ -428,3 +433,76 @@ def test_torch_compile_fullgraph_takes_each_replacement_whole(case):
     for a, b in zip([*eager_args, *eager_kwargs.values()], [*compiled_args, *compiled_kwargs.values()]):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)  # the pools, the outputs written in place
+
+
+# ------------------------------------------------------------------- Engram gate
+
+ENGRAM = "vllm.models.deepseek_v41.common.engram"
+
+
+def engram_layer(hc, dim, seed=100):
+    """vLLM's ``Engram`` with what its ``forward`` reads, assembled here: its
+    constructor needs vLLM's config and distributed state, and its embedding and
+    ``wkv`` projection (vLLM's parallel layers) are plain torch stand-ins. The gate
+    path -- ``Engram.forward`` and the kernel it launches -- is vLLM's."""
+    engram = sys.modules[ENGRAM]
+    layer = engram.Engram.__new__(engram.Engram)
+    torch.nn.Module.__init__(layer)
+    cols, emb = 3, 8
+    table = rnd(50, emb, seed=seed)
+    layer.embed = lambda ids: table[ids]
+    layer.wkv = torch.nn.Linear(cols * emb, (hc + 1) * dim, bias=False)
+    with torch.no_grad():
+        layer.wkv.weight.copy_(rnd(*layer.wkv.weight.shape, seed=seed + 1))
+    layer.hc_mult, layer.dim, layer.eps, layer.clamp_value = hc, dim, 1e-6, 1e-6
+    layer.q_weight, layer.k_weight = rnd(hc, dim, seed=seed + 2), rnd(hc, dim, seed=seed + 3)
+    layer.use_sequence_parallel = False
+    return layer
+
+
+@pytest.mark.parametrize("mask, tp", [(False, None), (True, None), (True, (2, 1)), (True, (2, 0))])
+def test_engram_forward_matches_vllms_gate(plugin_on, monkeypatch, mask, tp):
+    """vLLM's ``Engram.forward`` with its kernel, then with the plugin's launch under
+    the kernel's name; with tensor parallelism (``tp``: size, rank; the distributed
+    state faked) each rank holds a token shard and a mask of its ``num_kv_tokens``
+    rows, fewer than the shard on the last rank (issue 53 row 8)."""
+    engram = sys.modules[ENGRAM]
+    hc, dim, T = 2, 24, 5
+    layer = engram_layer(hc, dim)
+    hash_ids = torch.randint(0, 50, (T, 3), generator=torch.Generator().manual_seed(7))
+    token_mask = torch.tensor([True, False, True, True, False]) if mask else None
+    rows = T
+    if tp is not None:
+        size, rank = tp
+        layer.use_sequence_parallel = True
+        monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: size)
+        monkeypatch.setattr(engram, "get_tensor_model_parallel_rank", lambda: rank)
+        rows = -(-T // size)
+    hidden = rnd(rows, hc, dim, seed=8)
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    assert current(ENGRAM, "_fused_engram_post_wkv_kernel") is vllm_deepseek_v41.fused_engram_post_wkv_kernel
+    with torch.no_grad():
+        ours = layer(hidden, hash_ids, token_mask)
+        # vLLM's own kernel back under its name (the fixture restores it anyway).
+        engram._fused_engram_post_wkv_kernel = plugin_on[(ENGRAM, "_fused_engram_post_wkv_kernel")]
+        with vllm_kernels_on_cpu():
+            theirs = layer(hidden, hash_ids, token_mask)
+    close(ours, theirs)
+    assert not torch.equal(ours, hidden)  # the gate did something
+
+
+def test_engram_launch_refuses_a_grid_or_strides_it_does_not_match(vllm_own):
+    from kda_engram.integrations.vllm_deepseek_v41 import fused_engram_post_wkv_kernel as kernel
+
+    hc, dim, T = 2, 8, 3
+    hidden, kv = rnd(T, hc, dim), rnd(T, (hc + 1) * dim)
+    q, k, out = rnd(hc, dim), rnd(hc, dim), torch.empty(T, hc, dim)
+    args = [hidden, kv, q, k, hidden, out, T, *hidden.stride(), *kv.stride(), *q.stride(), *k.stride(), 0,
+            *out.stride(), 1e-6, 1e-6]
+    kw = dict(DIM=dim, HC_MULT=hc, BLOCK_SIZE=8, HAS_MASK=False, num_warps=4)
+    with pytest.raises(ValueError, match=r"^grid: expected \(T \* hc,\) = \(6,\), got \(5,\)$"):
+        kernel[(5,)](*args, **kw)
+    args[10] = 99  # kv_stride_t
+    with pytest.raises(ValueError, match=r"^kv_stride_t: expected kv.stride\(0\) = 24, got 99$"):
+        kernel[(6,)](*args, **kw)

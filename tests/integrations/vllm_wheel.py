@@ -37,6 +37,7 @@ FROM_WHEEL = (
     "vllm/model_executor/layers/mamba/ops/gather_initial_states.py",
     "vllm/models/kimi_k3/amd/ops/",
     "vllm/models/kimi_k3/nvidia/ops/third_party/",
+    "vllm/models/deepseek_v41/common/engram.py",
 )
 
 #: Modules outside the kernel-call code, as the minimum that code reads from them.
@@ -74,7 +75,27 @@ STUBS = {
     "vllm/utils/torch_utils.py": (
         "def async_tensor_h2d(data, dtype, device, pin_memory=False):\n"
         "    return data.to(device=device, dtype=dtype)\n"
+        "from vllm._absent import absent_names\n__getattr__ = absent_names('vllm.utils.torch_utils')\n"
     ),
+    # engram.py's imports outside its gate: the engine's config, distributed state,
+    # layers and memory helpers. Names that exist and fail if called; the gate path
+    # (Engram.forward without tensor parallelism, its kernel) calls none of them.
+    "vllm/_absent.py": (
+        "class Absent:\n"
+        "    def __init__(self, name): self.name = name\n"
+        "    def __call__(self, *a, **k): raise RuntimeError(f'{self.name}: not in the CPU harness')\n"
+        "    def __getattr__(self, attr): return Absent(f'{self.name}.{attr}')\n"
+        "    def __or__(self, other): return self\n"
+        "    __ror__ = __or__\n"
+        "def absent_names(module):\n"
+        "    def __getattr__(name):\n"
+        "        if name.startswith('__'): raise AttributeError(name)\n"
+        "        return Absent(f'{module}.{name}')\n"
+        "    return __getattr__\n"
+    ),
+    # Its methods' decorator: the identity outside CUDA-graph capture.
+    "vllm/compilation/__init__.py": "",
+    "vllm/compilation/breakable_cudagraph.py": "def eager_break_during_capture(fn):\n    return fn\n",
     # AITER (ROCm only): absent.
     "vllm/_aiter_ops.py": "class rocm_aiter_ops:\n    pass\n",
     # The FLA package's __init__ re-exports the gated-delta-rule ops (and their
@@ -87,6 +108,23 @@ STUBS = {
     "vllm/v1/attention/backends/utils.py": "NULL_BLOCK_ID = 0\n",
 }
 
+#: Modules engram.py imports names from, none of which its gate path calls (see
+#: ``vllm/_absent.py`` in :data:`STUBS`).
+ABSENT = (
+    "vllm/config/__init__.py",
+    "vllm/distributed/__init__.py",
+    "vllm/distributed/device_communicators/shm_broadcast.py",
+    "vllm/distributed/parallel_state.py",
+    "vllm/forward_context.py",
+    "vllm/model_executor/layers/fusion/quant_activation.py",
+    "vllm/model_executor/layers/linear.py",
+    "vllm/model_executor/layers/quantization/__init__.py",
+    "vllm/model_executor/layers/quantization/utils/quant_utils.py",
+    "vllm/model_executor/utils.py",
+    "vllm/models/deepseek_v41/common/ops/query_quant.py",
+    "vllm/utils/platform_utils.py",
+)
+
 #: Packages whose __init__ the wheel has but the extraction skips (they import more).
 EMPTY_PACKAGES = (
     "vllm/model_executor/__init__.py",
@@ -98,6 +136,12 @@ EMPTY_PACKAGES = (
     "vllm/models/kimi_k3/amd/__init__.py",
     "vllm/models/kimi_k3/nvidia/__init__.py",
     "vllm/models/kimi_k3/nvidia/ops/__init__.py",
+    "vllm/models/deepseek_v41/__init__.py",
+    "vllm/models/deepseek_v41/common/__init__.py",
+    "vllm/models/deepseek_v41/common/ops/__init__.py",
+    "vllm/distributed/device_communicators/__init__.py",
+    "vllm/model_executor/layers/fusion/__init__.py",
+    "vllm/model_executor/layers/quantization/utils/__init__.py",
 )
 
 
@@ -122,7 +166,7 @@ def fetch_wheel(folder: str) -> str:
 
 
 def extract(wheel: str, root: str) -> None:
-    """:data:`FROM_WHEEL` unmodified, then :data:`STUBS` and :data:`EMPTY_PACKAGES`."""
+    """:data:`FROM_WHEEL` unmodified, then :data:`STUBS`, :data:`ABSENT` and :data:`EMPTY_PACKAGES`."""
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist()
                  if any(n == w or (w.endswith("/") and n.startswith(w)) for w in FROM_WHEEL)]
@@ -132,6 +176,12 @@ def extract(wheel: str, root: str) -> None:
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "w") as f:
             f.write(text)
+    for path in ABSENT:
+        full = os.path.join(root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        module = (path[:-len("/__init__.py")] if path.endswith("/__init__.py") else path[:-3]).replace("/", ".")
+        with open(full, "w") as f:
+            f.write(f"from vllm._absent import absent_names\n__getattr__ = absent_names({module!r})\n")
     for path in EMPTY_PACKAGES:
         full = os.path.join(root, path)
         if not os.path.exists(full):

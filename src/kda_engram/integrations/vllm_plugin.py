@@ -9,7 +9,8 @@ changes nothing unless
 * the switch :data:`SWITCH` (``KDA_ENGRAM_VLLM=1``) is set in the environment.
 
 Then it replaces the functions of :data:`REPLACEMENTS` with the functions of
-:mod:`kda_engram.integrations.vllm_kimi_k3`, which have vLLM's exact contracts, in
+:mod:`kda_engram.integrations.vllm_kimi_k3` and
+:mod:`kda_engram.integrations.vllm_deepseek_v41`, which have vLLM's exact contracts, in
 the module that defines each name, right after vLLM imports that module (an import
 hook; one already imported is patched at once, together with the modules that
 imported the name from it), and logs once, at INFO, what it replaces. It imports
@@ -27,8 +28,12 @@ Replaced so far:
   pure-decode step, decode peel and speculative verify; the layers import them from
   there at each forward).
 
+* ``models/deepseek_v41/common/engram._fused_engram_post_wkv_kernel``, the gate
+  kernel ``Engram.forward`` launches, by a launch of the same arguments
+  (:mod:`kda_engram.integrations.vllm_deepseek_v41`).
+
 Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
-layer) stays vLLM's own.
+hash and ``wkv``) stays vLLM's own.
 """
 
 from __future__ import annotations
@@ -59,31 +64,31 @@ def _fused_chunk_supported() -> bool:
     return True
 
 
-def _ours(name: str):
-    if name == "is_fused_kda_chunk_supported":
-        return _fused_chunk_supported
-    from . import vllm_kimi_k3
-
-    return getattr(vllm_kimi_k3, name)
+def _ours(path: str):
+    """Our replacement named ``"module.attribute"`` within :mod:`kda_engram.integrations`."""
+    module, attribute = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
 
 
-#: ``(module that defines the name, name, our function's name in
-#: :mod:`~kda_engram.integrations.vllm_kimi_k3`, modules that import it by name)``.
+#: ``(module that defines the name, name, our replacement as "module.attribute" of
+#: kda_engram.integrations, modules that import the name from it)``.
 REPLACEMENTS = (
-    (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", "chunk_kda_prefill", (f"{_AMD}.kda",)),
-    (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", "is_fused_kda_chunk_supported", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", "vllm_kimi_k3.chunk_kda_prefill", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", "vllm_plugin._fused_chunk_supported", (f"{_AMD}.kda",)),
     (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
-     "fused_recurrent_kda_packed_decode", (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
+     "vllm_kimi_k3.fused_recurrent_kda_packed_decode", (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
     (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
-     "fused_recurrent_kda_packed_decode", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
-    (f"{_AMD}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "chunk_kda_with_fused_gate",
+     "vllm_kimi_k3.fused_recurrent_kda_packed_decode", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "vllm_kimi_k3.chunk_kda_with_fused_gate",
      (f"{_AMD}.ops.third_party.kda",)),
-    (f"{_NVIDIA}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "chunk_kda_with_fused_gate_nvidia",
-     (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
-    (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda",
+    (f"{_NVIDIA}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate",
+     "vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "vllm_kimi_k3.fused_recurrent_kda",
      (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
-    (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "fused_recurrent_kda_nvidia",
+    (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "vllm_kimi_k3.fused_recurrent_kda_nvidia",
      (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    ("vllm.models.deepseek_v41.common.engram", "_fused_engram_post_wkv_kernel",
+     "vllm_deepseek_v41.fused_engram_post_wkv_kernel", ()),
 )
 
 _state = {"done": False, "replaced": [], "finder": None}
