@@ -84,9 +84,43 @@ def test_fused_recurrent_kda_refusals():
     pool = torch.zeros(8, H, K, K)
     with pytest.raises(ValueError, match="inplace_final_state"):
         fused_recurrent_kda(*x, initial_state=pool, inplace_final_state=False)
-    with pytest.raises(ValueError, match="equal"):
-        fused_recurrent_kda(*x, initial_state=pool, cu_seqlens=torch.tensor([0, 1, 4]),
-                            ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]))
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_fused_recurrent_kda_uneven_counts(check_inputs, indexed):
+    """Issue 53 row 5: uneven token counts per sequence were refused, and with
+    ``check_inputs=False`` gave wrong values silently; now served in one launch, with
+    zero-length (CUDA-graph padding) sequences and tokens past the last sequence."""
+    counts, pad = [3, 1, 0, 2], 1
+    N, T = len(counts), sum(counts) + pad
+    q, k, v = (rnd(1, T, H, K, seed=i) for i in range(3))
+    g = F.logsigmoid(rnd(1, T, H, K, seed=3))
+    beta = rnd(1, T, H, seed=4).sigmoid()
+    pool = rnd(16, H, K, K, seed=5)
+    original = pool.clone()
+    cu = torch.tensor([0, *counts]).cumsum(0)
+    accepted = torch.tensor([2, 1, 1, 3])
+    ssm = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]) if indexed else None
+    o, ret = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, ssm_state_indices=ssm,
+                                 num_accepted_tokens=accepted if indexed else None, check_inputs=check_inputs)
+    assert ret is pool and o.shape == (1, T, H, K)
+    written = set()
+    for n, c in enumerate(counts):
+        if c == 0:
+            continue
+        a, b = int(cu[n]), int(cu[n + 1])
+        row = int(ssm[n, accepted[n] - 1]) if indexed else n
+        o_ref, f_ref, _ = naive_recurrent_kda(*(x[:, a:b].double() for x in (q, k, v, g, beta)), None, None,
+                                              initial_state=original[row:row + 1].double(), gate="log_decay",
+                                              beta_sigmoid=False, output_final_state=True)
+        close(o[:, a:b], o_ref)
+        last = int(ssm[n, c - 1]) if indexed else n
+        close(pool[last:last + 1], f_ref)
+        written |= set(ssm[n, :c].tolist()) if indexed else {n}
+    assert (o[:, T - pad:] == 0).all()
+    for r in set(range(16)) - written:
+        assert torch.equal(pool[r], original[r]), r
 
 
 @pytest.mark.parametrize("beta_threshold", [(1.0, 20.0), (2.0, 5.0)])

@@ -61,6 +61,7 @@ __all__ = [
     "fused_recurrent_kda_nvidia",
     "fused_recurrent_kda_packed_decode",
     "null_rows_to_none",
+    "recurrent_varlen",
 ]
 
 #: vLLM's ``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``: index 0 is no row.
@@ -69,13 +70,13 @@ NULL_BLOCK_ID = 0
 BACKENDS = ("triton", "fused", "gluon")
 
 
-def _launch(entry, op_function, *args, out=None, **kwargs):
+def _launch(entry, op_function, *args, out=None, check_inputs=True, **kwargs):
     """``entry(*args, out=out, **kwargs)`` in eager mode, checked (device rules too,
-    unless a CUDA graph is being captured); while ``torch.compile`` traces, the
-    custom op ``op_function`` (host rules only; it allocates its output, copied into
-    ``out``). The result as ``entry`` returns it."""
+    unless a CUDA graph is being captured or ``check_inputs`` is False); while
+    ``torch.compile`` traces, the custom op ``op_function`` (host rules only; it
+    allocates its output, copied into ``out``). The result as ``entry`` returns it."""
     if not torch.compiler.is_compiling():
-        return entry(*args, out=out, check_inputs=can_read_back(), **kwargs)
+        return entry(*args, out=out, check_inputs=bool(check_inputs) and can_read_back(), **kwargs)
     result = op_function(*args, **kwargs)
     o = result[0] if isinstance(result, tuple) else result
     if out is not None:
@@ -84,11 +85,12 @@ def _launch(entry, op_function, *args, out=None, **kwargs):
     return (o, *result[1:]) if isinstance(result, tuple) else o
 
 
-def null_rows_to_none(indices: torch.Tensor | None) -> torch.Tensor | None:
-    """vLLM's row indices (``<= NULL_BLOCK_ID``: no row) as ours (-1: no row), on the device."""
+def null_rows_to_none(indices: torch.Tensor | None, null_row: int = NULL_BLOCK_ID) -> torch.Tensor | None:
+    """Row indices where ``<= null_row`` is no row (vLLM's: ``NULL_BLOCK_ID``) as ours
+    (-1: no row), on the device."""
     if indices is None:
         return None
-    return torch.where(indices > NULL_BLOCK_ID, indices, torch.full_like(indices, -1))
+    return torch.where(indices > null_row, indices, torch.full_like(indices, -1))
 
 
 def chunk_kda_prefill(
@@ -379,19 +381,45 @@ def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, i
             raise ValueError(f"ssm_state_indices: a 1-D [N] index serves one token per sequence (T == N), got "
                              f"{list(ssm_state_indices.shape)} for N={N} sequences of T={T} tokens")
         ssm_state_indices = ssm_state_indices[:, None]
+    if dt_bias is None:
+        dt_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
+    return recurrent_varlen(q, k, v, raw_g, raw_beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
+                            num_accepted_tokens, out, lower_bound=lower_bound)
+
+
+def recurrent_varlen(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
+                     num_accepted_tokens, out, *, lower_bound=None, scale=None, gate="raw", qk_l2norm=True,
+                     beta_sigmoid=True, null_row=NULL_BLOCK_ID, start_rows=None, check_inputs=True):
+    """Recurrent KDA steps on the state pool for a varlen batch of uneven token counts,
+    in one :func:`kda_engram.kda.kda_decode_multi` launch: the tokens (``[1, T, ...]``,
+    sequence ``n`` at ``cu_seqlens[n]:cu_seqlens[n+1]``, 0 to ``W`` tokens) are gathered
+    into ``[N, W]`` on the device, ``W`` the width of ``ssm_state_indices [N, W]``,
+    and the outputs scattered back into ``out`` ``[1, T, H, V]`` (allocated, zeros,
+    when None; tokens no sequence owns are left as they are).
+
+    Rows: the state after token ``s`` of sequence ``n`` goes to
+    ``ssm_state_indices[n, s]``; the walk starts from ``start_rows[n]`` or else
+    ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
+    ``num_accepted_tokens``); an index ``<= null_row`` is no row (as the start: a
+    padding sequence, zero output, nothing written); a zero-length sequence touches
+    nothing. ``gate``, ``qk_l2norm``, ``beta_sigmoid``, ``scale``, ``lower_bound``:
+    as in :func:`kda_engram.kda.kda_decode_multi`. With ``check_inputs`` (and outside
+    capture and tracing) the rules on values are queued (``cu_seqlens``, at most ``W``
+    tokens a sequence, ``num_accepted_tokens`` in ``[1, W]``): broken, no row is
+    written and the next kda-engram call raises. Returns ``(out, initial_state)``.
+    """
+    T, N = q.shape[1], cu_seqlens.numel() - 1
     if ssm_state_indices.dim() != 2 or ssm_state_indices.shape[0] != N or ssm_state_indices.shape[1] < 1:
         raise ValueError(f"ssm_state_indices: expected [{N}] or [{N}, W >= 1], got {list(ssm_state_indices.shape)}")
     W = ssm_state_indices.shape[1]
     if num_accepted_tokens is not None:
         check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES, device=q.device)
     if out is None:
-        out = torch.zeros_like(v)
+        out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
     else:
         check_tensor("out", out, shape=list(v.shape), device=q.device)
     if N == 0 or T == 0:
         return out, initial_state
-    if dt_bias is None:
-        dt_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
     # Sequence n's token s sits at cu[n] + s: gathered into [N, W] (the kernel's
     # per-sequence layout), positions past the sequence's length written nowhere.
     cu = cu_seqlens.to(torch.int64)
@@ -399,13 +427,16 @@ def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, i
     s = torch.arange(W, device=q.device)
     valid = s[None, :] < lengths[:, None]
     at = (starts[:, None] + s[None, :]).clamp(0, T - 1).reshape(-1)
-    tokens = [x[0].index_select(0, at).unflatten(0, (N, W)) for x in (q, k, v, raw_g, raw_beta)]
-    rows = torch.where(valid, null_rows_to_none(ssm_state_indices), torch.full_like(ssm_state_indices, -1))
-    col = torch.zeros_like(lengths) if num_accepted_tokens is None else (num_accepted_tokens.to(torch.int64) - 1)
-    start = null_rows_to_none(ssm_state_indices.gather(1, col.clamp(0, W - 1)[:, None])[:, 0])
+    tokens = [x[0].index_select(0, at).unflatten(0, (N, W)) for x in (q, k, v, g, beta)]
+    rows = torch.where(valid, null_rows_to_none(ssm_state_indices, null_row), torch.full_like(ssm_state_indices, -1))
+    if start_rows is None:
+        col = torch.zeros_like(lengths) if num_accepted_tokens is None else (num_accepted_tokens.to(torch.int64) - 1)
+        start_rows = ssm_state_indices.gather(1, col.clamp(0, W - 1)[:, None])[:, 0]
+    start = null_rows_to_none(start_rows, null_row)
     start = torch.where(lengths > 0, start, torch.full_like(start, -1))
+    check_inputs = bool(check_inputs) and not torch.compiler.is_compiling() and can_read_back()
     checks = None
-    if not torch.compiler.is_compiling() and can_read_back():
+    if check_inputs:
         checks = EntryChecks(True)
         # Rules on device values, queued: broken, the walk starts from no row (padding).
         checks.add((cu[0] != 0) | (lengths < 0).any() | (cu[-1] > T), f"cu_seqlens: expected 0 first, "
@@ -416,7 +447,8 @@ def _recurrent_from_raw(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, i
             queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
         rows, start = checks.guard_many((rows, -1), (start, -1))
     o = _launch(_decode.kda_decode_multi, ops.kda_decode_multi, *tokens, A_log, dt_bias, state_cache=initial_state,
-                state_indices=rows, initial_state_indices=start, lower_bound=lower_bound)
+                state_indices=rows, initial_state_indices=start, scale=scale, lower_bound=lower_bound, gate=gate,
+                qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, check_inputs=check_inputs)
     # Back to the token order: token t of sequence n(t) (the last n with cu[n] <= t).
     t = torch.arange(T, device=q.device)
     n = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=N - 1)
