@@ -75,6 +75,20 @@ def current(module_name, name):
 # ------------------------------------------------------------------- the switch
 
 
+def test_the_entry_point_is_declared_and_resolves():
+    """vLLM finds the plugin through this entry point group (``vllm.plugins.
+    load_general_plugins``); it must name ``register``."""
+    import importlib
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"]["vllm.general_plugins"]["kda_engram"]
+    module, attribute = target.split(":")
+    assert getattr(importlib.import_module(module), attribute) is vllm_plugin.register
+
+
+
 def test_the_switch_off_changes_nothing(vllm_own, monkeypatch, caplog):
     monkeypatch.delenv(vllm_plugin.SWITCH, raising=False)
     with caplog.at_level(logging.INFO, logger="vllm"):
