@@ -7,9 +7,13 @@ files in :data:`FROM_WHEEL` are extracted, into a temporary folder that is put o
 ``sys.path`` as the ``vllm`` package; nothing of vLLM is committed here.
 
 vLLM cannot be imported whole on a CPU box (its ``__init__`` pulls the engine, its
-platform layer wants a GPU), so :data:`STUBS` replaces the few modules outside the
-kernel-call code that it imports, each with the minimum that code reads. The code
-under test -- the ``FROM_WHEEL`` files -- is vLLM's own, byte for byte.
+platform layer wants a GPU), so :data:`STUBS` and :data:`ABSENT` replace the modules
+outside the kernel-call code that it imports, each with the minimum that code reads.
+The code under test -- the ``FROM_WHEEL`` files -- is vLLM's own, byte for byte, but
+for one package ``__init__`` that only re-exports other ops (the FLA ops package's,
+in :data:`STUBS`). vLLM's Triton kernels run under the interpreter with
+:func:`vllm_kernels_on_cpu` (the first autotune config, as vLLM's own
+``VLLM_TRITON_FORCE_FIRST_CONFIG``, and three interpreter fixes on Triton's side).
 """
 
 from __future__ import annotations
