@@ -520,3 +520,20 @@ def test_engram_launch_refuses_a_grid_or_strides_it_does_not_match(vllm_own):
     args[10] = 99  # kv_stride_t
     with pytest.raises(ValueError, match=r"^kv_stride_t: expected kv.stride\(0\) = 24, got 99$"):
         kernel[(6,)](*args, **kw)
+
+
+def test_a_module_replaced_on_import_keeps_its_loader_interface(vllm_own, monkeypatch):
+    """The hook's loader answers as the wrapped one (``get_source``, which inspect and
+    Triton use for a kernel's source)."""
+    import importlib
+    import inspect
+
+    name = f"{VENDOR_KDA['amd']}.fused_recurrent"
+    for m in [m for m in sys.modules if m.startswith(VENDOR_KDA["amd"])]:
+        monkeypatch.delitem(sys.modules, m)
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    vllm_plugin.register()
+    module = importlib.import_module(name)
+    assert f"{name}.fused_recurrent_kda" in vllm_plugin.replaced()
+    assert "def fused_recurrent_kda_packed_decode(" in module.__loader__.get_source(name)
+    assert "def fused_recurrent_kda_fwd(" in inspect.getsource(module)

@@ -144,6 +144,11 @@ class _PatchingLoader(importlib.abc.Loader):
         self.loader.exec_module(module)
         _patch(module)
 
+    def __getattr__(self, name):
+        # get_source, get_filename, is_package, ...: the wrapped loader's (inspect and
+        # Triton read a kernel's source through them where the file is not at hand).
+        return getattr(self.loader, name)
+
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a target module it takes the spec the next finders
