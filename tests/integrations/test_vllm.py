@@ -84,9 +84,43 @@ def test_fused_recurrent_kda_refusals():
     pool = torch.zeros(8, H, K, K)
     with pytest.raises(ValueError, match="inplace_final_state"):
         fused_recurrent_kda(*x, initial_state=pool, inplace_final_state=False)
-    with pytest.raises(ValueError, match="equal"):
-        fused_recurrent_kda(*x, initial_state=pool, cu_seqlens=torch.tensor([0, 1, 4]),
-                            ssm_state_indices=torch.tensor([[0, 1, 2], [3, 4, 5]]))
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_fused_recurrent_kda_uneven_counts(check_inputs, indexed):
+    """Issue 53 row 5: uneven token counts per sequence were refused, and with
+    ``check_inputs=False`` gave wrong values silently; now served in one launch, with
+    zero-length (CUDA-graph padding) sequences and tokens past the last sequence."""
+    counts, pad = [3, 1, 0, 2], 1
+    N, T = len(counts), sum(counts) + pad
+    q, k, v = (rnd(1, T, H, K, seed=i) for i in range(3))
+    g = F.logsigmoid(rnd(1, T, H, K, seed=3))
+    beta = rnd(1, T, H, seed=4).sigmoid()
+    pool = rnd(16, H, K, K, seed=5)
+    original = pool.clone()
+    cu = torch.tensor([0, *counts]).cumsum(0)
+    accepted = torch.tensor([2, 1, 1, 3])
+    ssm = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]) if indexed else None
+    o, ret = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, ssm_state_indices=ssm,
+                                 num_accepted_tokens=accepted if indexed else None, check_inputs=check_inputs)
+    assert ret is pool and o.shape == (1, T, H, K)
+    written = set()
+    for n, c in enumerate(counts):
+        if c == 0:
+            continue
+        a, b = int(cu[n]), int(cu[n + 1])
+        row = int(ssm[n, accepted[n] - 1]) if indexed else n
+        o_ref, f_ref, _ = naive_recurrent_kda(*(x[:, a:b].double() for x in (q, k, v, g, beta)), None, None,
+                                              initial_state=original[row:row + 1].double(), gate="log_decay",
+                                              beta_sigmoid=False, output_final_state=True)
+        close(o[:, a:b], o_ref)
+        last = int(ssm[n, c - 1]) if indexed else n
+        close(pool[last:last + 1], f_ref)
+        written |= set(ssm[n, :c].tolist()) if indexed else {n}
+    assert (o[:, T - pad:] == 0).all()
+    for r in set(range(16)) - written:
+        assert torch.equal(pool[r], original[r]), r
 
 
 @pytest.mark.parametrize("beta_threshold", [(1.0, 20.0), (2.0, 5.0)])
@@ -122,3 +156,34 @@ def test_bad_num_accepted_tokens_are_refused_and_the_pool_is_untouched(accepted,
         fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=ssm, num_accepted_tokens=accepted)
     assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("kwargs, exc, says", [
+    (dict(lower_bound=3.0), ValueError, "lower_bound: expected a finite number <= 0, got 3.0"),
+    (dict(lower_bound=float("nan")), ValueError, "lower_bound: expected a finite number <= 0, got nan"),
+    (dict(g=torch.zeros(3, H * K, dtype=torch.int32)), TypeError, "g: expected dtype"),
+    (dict(A=torch.zeros(H, dtype=torch.int64)), TypeError, "A: expected dtype"),
+    (dict(g_bias=torch.zeros(H * K, dtype=torch.int32)), TypeError, "g_bias: expected dtype"),
+    (dict(g_bias=torch.zeros(H * K + 1)), ValueError, "g_bias: expected H*head_k_dim"),
+    (dict(head_k_dim=0), ValueError, "head_k_dim: expected an int"),
+    (dict(beta=0.0), ValueError, "beta: expected a finite number > 0"),
+    (dict(threshold=float("inf")), ValueError, "threshold: expected a finite number"),
+])
+def test_fused_kda_gate_refuses_what_the_kernels_refuse(kwargs, exc, says):
+    """Issue 54 item 4: only the last dim was checked; lower_bound=3.0 gave positive
+    log decays, NaN gave NaN, an int32 gate was accepted."""
+    args = dict(g=rnd(3, H * K), A=torch.zeros(H), head_k_dim=K, g_bias=torch.zeros(H * K))
+    args.update(kwargs)
+    with pytest.raises(exc) as info:
+        fused_kda_gate(**args)
+    assert str(info.value).startswith(says) and "\n" not in str(info.value), str(info.value)
+
+
+def test_chunk_kda_with_fused_gate_refuses_a_batch_with_cu_seqlens():
+    """Issue 54 item 9: B=2 with cu_seqlens was flattened silently."""
+    T = 8
+    q, k, v, g = (rnd(2, T, H, K, seed=i) for i in range(4))
+    with pytest.raises(ValueError) as info:
+        chunk_kda_with_fused_gate(q, k, v, g, rnd(2, T, H, seed=5), torch.zeros(H), None,
+                                  cu_seqlens=torch.tensor([0, 8, 16]))
+    assert str(info.value).startswith("q: with cu_seqlens the batch dim must be 1"), str(info.value)

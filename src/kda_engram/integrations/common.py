@@ -28,6 +28,33 @@ def even_cu_seqlens(batch: int, length: int, device) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
 
 
+def packed_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor | None, named) -> tuple[torch.Tensor, list]:
+    """The varlen form of a call taking ``[B, T, ...]`` tensors: without ``cu_seqlens``
+    the batch is folded into ``[1, B*T, ...]`` views (:func:`fold_batch`) with
+    ``B`` sequences of ``T`` tokens; with it ``B`` must be 1 (the sequences are
+    packed along T). ``named``: ``(name, tensor or None)`` pairs, returned in order.
+    ``ValueError`` naming the argument otherwise."""
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"q: with cu_seqlens the batch dim must be 1 (the sequences are packed along T), "
+                             f"got {list(q.shape)}")
+        return cu_seqlens, [x for _, x in named]
+    try:
+        return even_cu_seqlens(B, T, q.device), [None if x is None else fold_batch(x, n) for n, x in named]
+    except NotServed as reason:
+        raise ValueError(str(reason)) from None
+
+
+def queue_accepted_tokens_rule(checks, num_accepted_tokens: torch.Tensor, width: int) -> None:
+    """Queue on ``checks`` (a :class:`~kda_engram.validation.entry.EntryChecks`) the
+    rule on ``num_accepted_tokens``' values: each in ``[1, width]`` (``width``: the
+    columns of ``ssm_state_indices``, one per token)."""
+    lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
+    checks.add((lo < 1) | (hi > width), f"num_accepted_tokens: expected entries in [1, {width}] (the tokens "
+               f"accepted per sequence, at most ssm_state_indices' width), got min {{}} and max {{}}", lo, hi)
+
+
 def capturing() -> bool:
     """A CUDA graph is being captured on the current stream (no host sync allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

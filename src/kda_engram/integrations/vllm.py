@@ -22,9 +22,11 @@ import torch.nn.functional as F
 from ..kda.decode import kda_decode_multi
 from ..kda.prefill import chunk_kda_prefill
 from ..kda.reference import kda_gate
-from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
+from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, can_read_back, check_int, check_real, check_tensor
+from ..validation.kda_inputs import check_lower_bound
 from ..validation.entry import EntryChecks
-from .common import NotServed, even_cu_seqlens, fold_batch
+from .common import packed_varlen, queue_accepted_tokens_rule
+from .vllm_kimi_k3 import recurrent_varlen
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
 
@@ -58,12 +60,8 @@ def chunk_kda_with_fused_gate(
     if g_bias is None:
         g_bias = torch.zeros(q.shape[2] * q.shape[3], dtype=torch.float32, device=q.device)
     B, T = q.shape[0], q.shape[1]
-    if cu_seqlens is None:
-        cu_seqlens = even_cu_seqlens(B, T, q.device)
-    try:
-        flat = [fold_batch(x, n) for n, x in (("q", q), ("k", k), ("v", v), ("raw_g", raw_g), ("raw_beta", raw_beta))]
-    except NotServed as reason:
-        raise ValueError(str(reason)) from None
+    cu_seqlens, flat = packed_varlen(q, cu_seqlens, (("q", q), ("k", k), ("v", v), ("raw_g", raw_g),
+                                                     ("raw_beta", raw_beta)))
     o, final = chunk_kda_prefill(
         *flat, A_log, g_bias, scale=scale, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
         initial_state=initial_state, output_final_state=output_final_state,
@@ -92,12 +90,16 @@ def fused_recurrent_kda(
 
     ``g`` is the per-channel log decay (``fused_kda_gate``'s output), ``beta`` is
     after its sigmoid. ``initial_state`` is the V-first pool ``[slots, H, V, K]``
-    (fp32 or bf16), updated in place and returned. Tokens: ``[N, S, H, *]``, or
-    ``[1, N*S, H, *]`` with ``cu_seqlens = [0, S, 2S, ..., N*S]`` (every sequence
-    ``S`` tokens: 1 for decode, the draft length for speculative verification;
-    checked on the device unless ``check_inputs=False``).
+    (fp32 or bf16), updated in place and returned. Tokens: ``[N, S, H, *]`` (every
+    sequence ``S`` tokens), or ``[1, T, H, *]`` with ``cu_seqlens [N+1]``: any count
+    per sequence from 0 (padding: nothing read or written) to the width of
+    ``ssm_state_indices`` (1 for decode, the draft length plus one for speculative
+    verification; without ``ssm_state_indices`` any count), one launch
+    (:func:`kda_engram.integrations.vllm_kimi_k3.recurrent_varlen`; tokens past
+    ``cu_seqlens[N]`` get zero output). ``cu_seqlens``' values are checked on the
+    device unless ``check_inputs=False``.
 
-    ``ssm_state_indices``: ``[N]`` (``S = 1``) or ``[N, >= S]``; the state after
+    ``ssm_state_indices``: ``[N]`` (one token per sequence) or ``[N, >= S]``; the state after
     token ``s`` of sequence ``n`` is written to row ``ssm_state_indices[n, s]``
     (negative: not written). The walk starts from row
     ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
@@ -120,20 +122,11 @@ def fused_recurrent_kda(
                         f"{type(initial_state).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q: expected [N, S, H, K] or [1, T, H, K], got {list(q.shape)}")
-    if cu_seqlens is None:
-        N, S = q.shape[0], q.shape[1]
-        tokens = (q, k, v, g, beta)
-    else:
-        if q.shape[0] != 1:
-            raise ValueError(f"q: with cu_seqlens the batch dim must be 1, got {list(q.shape)}")
-        N = cu_seqlens.numel() - 1
-        T = q.shape[1]
-        if N <= 0 or T % N:
-            raise ValueError(f"cu_seqlens: {N} sequences of equal length expected for T={T} tokens")
-        S = T // N
-        if check_inputs and not torch.equal(cu_seqlens.to(torch.int64), even_cu_seqlens(N, S, q.device).long()):
-            raise ValueError(f"cu_seqlens: every sequence must have S={S} tokens (equal lengths are served)")
-        tokens = tuple(x.view(N, S, *x.shape[2:]) for x in (q, k, v, g, beta))
+    if cu_seqlens is not None:
+        return _varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, ssm_state_indices,
+                       num_accepted_tokens, check_inputs)
+    N, S = q.shape[0], q.shape[1]
+    tokens = (q, k, v, g, beta)
     if ssm_state_indices is None:
         rows = torch.arange(N, device=q.device)
         state_indices = torch.full((N, S), -1, dtype=torch.int64, device=q.device)
@@ -162,10 +155,7 @@ def fused_recurrent_kda(
                 # A rule on device values: queued, the walk started from no row (padding)
                 # when it is broken, the verdict deferred like the kernels' own.
                 checks = EntryChecks(check_inputs)
-                lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
-                checks.add((lo < 1) | (hi > W), f"num_accepted_tokens: expected entries in [1, {W}] (the tokens "
-                           f"accepted per sequence, at most ssm_state_indices' width), got min {{}} and max {{}}",
-                           lo, hi)
+                queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
                 start = checks.guard(start, -1)
     o = kda_decode_multi(*tokens, None, None, state_cache=initial_state, state_indices=state_indices,
                          initial_state_indices=start, scale=scale, gate="log_decay",
@@ -173,6 +163,41 @@ def fused_recurrent_kda(
     if checks is not None:
         checks.run()
     return o.view(*q.shape[:3], o.shape[-1]), initial_state
+
+
+def _varlen(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens, ssm_state_indices,
+            num_accepted_tokens, check_inputs):
+    """:func:`fused_recurrent_kda` on ``[1, T, ...]`` tokens with ``cu_seqlens``: any
+    token counts per sequence (one launch, :func:`~kda_engram.integrations.vllm_kimi_k3.recurrent_varlen`;
+    negative rows are none)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"q: with cu_seqlens the batch dim must be 1, got {list(q.shape)}")
+    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=q.device)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected [N+1] with N >= 1, got {list(cu_seqlens.shape)}")
+    N, T = cu_seqlens.numel() - 1, q.shape[1]
+    start_rows = None
+    if ssm_state_indices is None:
+        # Row n, written after the sequence's last token (W = T: any length fits).
+        if num_accepted_tokens is not None:
+            raise ValueError("num_accepted_tokens: needs ssm_state_indices (the rows it picks from)")
+        cu = cu_seqlens.to(torch.int64)
+        last = cu[1:] - cu[:-1] - 1
+        seq = torch.arange(N, device=q.device)
+        ssm_state_indices = torch.where(torch.arange(max(T, 1), device=q.device)[None, :] == last[:, None],
+                                        seq[:, None], -1)
+        start_rows = seq
+    else:
+        check_tensor("ssm_state_indices", ssm_state_indices, dtypes=INDEX_DTYPES, device=q.device)
+        if ssm_state_indices.dim() == 1:
+            if T != N:
+                raise ValueError(f"ssm_state_indices: a 1-D [N] index serves one token per sequence (T == N), got "
+                                 f"{list(ssm_state_indices.shape)} for T={T} tokens")
+            ssm_state_indices = ssm_state_indices[:, None]
+    return recurrent_varlen(q, k, v, g, beta, None, None, initial_state, cu_seqlens, ssm_state_indices,
+                            num_accepted_tokens, None, scale=scale, gate="log_decay",
+                            qk_l2norm=bool(use_qk_l2norm_in_kernel), beta_sigmoid=False, null_row=-1,
+                            start_rows=start_rows, check_inputs=check_inputs)
 
 
 def fused_kda_gate(
@@ -191,11 +216,26 @@ def fused_kda_gate(
     ``beta``/``threshold`` semantics; at the defaults it is
     :func:`kda_engram.kda.reference.kda_gate`), or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A) (g + g_bias))``. ``A``: ``[H]`` or any shape of
-    ``H`` elements; ``g_bias``: ``[H*D]`` or None.
+    ``H`` elements; ``g_bias``: ``[H*D]`` or None. ``g``, ``A`` and ``g_bias`` are float
+    tensors (bf16, fp16 or fp32) on one device; ``lower_bound`` is None or a finite
+    number <= 0 (as every entry point: a positive one would give positive log decays);
+    ``beta`` is a finite number > 0 and ``threshold`` a finite number. Host checks only
+    (no device values are read).
     """
+    check_tensor("g", g, dtypes=FLOAT_DTYPES)
+    check_tensor("A", A, dtypes=FLOAT_DTYPES, device=g.device)
+    check_int("head_k_dim", head_k_dim, low=1)
+    check_lower_bound(lower_bound)
+    check_real("beta", beta, sign="positive")
+    check_real("threshold", threshold)
     H = A.numel()
-    if g.shape[-1] != H * head_k_dim:
-        raise ValueError(f"g: last dim must be H*head_k_dim = {H}*{head_k_dim}, got {g.shape[-1]}")
+    if g.dim() < 1 or g.shape[-1] != H * head_k_dim:
+        raise ValueError(f"g: last dim must be H*head_k_dim = {H}*{head_k_dim}, got shape {list(g.shape)}")
+    if g_bias is not None:
+        check_tensor("g_bias", g_bias, dtypes=FLOAT_DTYPES, device=g.device)
+        if g_bias.numel() != H * head_k_dim:
+            raise ValueError(f"g_bias: expected H*head_k_dim = {H * head_k_dim} elements ([{H * head_k_dim}] or "
+                             f"[{H}, {head_k_dim}]), got shape {list(g_bias.shape)}")
     x = g.float().view(*g.shape[:-1], H, head_k_dim)
     A_log = A.reshape(H).float()
     bias = torch.zeros(H * head_k_dim, device=g.device) if g_bias is None else g_bias.reshape(-1).float()

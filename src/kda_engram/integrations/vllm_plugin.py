@@ -1,0 +1,207 @@
+"""vLLM plugin: puts kda-engram's kernels under vLLM 0.33's Kimi-K3 / Kimi-Linear KDA calls.
+
+Registered as a ``vllm.general_plugins`` entry point (``pyproject.toml``), so vLLM
+calls :func:`register` in each of its processes before it builds a model. It
+changes nothing unless
+
+* vLLM is 0.33.x (on any other version it logs one warning and returns: the names
+  and contracts below are 0.33's), and
+* the switch :data:`SWITCH` (``KDA_ENGRAM_VLLM=1``) is set in the environment.
+
+Then it replaces the functions of :data:`REPLACEMENTS` with the functions of
+:mod:`kda_engram.integrations.vllm_kimi_k3` and
+:mod:`kda_engram.integrations.vllm_deepseek_v41`, which have vLLM's exact contracts, in
+the module that defines each name, right after vLLM imports that module (an import
+hook; one already imported is patched at once, together with the modules that
+imported the name from it), and logs once, at INFO, what it replaces. It imports
+none of vLLM's model modules itself.
+
+Replaced so far:
+
+* ``vllm.models.kimi_k3.amd.ops.kda_prefill.chunk_kda_prefill`` (the ROCm Kimi-K3
+  layer's prefill, every ``kda_prefill_backend``), and
+  ``kda_chunk.is_fused_kda_chunk_supported`` as seen by that layer (True: the layer
+  enables the ``"fused"`` backend and its prefill checkpoints, which ours serve);
+* ``chunk_kda_with_fused_gate``, ``fused_recurrent_kda_packed_decode`` and
+  ``fused_recurrent_kda`` of both vendors' ``ops/third_party/kda`` (the NVIDIA
+  Kimi-K3 layer's and Kimi-Linear's prefill, the Kimi-K3 layers' and Kimi-Linear's
+  pure-decode step, decode peel and speculative verify; the layers import them from
+  there at each forward).
+
+* ``models/deepseek_v41/common/engram._fused_engram_post_wkv_kernel``, the gate
+  kernel ``Engram.forward`` launches, by a launch of the same arguments
+  (:mod:`kda_engram.integrations.vllm_deepseek_v41`).
+
+Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
+hash and ``wkv``) stays vLLM's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import logging
+import os
+import sys
+
+__all__ = ["REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "register", "replaced"]
+
+#: The environment switch: ``1`` turns the replacement on, unset or ``0`` leaves vLLM as is.
+SWITCH = "KDA_ENGRAM_VLLM"
+#: The vLLM release line whose names and contracts the replacements follow.
+SUPPORTED_VLLM = (0, 33)
+
+# Under vLLM's logger tree, so vLLM's logging configuration shows it.
+logger = logging.getLogger("vllm.plugins.kda_engram")
+
+_AMD = "vllm.models.kimi_k3.amd"
+_NVIDIA = "vllm.models.kimi_k3.nvidia"
+
+
+def _fused_chunk_supported() -> bool:
+    """``is_fused_kda_chunk_supported`` with the plugin on: the ``"fused"`` prefill
+    backend (and its checkpoints) is served by kda-engram's kernels on any device."""
+    return True
+
+
+def _ours(path: str):
+    """Our replacement named ``"module.attribute"`` within :mod:`kda_engram.integrations`."""
+    module, attribute = path.rsplit(".", 1)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+
+
+#: ``(module that defines the name, name, our replacement as "module.attribute" of
+#: kda_engram.integrations, modules that import the name from it)``.
+REPLACEMENTS = (
+    (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", "vllm_kimi_k3.chunk_kda_prefill", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", "vllm_plugin._fused_chunk_supported", (f"{_AMD}.kda",)),
+    (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
+     "vllm_kimi_k3.fused_recurrent_kda_packed_decode", (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
+    (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda_packed_decode",
+     "vllm_kimi_k3.fused_recurrent_kda_packed_decode", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate", "vllm_kimi_k3.chunk_kda_with_fused_gate",
+     (f"{_AMD}.ops.third_party.kda",)),
+    (f"{_NVIDIA}.ops.third_party.kda.chunk", "chunk_kda_with_fused_gate",
+     "vllm_kimi_k3.chunk_kda_with_fused_gate_nvidia", (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    (f"{_AMD}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "vllm_kimi_k3.fused_recurrent_kda",
+     (f"{_AMD}.ops.third_party.kda", f"{_AMD}.kda")),
+    (f"{_NVIDIA}.ops.third_party.kda.fused_recurrent", "fused_recurrent_kda", "vllm_kimi_k3.fused_recurrent_kda_nvidia",
+     (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
+    ("vllm.models.deepseek_v41.common.engram", "_fused_engram_post_wkv_kernel",
+     "vllm_deepseek_v41.fused_engram_post_wkv_kernel", ()),
+)
+
+_state = {"done": False, "replaced": [], "finder": None}
+
+
+def replaced() -> list[str]:
+    """The ``module.name`` targets this process has replaced so far (empty when off)."""
+    return list(_state["replaced"])
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(p) for p in text.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _switch_on() -> bool:
+    value = os.environ.get(SWITCH, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    logger.warning("kda-engram: %s=%r is neither 1 nor 0; vLLM's kernels stay in place", SWITCH, value)
+    return False
+
+
+def _patch(module) -> None:
+    """Replace the targets ``module`` defines, there and in its importers already loaded."""
+    for module_name, name, our_name, importers in REPLACEMENTS:
+        if module_name != module.__name__:
+            continue
+        ours = _ours(our_name)
+        setattr(module, name, ours)
+        for importer in importers:
+            loaded = sys.modules.get(importer)
+            if loaded is not None and hasattr(loaded, name):
+                setattr(loaded, name, ours)
+        _state["replaced"].append(f"{module_name}.{name}")
+        logger.debug("kda-engram: replaced %s.%s", module_name, name)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The loader of a target module, followed by :func:`_patch` once it has run."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name):
+        # get_source, get_filename, is_package, ...: the wrapped loader's (inspect and
+        # Triton read a kernel's source through them where the file is not at hand).
+        return getattr(self.loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a target module it takes the spec the next finders
+    give and wraps its loader, so the module is patched right after vLLM imports it
+    (and before any module that imports names from it reads them)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in {m for m, *_ in REPLACEMENTS}:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def register() -> None:
+    """The entry point (idempotent: one check and one log line per process).
+
+    Imports nothing of vLLM's but its version: the targets already imported are
+    patched now, the others as vLLM imports them (an import hook on ``sys.meta_path``),
+    so a build without one vendor's modules simply never patches them."""
+    if _state["done"]:
+        return
+    _state["done"] = True
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if _version(version) != SUPPORTED_VLLM:
+        logger.warning("kda-engram's vLLM plugin serves vLLM %d.%d.x, found %s: nothing replaced",
+                       *SUPPORTED_VLLM, version)
+        return
+    if not _switch_on():
+        return
+    finder = _PatchOnImport()
+    sys.meta_path.insert(0, finder)
+    _state["finder"] = finder
+    for module_name in dict.fromkeys(m for m, *_ in REPLACEMENTS):
+        loaded = sys.modules.get(module_name)
+        if loaded is not None:
+            _patch(loaded)
+    logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)",
+                ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS), ", ".join(_state["replaced"]) or "none")
+
+
+def _reset() -> None:
+    """Forget this process's registration (tests): the import hook goes, the state is
+    cleared; replaced names stay replaced (restore them yourself)."""
+    finder = _state["finder"]
+    if finder is not None and finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+    _state.update(done=False, replaced=[], finder=None)
