@@ -181,7 +181,9 @@ def kda_prefill_walk(
     back from the device) and at least :data:`~kda_engram.kda.groups.MIN_GROUP_CHUNKS`
     chunks per group; ``groups=G`` forces ``G`` with ``min_group_chunks=1``
     (each sequence's chunks cut into ``ceil(chunks / G)``-chunk groups, as
-    ``reference.naive_chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
+    ``reference.naive_chunk_walk(groups=G)`` does; a ``G`` past what any sequence
+    can use, ``ceil(T / 64)`` chunks, launches only the usable groups, same results:
+    :func:`~kda_engram.kda.groups.resolve_groups`). Per sequence, in the kernels, the
     group length is ``L_n = max(ceil(chunks_n / G), min_group_chunks)``, so a short
     sequence in a ragged batch stays one group and costs no pass one. ``G = 1`` is
     the single launch above. ``G > 1`` runs pass one (every group but each
