@@ -74,6 +74,23 @@ def test_whole_layer_matches_reference_and_advances_history():
     assert (cache[[1, 2, 3]] == -7).all()  # the padding sequence (-1) and unnamed rows untouched
 
 
+@pytest.mark.parametrize("lens", [[], [0], [0, 0]], ids=["no sequence", "one of length 0", "two of length 0"])
+def test_an_empty_batch_gives_an_empty_output_and_leaves_the_cache(lens):
+    # Issue 54: torch's "cannot reshape tensor of 0 elements" from the embeddings.
+    layer, _ = make_layer()
+    N = len(lens)
+    cache = torch.full((3, 2), 4, dtype=torch.int64)
+    batch = EngramBatch(torch.zeros(N + 1, dtype=torch.long), torch.arange(N), torch.zeros(N, dtype=torch.bool))
+    hidden = hidden_for(0, 2)
+    out = layer(hidden, batch, token_ids=torch.zeros(0, dtype=torch.long), history_cache=cache)
+    assert out.shape == (0, HC, DIM) and out.dtype == hidden.dtype
+    rows = layer.hash_step(torch.zeros(0, dtype=torch.long), batch, cache.clone())
+    assert layer(hidden, rows=rows).shape == (0, HC, DIM)
+    # A fresh sequence of length 0 has no tokens: its history is the reference's ("none").
+    hist = naive_next_history(torch.zeros(0, dtype=torch.long), [0] * (N + 1), layer.layout)
+    assert cache[:N].tolist() == hist.tolist() and (cache[N:] == 4).all()
+
+
 def test_chunked_prefill_and_decode_equal_one_shot():
     """Sequence A (slot 1) arrives as prefill 7 + prefill 8 + two decode steps, sequence
     B (slot 3) as prefill 5 + decode; batches built from KDABatch (decode rows first)."""

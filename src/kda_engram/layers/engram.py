@@ -439,7 +439,7 @@ class EngramLayer(nn.Module):
         else:
             emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True, check_inputs=False),
                                      dim=1)
-        return emb.reshape(emb.shape[0], -1)
+        return emb.flatten(1)  # [T, cols * head_dim]; T = 0 too (reshape(0, -1) is ambiguous)
 
     def forward(
         self,
