@@ -289,6 +289,9 @@ def _bad_cases():
         ("u_wrong_dtype", dict(u="f16"), TypeError, "one dtype"),
         ("out_wrong_shape", dict(out=torch.zeros(1, 104, H, V + 16)), ValueError, "out"),
         ("kg_t_too_few_rows", dict(kg_t="short"), ValueError, "chunks"),
+        # Issue 54: a kg_t one row short of the batch's 3 chunks was blamed on decay.
+        ("kg_t_alone_too_few_rows", dict(kg_t="2 rows"), ValueError, "kg_t: the batch has 3 chunks, got 2 rows"),
+        ("decay_alone_too_few_rows", dict(decay="2 rows"), ValueError, "decay: the batch has 3 chunks, got 2 rows"),
         ("w_wrong_shape", dict(w=torch.zeros(1, 99, H, K)), ValueError, "w"),
         ("bad_tile", dict(config={"BV": 24}), ValueError, "BV"),
     ]
@@ -309,6 +312,9 @@ def test_bad_input(case):
         change["u"] = ops["u"].half()
     if change.get("kg_t") == "short":
         change["kg_t"], change["decay"] = ops["kg_t"][:1], ops["decay"][:1]
+    for name in ("kg_t", "decay"):
+        if change.get(name) == "2 rows":
+            change[name] = ops[name][:2]
     args.update(change)
     with refused(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
         kda_prefill_walk(**args)

@@ -127,9 +127,10 @@ def kda_prefill_walk(
     * ``qg``, ``w``: ``[1, T, H, K]``; ``u``: ``[1, T, H, V]``; ``aqk``: ``[1, T, H, 64]``
       (only its inclusive lower triangle is read).
     * ``kg_t``: chunk-major transposed gated keys ``[R, H, K, 64]``, ``decay``:
-      ``[R, H, K]`` (any float dtype, read as fp32). Row ``chunk_offsets[n] + c``
-      is chunk ``c`` of sequence ``n``; ``R`` is at least the batch's chunk count
-      (the prologue allocates the static bound ``T // 64 + N``).
+      ``[R', H, K]`` (any float dtype, read as fp32). Row ``chunk_offsets[n] + c``
+      is chunk ``c`` of sequence ``n``; each of ``R``, ``R'`` is at least the batch's
+      chunk count, checked per operand (the prologue allocates both at the static
+      bound ``T // 64 + N``).
     * ``out``: ``[1, T, H, V]``, written for the tokens ``cu_seqlens`` covers and
       nowhere else. It may alias the ``v`` that ``u`` was computed from (the walk
       reads ``u``, never ``v``).
@@ -248,7 +249,7 @@ def walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets
                          device=u.device)
         return None
     expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-    check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
+    check_chunk_offsets(chunk_offsets, expected, {"kg_t": kg_t.shape[0], "decay": decay.shape[0]}, checks)
     return expected
 
 
