@@ -248,7 +248,7 @@ def walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets
             check_tensor("chunk_offsets", chunk_offsets, shape=[cu_seqlens.numel()], dtypes=INDEX_DTYPES,
                          device=u.device)
         return None
-    expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
+    expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE, check_inputs=False)
     check_chunk_offsets(chunk_offsets, expected, {"kg_t": kg_t.shape[0], "decay": decay.shape[0]}, checks)
     return expected
 
@@ -263,7 +263,7 @@ def walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offset
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
     if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)[0]
     num_seqs = cu_seqlens.numel() - 1
     initial_state, state_cache, state_indices = state.initial_state, state.state_cache, state.state_indices
     has_initial_state, checkpoint_state = state.has_initial_state, state.snapshots
