@@ -23,7 +23,7 @@ from ..constants import CHUNK_SIZE
 from ..platform import interpreting
 from ..validation.common import check_int
 from ..validation.entry import EntryChecks
-from ..validation.kda_inputs import check_cu_seqlens
+from ..validation.kda_inputs import check_cu_seqlens, chunk_offsets_of, chunk_rows
 
 __all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
@@ -73,11 +73,7 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE
 
 
 def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    counts = torch.div(lengths + (chunk_size - 1), chunk_size, rounding_mode="floor")
-    offsets = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
-    torch.cumsum(counts, dim=0, out=offsets[1:])
-    return offsets.to(torch.int32)
+    return chunk_offsets_of(cu_seqlens[1:] - cu_seqlens[:-1], chunk_size).to(torch.int32)
 
 
 def prepare_chunk_indices(
@@ -108,17 +104,7 @@ def prepare_chunk_indices(
         total_tokens = int(cu_seqlens[-1].item())
     if chunk_offsets is None:
         chunk_offsets = _chunk_offsets(cu_seqlens, chunk_size)
-    rows = max_chunks(total_tokens, num_seqs, chunk_size)
-    device = cu_seqlens.device
-    row = torch.arange(rows, dtype=torch.int32, device=device)
-    # The last n with offsets[n] <= row: zero-length sequences share their
-    # successor's offset, and `right=True` steps past them to the real owner.
-    seq = torch.searchsorted(chunk_offsets, row, right=True).to(torch.int32) - 1
-    valid = row < chunk_offsets[-1]
-    seq_clamped = seq.clamp(0, max(num_seqs - 1, 0))
-    chunk = row - chunk_offsets[seq_clamped.long()] if num_seqs > 0 else row
-    out = torch.stack([seq, chunk.to(torch.int32)], dim=1)
-    out = torch.where(valid[:, None], out, torch.full_like(out, -1))
+    out = chunk_rows(chunk_offsets, max_chunks(total_tokens, num_seqs, chunk_size))
     if checks is not None:
         checks.run()
     return out
