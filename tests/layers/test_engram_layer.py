@@ -375,3 +375,21 @@ def test_a_parameter_that_requires_grad_is_refused_before_the_hash():
         layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
     assert str(info.value).startswith("engram.wkv.weight: expected a parameter that does not require grad")
     assert hist.tolist() == [[1, 42]]
+
+
+@pytest.mark.parametrize("bad", [99, -3])
+def test_a_history_row_read_with_an_id_outside_the_vocabulary_is_refused(bad):
+    # Issue 54: ngram_hash refused such a history, the layer hashed it (id 99 with a
+    # vocabulary of 30) without a word.
+    layer, _ = make_layer()
+    cache = torch.full((3, 2), 5, dtype=torch.int64)
+    cache[1, 1] = bad
+    before = cache.clone()
+    batch = EngramBatch.from_query_lens(torch.tensor([2, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    with refused(ValueError, match=rf"^history_cache: expected ids in \[0, {VOCAB}\) \(layout.compressed_vocab_size; "
+                                   r"the rows this step reads\) or -1 \(none\), got "):
+        layer(hidden_for(5, 1), batch, token_ids=ids_for(5, 2), history_cache=cache)
+    assert torch.equal(cache, before)
+    # A row the step does not read (a fresh sequence) is not its business.
+    fresh = EngramBatch.from_query_lens(torch.tensor([2, 3]), torch.tensor([0, 1]), torch.tensor([True, False]))
+    layer(hidden_for(5, 1), fresh, token_ids=ids_for(5, 2), history_cache=cache)
