@@ -68,7 +68,7 @@ from ...bundles import KDAInputs
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, write_json
+from .common import copy_bandwidth_gbs, cuda_graph_ms, no_gpu_exit, write_json
 from ...validation.entry import default_check_bound_ms
 
 HEAD_DIM = 128
@@ -641,13 +641,13 @@ def main(argv=None) -> int:
                         help="instead of timing, list each kernel's time per call (ours and fla's)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    if (code := no_gpu_exit("bench_kda_prefill")) is not None:
+        return code
     cases = args.cases.split(",") if args.cases else None
     for c in cases or []:
         if c not in CASES:
             parser.error(f"unknown case {c!r}; expected one of {', '.join(CASES)}")
     if args.profile:
-        if not torch.cuda.is_available():
-            parser.error("--profile needs a GPU")
         kernels = profile_cases(cases or list(CASES), peers=not args.no_peers)
         if args.json:
             write_json(kernels, args.json)
