@@ -126,6 +126,19 @@ def test_profile_default_checks_reports_every_call(tmp_path, capsys):
         assert r["extra_ops"] == r["ops_default"] - r["ops_nocheck"]
     out = capsys.readouterr().out
     assert "layer_forward" in out and "nocheck/default/+" in out
+    # Issue 54: the README said +6 ops where the counts printed +4.
+    import re
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    said = re.search(r"`kda_decode`'s does: \+(\d+) ops and \+(\d+) launch over its no-check call \(the fused "
+                     r"decode step's: \+(\d+) ops and \+(\d+) launches\)", readme)
+    assert said is not None
+    by_call = {r["call"]: r for r in rows}
+    for call in ("kda_decode", "layer_forward"):
+        assert (by_call[call]["extra_ops"], by_call[call]["extra_launches"]) == tuple(map(int, said.groups()[:2]))
+    step = by_call["kda_layer_decode_step"]
+    assert (step["extra_ops"], step["extra_launches"]) == tuple(map(int, said.groups()[2:]))
 
 
 def test_count_ops_and_launches_counts_what_a_call_runs():
