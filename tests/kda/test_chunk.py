@@ -218,6 +218,24 @@ def test_head_dim_128_every_tile(bv):
     close(final, f_ref)
 
 
+CONFIG_SWEEP = ([("BV", v) for v in (16, 32)] + [("num_warps", w) for w in (1, 2, 4, 8, 16, 32)]
+                + [("num_stages", n) for n in range(1, 9)])
+
+
+@pytest.mark.parametrize("name, value", CONFIG_SWEEP, ids=[f"{n}={v}" for n, v in CONFIG_SWEEP])
+def test_every_accepted_walk_config_value_matches_the_reference(name, value):
+    # Issue 54: each accepted value of the walk's tuning keys (BV a power of two >= 16
+    # dividing V, num_warps a power of two in [1, 32], num_stages 1 to 8) against the
+    # reference; the grouped walk's keys: tests/kda/test_groups.py.
+    raw, cu = make_raw([70, 5], H=1, K=K, V=V, seed=54)
+    ops, ref_ops = make_ops(raw, cu, -5.0)
+    h0 = torch.randn(2, 1, V, K, generator=torch.Generator().manual_seed(54))
+    o, final = run_chunk(ops, cu, 0.3, initial_state=h0, output_final_state=True, config={name: value})
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.3, initial_state=h0)
+    close(o, o_ref)
+    close(final, f_ref)
+
+
 def test_chunk_config_fills_the_machine():
     # The interpreter pretends to have 8 compute units: 2 programs per unit = 16.
     assert chunk_config(64, 32, 128, "cpu")["BV"] == 64

@@ -148,6 +148,29 @@ def test_scan_launch_knobs_leave_the_result_unchanged():
     close(alt[1], base[1], 1e-5)
 
 
+GROUP_CONFIG_SWEEP = ([("BV_pass1", 16), ("BV_pass1", 32), ("BV_scan", 16), ("BV_scan", 32), ("BJ_scan", 16),
+                       ("BJ_scan", 32)]
+                      + [(f"num_warps_{p}", w) for p in ("pass1", "scan") for w in (1, 2, 4, 8, 16, 32)]
+                      + [(f"num_stages_{p}", n) for p in ("pass1", "scan") for n in range(1, 9)]
+                      + [("scan_precision", "ieee")] + [("min_group_chunks", m) for m in (1, 2, 3, 4)])
+
+
+@pytest.mark.parametrize("name, value", GROUP_CONFIG_SWEEP, ids=[f"{n}={v}" for n, v in GROUP_CONFIG_SWEEP])
+def test_every_accepted_grouped_walk_value_matches_the_reference(name, value):
+    # Issue 54: each accepted value of the grouped walk's tuning keys against the
+    # reference (scan_precision "tf32x3" / "tf32" exist on NVIDIA only; the
+    # interpreter computes "ieee"), min_group_chunks any int >= 1.
+    H, K, V = 1, 32, 32
+    raw, cu = weak_raw([5 * C + 3, 2 * C], H=H, K=K, V=V, seed=54)
+    ops, ref_ops = make_ops(raw, cu, -5.0)
+    h0 = torch.randn(2, H, V, K, generator=torch.Generator().manual_seed(54))
+    kw = dict(min_group_chunks=value) if name == "min_group_chunks" else dict(config={name: value})
+    o, f = run_chunk(ops, cu, 0.2, initial_state=h0, output_final_state=True, groups=3, **kw)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0, groups=3)
+    close(o, o_ref, ATOL)
+    close(f, f_ref, ATOL)
+
+
 def test_heuristic_bad_arguments():
     with pytest.raises(ValueError, match="num_heads"):
         chunk_groups(10, 1, -1)

@@ -121,6 +121,18 @@ def test_ragged_fp32_matches_reference_and_recurrence(lower_bound):
     assert_walk_matches_recurrence(out, x, cu, lower_bound, tol=1e-4)
 
 
+PROLOGUE_WARPS = [1, 2, 4, 8, 16, (16, 1), (1, 16)]
+
+
+@pytest.mark.parametrize("num_warps", PROLOGUE_WARPS, ids=str)
+def test_every_accepted_num_warps_matches_the_reference(num_warps):
+    # Issue 54: every accepted value (a power of two in [1, 16], or an (intra, solve)
+    # pair of them) against the reference.
+    x, cu = make_inputs([70, 5], H=1, K=16, seed=54)
+    out = run_prologue(x, cu, -5.0, num_warps=num_warps)
+    assert_operands_close(out, reference(x, cu, -5.0), cu, tol=2e-5)
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_head_dim_128_two_heads(lower_bound):
     x, cu = make_inputs([40, 64], H=2, K=128)
