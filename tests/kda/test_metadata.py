@@ -193,3 +193,17 @@ def test_unchecked_helpers_run_no_rule_and_checked_ones_no_sync_on_the_host_path
     raise_pending_errors()
     with pytest.raises(ValueError, match="non-decreasing"):
         prepare_chunk_offsets(cu, check_inputs="sync")
+
+
+def test_where_no_verdict_can_be_read_the_helpers_run_host_rules_only(monkeypatch):
+    # While a CUDA graph is captured (stood in for here), a queued verdict could not
+    # be read: the helpers stay capturable, their values the caller's contract.
+    monkeypatch.setattr(metadata_mod, "can_read_back", lambda: False)
+    cu = torch.tensor([0, 100, 70])
+    prepare_chunk_offsets(cu)
+    prepare_chunk_metadata(cu, 100)
+    raise_pending_errors()
+    with pytest.raises(ValueError, match="^chunk_size: "):
+        prepare_chunk_offsets(cu, 0)
+    with pytest.raises(TypeError, match="^check_inputs: "):
+        prepare_chunk_offsets(cu, check_inputs="yes")

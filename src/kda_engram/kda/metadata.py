@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ..constants import CHUNK_SIZE
 from ..platform import interpreting
-from ..validation.common import check_int
-from ..validation.entry import EntryChecks
+from ..validation.common import can_read_back, check_int
+from ..validation.entry import EntryChecks, check_mode
 from ..validation.kda_inputs import check_cu_seqlens, chunk_offsets_of, chunk_rows
 
 __all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
@@ -35,13 +35,16 @@ def _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs) -> Entry
     (None: unknown) an int >= 0, ``cu_seqlens`` int ``[N+1]`` (host, always); with
     ``check_inputs`` (True: deferred, ``"sync"``), ``cu_seqlens`` starts at 0, never
     decreases and ends at most at ``total_tokens`` (queued, no host sync: the verdict
-    comes as every entry point's, :mod:`kda_engram.validation.entry`). ``False``: the
-    caller has checked those values (the entry points, which call these helpers)."""
+    comes as every entry point's, :mod:`kda_engram.validation.entry`); while a CUDA
+    graph is captured or ``torch.compile`` traces, host rules only (no verdict can be
+    read there; the values are then the caller's contract). ``False``: the caller has
+    checked those values (the entry points, which call these helpers)."""
     check_int("chunk_size", chunk_size, low=1)
     if total_tokens is not None:
         check_int("total_tokens", total_tokens, low=0)
     device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
-    checks = None if check_inputs is False else EntryChecks(check_inputs)
+    check_mode(check_inputs)  # the value's type, also where no rule runs
+    checks = None if check_inputs is False or not can_read_back() else EntryChecks(check_inputs)
     if checks is not None:
         checks.origin = sys._getframe(1).f_code.co_name  # the helper's name in the verdict, not this function's
     check_cu_seqlens(cu_seqlens, _NO_TOKEN_BOUND if total_tokens is None else total_tokens, device, checks,
