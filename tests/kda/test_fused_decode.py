@@ -231,3 +231,7 @@ def test_a_tuning_value_it_cannot_honour_is_refused_in_one_line(name, value):
         kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 2]),
                               state_cache=state, state_indices=torch.tensor([3, 1]), **{name: value})
     assert torch.equal(state, state0) and torch.equal(conv, conv0)
+    empty, *_ = make_case(0, 1, 16, seed=7)  # refused on an empty batch too, not only where it launches
+    with refused(ValueError, match=rf"^{name}: expected a power of two .* or None, got {value!r}$"):
+        kda_layer_decode_step(**empty, **params, conv_state=conv, conv_state_indices=torch.zeros(0, dtype=torch.long),
+                              state_cache=state, state_indices=torch.zeros(0, dtype=torch.long), **{name: value})

@@ -217,10 +217,10 @@ def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_id
     point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
     B = q.shape[0]
     _, H, V, K = state_cache.shape
-    if B == 0:
-        return out
     check_block_override("block_v", block_v, V, "V")
     check_warps_override("num_warps", num_warps)
+    if B == 0:
+        return out
     if block_v is None or num_warps is None:
         bv, nw = decode_tiling(B, H, V, state_cache.device, steps, state_cache.dtype)
         block_v = bv if block_v is None else block_v

@@ -336,6 +336,8 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
     (:mod:`kda_engram.ops.kda`). No token launches nothing."""
     multi = x.dim() == 3
     _, H, V, K = state_cache.shape
+    check_block_override("block_v", block_v, V, "V")  # a wider tile walked no row (issue 54)
+    check_warps_override("num_warps", num_warps)
     if out is None:
         out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
     B = x.shape[0]
@@ -351,8 +353,6 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
         init, cinit = state_indices, conv_state_indices
         w_strides = (state_indices.stride(0), 0)
         cw_strides = (conv_state_indices.stride(0), 0)
-    check_block_override("block_v", block_v, V, "V")  # a wider tile walked no row (issue 54)
-    check_warps_override("num_warps", num_warps)
     if block_v is None or num_warps is None:
         tiling = fused_decode_tiling_for(device_arch(x.device), V, state_cache.dtype)
         block_v = tiling.block_v if block_v is None else block_v
