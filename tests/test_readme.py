@@ -85,3 +85,63 @@ def test_the_extras_declare_what_their_commands_import():
     assert {"fla-core", "packaging", "einops"} <= names["peers"]
     assert "pytest-xdist" in names["test"]
     assert "import xdist" in (ROOT / "scripts" / "gpu-check").read_text()
+
+
+def _test_block() -> list[str]:
+    blocks = re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    (block,) = [b for b in blocks if "pytest -q" in b]
+    return block.splitlines()
+
+
+def test_the_readme_test_block_starts_a_fresh_venv_and_ci_runs_it_line_for_line():
+    # Issue 54: CI installed outside a venv, so it never met what a new user meets in one.
+    lines = _test_block()
+    assert lines[0] == "python3 -m venv .venv && . .venv/bin/activate"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    at = [ci.index(line) for line in lines]  # each line of the block, in order
+    assert at == sorted(at)
+    assert ci[-1] == lines[-1]  # the tests' exit status is the script's
+
+
+FAKE_PYTHON = r"""#!/bin/sh
+echo "$0 $*" >> "$FAKE_LOG"
+case "$1 $2" in
+  "-m venv") [ -n "$FAKE_VENV_FAILS" ] && exit 3
+             mkdir -p "$3/bin" && cp "$0" "$3/bin/python3"
+             echo "PATH=\"$(cd "$3" && pwd)/bin:\$PATH\"" > "$3/bin/activate" ;;
+  "-m pip") exit "${FAKE_PIP_RC:-0}" ;;
+  "-m pytest") exit "$FAKE_PYTEST_RC" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("case", ["pass", "fail", "none collected", "pip fails", "venv fails"])
+def test_ci_run_uses_its_venv_and_passes_on_the_exit_status(case, tmp_path):
+    """``.ci/run`` with a stand-in ``python3``: the tests run from the venv's interpreter
+    and their exit status (1: a failure, 5: nothing collected) is the script's; a failed
+    install or venv stops it before the tests."""
+    (tmp_path / ".ci").mkdir()
+    run = tmp_path / ".ci" / "run"
+    run.write_text((ROOT / ".ci" / "run").read_text())
+    run.chmod(0o755)
+    fake_bin = tmp_path / "fake_bin"
+    fake_bin.mkdir()
+    (fake_bin / "python3").write_text(FAKE_PYTHON)
+    (fake_bin / "python3").chmod(0o755)
+    log = tmp_path / "log"
+    rc = {"pass": 0, "fail": 1, "none collected": 5}.get(case, 0)
+    env = {"PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_PYTEST_RC": str(rc),
+           "HOME": str(tmp_path)}
+    if case == "pip fails":
+        env["FAKE_PIP_RC"] = "7"
+    if case == "venv fails":
+        env["FAKE_VENV_FAILS"] = "1"
+    done = subprocess.run(["bash", str(run)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    calls = log.read_text().splitlines()
+    if case in ("pip fails", "venv fails"):
+        assert done.returncode != 0 and not any("-m pytest" in c for c in calls), (done, calls)
+        return
+    assert done.returncode == rc, (done.stdout, done.stderr)
+    (pytest_call,) = [c for c in calls if "-m pytest" in c]
+    assert pytest_call == f"{tmp_path}/.venv/bin/python3 -m pytest -q"

@@ -107,6 +107,21 @@ def is_pow2(x) -> bool:
     return _is_int(x) and x > 0 and (x & (x - 1)) == 0
 
 
+def check_block_override(name: str, value, dim: int, dim_name: str) -> None:
+    """A tile-size launch override (``None``: the package's pick): a power of two
+    dividing ``dim`` (so at most ``dim``), else a one-line ``ValueError`` naming it."""
+    if value is not None and not (is_pow2(value) and dim % value == 0):
+        raise ValueError(f"{name}: expected a power of two dividing {dim_name}={dim} (1 to {dim}) or None, "
+                         f"got {value!r}")
+
+
+def check_warps_override(name: str, value, high: int = 32) -> None:
+    """A warps launch override (``None``: the package's pick): a power of two in
+    ``[1, high]``, else a one-line ``ValueError`` naming it."""
+    if value is not None and not (is_pow2(value) and value <= high):
+        raise ValueError(f"{name}: expected a power of two in [1, {high}] or None, got {value!r}")
+
+
 def _check_tile(name: str, value, lo: int = 16) -> None:
     if value is not None and not (is_pow2(value) and value >= lo):
         raise ValueError(f"config: {name} must be a power of two >= {lo}, got {value!r}")

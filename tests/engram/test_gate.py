@@ -487,3 +487,27 @@ def test_gpu_cuda_graph_capture(gpu):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask), torch.bfloat16)
+
+
+GATE_TUNING = ([dict(chunk=c) for c in (16, 32, 64, 128)] + [dict(num_warps=w) for w in (1, 2, 4, 8, 16, 32)]
+               + [dict(tokens=t) for t in (1, 2, 3, 5, 8)])
+
+
+@pytest.mark.parametrize("launch", GATE_TUNING, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_every_accepted_tuning_value_matches_the_reference(launch):
+    # Issue 54: each accepted chunk (a power of two >= 16, wider than the row too),
+    # num_warps (a power of two in [1, 32]) and tokens (a positive int) is honoured.
+    T, hc, dim = 5, 2, 40
+    hidden, kv, q, k = make_inputs(T, hc, dim, seed=54)
+    mask = torch.tensor([True, False, True, True, True])
+    out = engram_post_wkv(hidden, kv, q, k, eps=EPS, token_mask=mask, num_kv_tokens=4, **launch)
+    assert_matches(out, ref64(hidden, kv, q, k, token_mask=mask, num_kv_tokens=4), torch.float32)
+
+
+@pytest.mark.parametrize("name, bad", [("chunk", 32.0), ("chunk", True), ("num_warps", 4.0), ("num_warps", True),
+                                       ("num_warps", 0), ("num_warps", 64)])
+def test_a_tuning_value_it_cannot_honour_is_refused_in_one_line(name, bad):
+    # Issue 54: a float chunk failed inside `&`; True passed as num_warps=1.
+    hidden, kv, q, k = make_inputs(5, 2, 40, seed=54)
+    with pytest.raises(ValueError, match=rf"^{name}: expected a power of two .*got {bad!r}$"):
+        engram_post_wkv(hidden, kv, q, k, eps=EPS, **{name: bad})

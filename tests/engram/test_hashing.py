@@ -294,3 +294,29 @@ def test_gpu_hash_graph_capture(gpu):
     torch.cuda.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(), expect_rows)
     np.testing.assert_array_equal(hist.cpu().numpy(), expect_hist)
+
+
+@pytest.mark.parametrize("bad", [-2, -5, VOCAB, 99])
+def test_a_history_id_outside_the_vocabulary_or_minus_one_is_refused_naming_history(bad):
+    # Issue 54: any negative id was read as "none" (the docstring says -1), and an
+    # id past the vocabulary was blamed on token_ids.
+    layout = small_layout()
+    tok, cu, hist, _ = batch([3, 4])
+    hist = hist.clone()
+    hist[1, 0] = bad
+    with refused(ValueError, match=rf"^history: expected ids in \[0, {VOCAB}\) \(layout.compressed_vocab_size\) "
+                                   rf"or -1 \(none\), got \[{min(bad, -1) if bad < 0 else '-?[0-9]+'}, "):
+        ngram_hash(tok, cu, layout, history=hist)
+    if bad < -1:  # next_history knows no vocabulary: only the sign rule
+        with refused(ValueError, match=rf"^history: expected ids >= 0 or -1 \(none\), got {bad}"):
+            next_history(tok, cu, layout, history=hist)
+
+
+def test_a_history_of_minus_one_and_vocabulary_ids_is_accepted():
+    layout = small_layout()
+    tok, cu, hist, _ = batch([3, 4])
+    hist = hist.clone()
+    hist[0] = -1
+    hist[1, 0] = VOCAB - 1
+    ngram_hash(tok, cu, layout, history=hist)
+    next_history(tok, cu, layout, history=hist)

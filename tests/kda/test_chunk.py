@@ -218,6 +218,24 @@ def test_head_dim_128_every_tile(bv):
     close(final, f_ref)
 
 
+CONFIG_SWEEP = ([("BV", v) for v in (16, 32)] + [("num_warps", w) for w in (1, 2, 4, 8, 16, 32)]
+                + [("num_stages", n) for n in range(1, 9)])
+
+
+@pytest.mark.parametrize("name, value", CONFIG_SWEEP, ids=[f"{n}={v}" for n, v in CONFIG_SWEEP])
+def test_every_accepted_walk_config_value_matches_the_reference(name, value):
+    # Issue 54: each accepted value of the walk's tuning keys (BV a power of two >= 16
+    # dividing V, num_warps a power of two in [1, 32], num_stages 1 to 8) against the
+    # reference; the grouped walk's keys: tests/kda/test_groups.py.
+    raw, cu = make_raw([70, 5], H=1, K=K, V=V, seed=54)
+    ops, ref_ops = make_ops(raw, cu, -5.0)
+    h0 = torch.randn(2, 1, V, K, generator=torch.Generator().manual_seed(54))
+    o, final = run_chunk(ops, cu, 0.3, initial_state=h0, output_final_state=True, config={name: value})
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.3, initial_state=h0)
+    close(o, o_ref)
+    close(final, f_ref)
+
+
 def test_chunk_config_fills_the_machine():
     # The interpreter pretends to have 8 compute units: 2 programs per unit = 16.
     assert chunk_config(64, 32, 128, "cpu")["BV"] == 64
@@ -289,6 +307,9 @@ def _bad_cases():
         ("u_wrong_dtype", dict(u="f16"), TypeError, "one dtype"),
         ("out_wrong_shape", dict(out=torch.zeros(1, 104, H, V + 16)), ValueError, "out"),
         ("kg_t_too_few_rows", dict(kg_t="short"), ValueError, "chunks"),
+        # Issue 54: a kg_t one row short of the batch's 3 chunks was blamed on decay.
+        ("kg_t_alone_too_few_rows", dict(kg_t="2 rows"), ValueError, "kg_t: the batch has 3 chunks, got 2 rows"),
+        ("decay_alone_too_few_rows", dict(decay="2 rows"), ValueError, "decay: the batch has 3 chunks, got 2 rows"),
         ("w_wrong_shape", dict(w=torch.zeros(1, 99, H, K)), ValueError, "w"),
         ("bad_tile", dict(config={"BV": 24}), ValueError, "BV"),
     ]
@@ -309,6 +330,9 @@ def test_bad_input(case):
         change["u"] = ops["u"].half()
     if change.get("kg_t") == "short":
         change["kg_t"], change["decay"] = ops["kg_t"][:1], ops["decay"][:1]
+    for name in ("kg_t", "decay"):
+        if change.get(name) == "2 rows":
+            change[name] = ops[name][:2]
     args.update(change)
     with refused(exc, match=msg.replace("[", r"\[").replace("]", r"\]")):
         kda_prefill_walk(**args)

@@ -107,6 +107,30 @@ def test_prefill_conv_matches_reference(W, launch):
     torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
 
 
+CONV_TUNING = ([(W, dict(row_block=rb)) for W in (2, 4) for rb in (1, 2, 4, 8, 16, 32, 64) if rb >= W - 1]
+               + [(4, dict(num_warps=w)) for w in (1, 2, 4, 8, 16, 32)])
+
+
+@pytest.mark.parametrize("W, launch", CONV_TUNING, ids=[f"W{W}-{k}={v}" for W, d in CONV_TUNING for k, v in d.items()])
+def test_every_accepted_tuning_value_matches_the_reference(W, launch):
+    # Issue 54: every accepted row_block (a power of two dividing 64, >= W - 1) and
+    # num_warps (a power of two in [1, 32]) gives the reference's outputs and rows.
+    H, K, V = 1, 16, 16
+    cu = torch.tensor([0, 3, 73])
+    T, C = 73, H * (2 * K + V)
+    proj = torch.randn(T, C, generator=gen(11))
+    q, k, v = proj[:, :K].view(1, T, H, K), proj[:, K:2 * K].view(1, T, H, K), proj[:, 2 * K:].view(1, T, H, V)
+    w = torch.randn(C, W, generator=gen(12))
+    state = torch.randn(3, C, W - 1, generator=gen(13))
+    idx, has_init = torch.tensor([2, 0]), torch.tensor([True, True])
+    want_out, want_state = prefill_reference(proj, cu, w, state, idx, has_init)
+    ci = prepare_chunk_indices(cu, total_tokens=T)
+    qc, kc, vc = conv_prefill_bands(q, k, v, w, cu, ci, state, idx, has_init, **launch)
+    got = torch.cat([qc.reshape(T, K), kc.reshape(T, K), vc.reshape(T, V)], 1)
+    torch.testing.assert_close(got.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=0)
+
+
 def test_prefill_conv_rejects_bad_launch_geometry():
     T, H, K = 8, 1, 16
     x = torch.randn(1, T, H, K)
@@ -116,6 +140,12 @@ def test_prefill_conv_rejects_bad_launch_geometry():
     for bad in (2, 24, 128):  # below W - 1 = 3, not a power of two, past the 64-row chunk
         with refused(ValueError, match="row_block"):
             conv_prefill_bands(x, x, x, w, cu, ci, row_block=bad)
+    for bad in (8.0, True):  # issue 54: a float failed in `&`, True passed for 1
+        with refused(ValueError, match=rf"^row_block: expected a power of two dividing 64 .* got {bad!r}$"):
+            conv_prefill_bands(x, x, x, w, cu, ci, row_block=bad)
+    for bad in (0, 3, 64, -2, 4.0, True):  # issue 54: accepted before, then passed to Triton
+        with refused(ValueError, match=rf"^num_warps: expected a power of two in \[1, 32\] or None, got {bad!r}$"):
+            conv_prefill_bands(x, x, x, w, cu, ci, num_warps=bad)
     # In-chunk offsets are 32-bit: a token stride past 2**31 / 68 is refused, not wrapped.
     huge = torch.empty_strided((1, T, H, K), (0, 2**31 // 60, K, 1), device="meta")  # no storage needed
     with refused(ValueError, match="k: token stride"):

@@ -106,6 +106,20 @@ def test_every_tile_size(block_v, num_warps):
     torch.testing.assert_close(cache[idx], ref_state, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name, bad", [("block_v", 128), ("block_v", 3), ("block_v", True), ("num_warps", 0),
+                                       ("num_warps", 3), ("num_warps", 64)])
+def test_a_tile_it_cannot_honour_is_refused_in_one_line(name, bad):
+    # Issue 54: num_warps was never checked; block_v=True passed as 1.
+    inputs = make_step(2, 2, 64, 64, seed=4)
+    idx = torch.tensor([1, 3])
+    cache = make_cache(4, 2, 64, 64, idx.tolist())
+    before = cache.clone()
+    with pytest.raises(ValueError, match=rf"^{name}: expected a power of two .* or None, got {bad!r}$"):
+        launch_decode(*inputs.values(), cache, idx, idx, torch.empty(2, 2, 64), 0.3, None, steps=1, init_stride=1,
+                      idx_strides=(1, 0), **{name: bad})
+    assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))
+
+
 def test_strided_inputs_state_and_out():
     """Inputs as column slices of one fused projection, a transposed head axis, a
     non-unit last stride, a cache that is one layer of a larger buffer, strided

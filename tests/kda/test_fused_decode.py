@@ -201,3 +201,37 @@ def test_gpu_kimi_linear_shapes_and_cuda_graph(gpu, state_dtype, S):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, o)
+
+
+TILE_CASES = [("block_v", bv) for bv in (1, 2, 4, 8, 16)] + [("num_warps", w) for w in (1, 2, 4, 8, 16, 32)]
+
+
+@pytest.mark.parametrize("name, value", TILE_CASES, ids=[f"{n}={v}" for n, v in TILE_CASES])
+def test_every_accepted_tuning_value_matches_the_reference(name, value):
+    # Issue 54: block_v wider than V returned wrong outputs and wrote no state row.
+    bands, params, state, conv = make_case(2, 1, 16, seed=7)
+    idx, cidx = torch.tensor([3, 1]), torch.tensor([0, 2])
+    s_ref, c_ref = state.clone(), conv.clone()
+    r = naive_fused_kda_decode(**bands, **params, conv_state=c_ref, conv_state_indices=cidx, state_cache=s_ref,
+                               state_indices=idx, lower_bound=-5.0)
+    o = kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=cidx, state_cache=state,
+                              state_indices=idx, lower_bound=-5.0, **{name: value})
+    torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[idx], s_ref[idx], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv[cidx], c_ref[cidx], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, value", [("block_v", 32), ("block_v", 256), ("block_v", 3), ("block_v", 0),
+                                         ("block_v", True), ("block_v", 8.0), ("num_warps", 0), ("num_warps", 3),
+                                         ("num_warps", 64), ("num_warps", -4)])
+def test_a_tuning_value_it_cannot_honour_is_refused_in_one_line(name, value):
+    bands, params, state, conv = make_case(2, 1, 16, seed=7)
+    state0, conv0 = state.clone(), conv.clone()
+    with refused(ValueError, match=rf"^{name}: expected a power of two .* or None, got {value!r}$"):
+        kda_layer_decode_step(**bands, **params, conv_state=conv, conv_state_indices=torch.tensor([0, 2]),
+                              state_cache=state, state_indices=torch.tensor([3, 1]), **{name: value})
+    assert torch.equal(state, state0) and torch.equal(conv, conv0)
+    empty, *_ = make_case(0, 1, 16, seed=7)  # refused on an empty batch too, not only where it launches
+    with refused(ValueError, match=rf"^{name}: expected a power of two .* or None, got {value!r}$"):
+        kda_layer_decode_step(**empty, **params, conv_state=conv, conv_state_indices=torch.zeros(0, dtype=torch.long),
+                              state_cache=state, state_indices=torch.zeros(0, dtype=torch.long), **{name: value})

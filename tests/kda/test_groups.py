@@ -28,6 +28,7 @@ from kda_engram.kda.groups import (
     group_workspace,
     group_workspace_layout,
     group_workspace_numel,
+    resolve_groups,
 )
 from kda_engram.kda.prefill import chunk_kda_prefill
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
@@ -145,6 +146,29 @@ def test_scan_launch_knobs_leave_the_result_unchanged():
                     config={"BJ_scan": 16, "num_warps_scan": 4, "num_stages_scan": 2, "scan_precision": "ieee"})
     close(alt[0], base[0], 1e-5)
     close(alt[1], base[1], 1e-5)
+
+
+GROUP_CONFIG_SWEEP = ([("BV_pass1", 16), ("BV_pass1", 32), ("BV_scan", 16), ("BV_scan", 32), ("BJ_scan", 16),
+                       ("BJ_scan", 32)]
+                      + [(f"num_warps_{p}", w) for p in ("pass1", "scan") for w in (1, 2, 4, 8, 16, 32)]
+                      + [(f"num_stages_{p}", n) for p in ("pass1", "scan") for n in range(1, 9)]
+                      + [("scan_precision", "ieee")] + [("min_group_chunks", m) for m in (1, 2, 3, 4)])
+
+
+@pytest.mark.parametrize("name, value", GROUP_CONFIG_SWEEP, ids=[f"{n}={v}" for n, v in GROUP_CONFIG_SWEEP])
+def test_every_accepted_grouped_walk_value_matches_the_reference(name, value):
+    # Issue 54: each accepted value of the grouped walk's tuning keys against the
+    # reference (scan_precision "tf32x3" / "tf32" exist on NVIDIA only; the
+    # interpreter computes "ieee"), min_group_chunks any int >= 1.
+    H, K, V = 1, 32, 32
+    raw, cu = weak_raw([5 * C + 3, 2 * C], H=H, K=K, V=V, seed=54)
+    ops, ref_ops = make_ops(raw, cu, -5.0)
+    h0 = torch.randn(2, H, V, K, generator=torch.Generator().manual_seed(54))
+    kw = dict(min_group_chunks=value) if name == "min_group_chunks" else dict(config={name: value})
+    o, f = run_chunk(ops, cu, 0.2, initial_state=h0, output_final_state=True, groups=3, **kw)
+    o_ref, f_ref, _ = naive_chunk_walk(ref_ops, cu_seqlens=cu, scale=0.2, initial_state=h0, groups=3)
+    close(o, o_ref, ATOL)
+    close(f, f_ref, ATOL)
 
 
 def test_heuristic_bad_arguments():
@@ -367,6 +391,41 @@ def test_serial_walk_is_one_launch(monkeypatch):
         run_chunk(ops, cu, 0.2, groups=4)
 
 
+def test_a_forced_group_count_is_clamped_to_what_the_sequences_can_use():
+    # Issue 54: groups=1000 at T = 70 launched 1000 groups per sequence and a
+    # 999-step scan (196 s in the interpreter) for two chunks of work.
+    T = 70  # no sequence has more than two chunks
+    assert resolve_groups(1000, None, T, 2, 1, 16, 16, "cpu") == (2, 1)
+    assert resolve_groups(1000, 1, 10 * C, 1, 1, 16, 16, "cpu") == (10, 1)
+    assert resolve_groups(1000, 3, 10 * C, 1, 1, 16, 16, "cpu") == (4, 3)  # ceil(10 / 3) groups of 3
+    assert resolve_groups(3, None, 10, 1, 1, 16, 16, "cpu") == (2, 1)  # a forced split stays grouped
+    assert resolve_groups(1, None, 10 * C, 1, 1, 16, 16, "cpu") == (1, 1)
+    assert resolve_groups(7, None, 10 * C, 1, 1, 16, 16, "cpu") == (7, 1)  # within reach: as forced
+
+
+def test_a_huge_forced_group_count_launches_the_usable_groups_with_the_same_results(monkeypatch):
+    raw, cu = weak_raw([70, 3], H=1, K=16, V=16, seed=54)
+    ops, _ = make_ops(raw, cu, -5.0)
+    o2, f2 = run_chunk(ops, cu, 0.3, output_final_state=True, groups=2)
+    grids = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(chunk_mod, "_kda_chunk_walk_kernel", Recording(chunk_mod._kda_chunk_walk_kernel))
+    o, f = run_chunk(ops, cu, 0.3, output_final_state=True, groups=10**6)
+    assert grids == [(1, 1, 2 * 2)]  # N x G programs with G = 2, not 10**6
+    assert torch.equal(o, o2) and torch.equal(f, f2)
+    o_nv, f_nv, _ = naive_recurrent_kda(**raw, lower_bound=-5.0, cu_seqlens=cu, scale=0.3, output_final_state=True)
+    close(o, o_nv, ATOL)
+    close(f, f_nv, ATOL)
+
+
 def test_prefill_passes_groups():
     H, K, V = 1, 16, 16
     lengths = [9 * C + 1, 40]
@@ -412,10 +471,9 @@ def test_empty_sequences_pass_state_through():
         (dict(groups=4, config={"BV_scan": 8}), ValueError, "BV_scan"),
         (dict(groups=4, config={"BJ_scan": 24}), ValueError, "BJ_scan"),
         (dict(groups=4, config={"scan_precision": "bf16"}), ValueError, "scan_precision"),
-        (dict(groups=70000), ValueError, "65535"),
     ],
     ids=["zero", "negative", "float", "bool", "min_len", "ws_small", "ws_dtype", "ws_strided", "bv1", "bvs",
-         "bj", "precision", "grid"],
+         "bj", "precision"],
 )
 def test_bad_group_arguments(change, exc, msg):
     H, K, V = 1, 16, 16
@@ -429,6 +487,14 @@ def test_bad_group_arguments(change, exc, msg):
         change["group_workspace"] = torch.zeros(2 * need)[::2]
     with pytest.raises(exc, match=msg):
         run_chunk(ops, cu, 0.2, **change)
+
+
+def test_a_group_grid_past_the_launch_limit_is_refused():
+    # 1100 sequences, one of 60 chunks: G clamps to 60, and N x G = 66000 > 65535.
+    raw, cu = weak_raw([60 * C] + [0] * 1099, seed=22)
+    ops, _ = make_ops(raw, cu, -5.0)
+    with pytest.raises(ValueError, match=r"^groups: N x G must be at most 65535 \(grid\), got N=1100, G=60$"):
+        run_chunk(ops, cu, 0.2, groups=70000)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -1,10 +1,14 @@
 import random
+import re
 
 import pytest
 import torch
 
 import kda_engram.kda.metadata as metadata_mod
+from kda_engram import raise_pending_errors
 from kda_engram.kda.metadata import max_chunks, prepare_chunk_indices, prepare_chunk_metadata, prepare_chunk_offsets
+
+from ..helpers import refused
 
 
 def host_chunk_indices(lengths, C=64):
@@ -136,3 +140,70 @@ def test_gpu_metadata_kernel_matches_torch(gpu):
         off, idx = prepare_chunk_metadata(cu, T)
         assert torch.equal(off, prepare_chunk_offsets(cu)), lengths[:8]
         assert torch.equal(idx, prepare_chunk_indices(cu, total_tokens=T)), lengths[:8]
+
+
+HELPERS = {
+    "offsets": lambda cu, T=None, C=64: prepare_chunk_offsets(cu, C),
+    "indices": lambda cu, T=None, C=64: prepare_chunk_indices(cu, C, total_tokens=T),
+    "metadata": lambda cu, T=None, C=64: prepare_chunk_metadata(cu, 200 if T is None else T, C),
+}
+
+
+@pytest.mark.parametrize("helper", HELPERS)
+@pytest.mark.parametrize("bad, message", [
+    (torch.tensor([0, 100, 70, 130]), "cu_seqlens: must be non-decreasing, got a sequence of length -30"),
+    (torch.tensor([0, -64, 70]), "cu_seqlens: must be non-decreasing, got a sequence of length -64"),
+    (torch.tensor([5, 70, 130]), "cu_seqlens: must start at 0, got 5"),
+])
+def test_the_helpers_check_cu_seqlens_values_as_the_kernels_do(helper, bad, message):
+    # Issue 54: a decreasing cu_seqlens gave negative offsets, e.g. [0, -1, 2].
+    with refused(ValueError, match=f"^{re.escape(message)} \\(from an earlier prepare_chunk_"):
+        HELPERS[helper](bad)
+
+
+@pytest.mark.parametrize("helper", ["indices", "metadata"])
+def test_a_token_count_below_the_last_offset_is_refused(helper):
+    # Issue 54: total_tokens=100 with cu_seqlens ending at 130 left chunks without a row.
+    with refused(ValueError, match=r"^cu_seqlens: last entry 130 exceeds the 100 tokens of the inputs \(from an earlier prepare_chunk_"):
+        HELPERS[helper](torch.tensor([0, 70, 130]), 100)
+
+
+@pytest.mark.parametrize("helper", HELPERS)
+@pytest.mark.parametrize("chunk_size", [0, -64, 2.0, True])
+def test_a_chunk_size_below_one_is_refused_in_one_line(helper, chunk_size):
+    # Issue 54: chunk_size=0 raised ZeroDivisionError from torch.div.
+    with pytest.raises((ValueError, TypeError), match=r"^chunk_size: "):
+        HELPERS[helper](torch.tensor([0, 70, 130]), 130, chunk_size)
+    with pytest.raises((ValueError, TypeError), match=r"^chunk_size: "):
+        max_chunks(130, 2, chunk_size)
+
+
+def test_max_chunks_refuses_negative_counts():
+    with pytest.raises(ValueError, match=r"^total_tokens: "):
+        max_chunks(-1, 2)
+    with pytest.raises(ValueError, match=r"^num_seqs: "):
+        max_chunks(10, -2)
+
+
+def test_unchecked_helpers_run_no_rule_and_checked_ones_no_sync_on_the_host_path():
+    cu = torch.tensor([0, 100, 70])
+    prepare_chunk_offsets(cu, check_inputs=False)  # the caller's word: no verdict pending
+    prepare_chunk_indices(cu, total_tokens=100, check_inputs=False)
+    prepare_chunk_metadata(cu, 100, check_inputs=False)
+    raise_pending_errors()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        prepare_chunk_offsets(cu, check_inputs="sync")
+
+
+def test_where_no_verdict_can_be_read_the_helpers_run_host_rules_only(monkeypatch):
+    # While a CUDA graph is captured (stood in for here), a queued verdict could not
+    # be read: the helpers stay capturable, their values the caller's contract.
+    monkeypatch.setattr(metadata_mod, "can_read_back", lambda: False)
+    cu = torch.tensor([0, 100, 70])
+    prepare_chunk_offsets(cu)
+    prepare_chunk_metadata(cu, 100)
+    raise_pending_errors()
+    with pytest.raises(ValueError, match="^chunk_size: "):
+        prepare_chunk_offsets(cu, 0)
+    with pytest.raises(TypeError, match="^check_inputs: "):
+        prepare_chunk_offsets(cu, check_inputs="yes")

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kda_engram import raise_pending_errors
 from kda_engram.kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.prologue import kda_prefill_prologue
 from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
@@ -118,6 +119,18 @@ def test_ragged_fp32_matches_reference_and_recurrence(lower_bound):
     ref = reference(x, cu, lower_bound)
     assert_operands_close(out, ref, cu, tol=2e-5)
     assert_walk_matches_recurrence(out, x, cu, lower_bound, tol=1e-4)
+
+
+PROLOGUE_WARPS = [1, 2, 4, 8, 16, (16, 1), (1, 16)]
+
+
+@pytest.mark.parametrize("num_warps", PROLOGUE_WARPS, ids=str)
+def test_every_accepted_num_warps_matches_the_reference(num_warps):
+    # Issue 54: every accepted value (a power of two in [1, 16], or an (intra, solve)
+    # pair of them) against the reference.
+    x, cu = make_inputs([70, 5], H=1, K=16, seed=54)
+    out = run_prologue(x, cu, -5.0, num_warps=num_warps)
+    assert_operands_close(out, reference(x, cu, -5.0), cu, tol=2e-5)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -332,6 +345,15 @@ def small():
         (dict(cu_seqlens=torch.tensor([0.0, 14.0])), TypeError, "cu_seqlens"),
         (dict(chunk_indices=torch.tensor([[0, 0], [2, 0]], dtype=torch.int32)), ValueError, "chunk_indices"),
         (dict(chunk_indices=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, "chunk_indices"),
+        # Issue 54: rows in range one by one but not the batch's gave NaN operands.
+        (dict(chunk_indices=torch.zeros(3, 2, dtype=torch.int32)), ValueError,
+         r"^chunk_indices: row 1 differs from prepare_chunk_indices\(cu_seqlens\)'s"),
+        (dict(chunk_indices=torch.tensor([[1, 0], [0, 0]], dtype=torch.int32)), ValueError,
+         r"^chunk_indices: row 0 differs"),
+        (dict(chunk_indices=torch.tensor([[0, 0], [1, 0], [1, 0]], dtype=torch.int32)), ValueError,
+         r"^chunk_indices: row 2 differs"),
+        (dict(chunk_indices=torch.tensor([[0, 0]], dtype=torch.int32)), ValueError,
+         r"^chunk_indices: the batch has 2 chunks, got 1 rows"),
         (dict(conv_state=torch.zeros(2, 96, 3)), ValueError, "conv_state: given without conv_weight"),
         (dict(conv_weight=torch.randn(96, 3)), ValueError, "conv_weight: expected shape"),
         (dict(conv_weight=torch.randn(96, 4), conv_state=torch.zeros(2, 96, 3)), ValueError, "conv_state_indices"),
@@ -352,6 +374,16 @@ def test_bad_input(small, over, exc, match):
     x, cu = small
     with refused(exc, match=match):
         _bad(x, cu, **over)
+
+
+def test_chunk_indices_with_padding_rows_past_the_chunks_are_accepted(small):
+    x, cu = small
+    want = run_prologue(x, cu, -5.0)
+    ci = torch.tensor([[0, 0], [1, 0], [-1, -1], [-1, -1]], dtype=torch.int32)
+    got = _bad(x, cu, chunk_indices=ci)
+    raise_pending_errors()
+    for name in ("qg", "w", "u", "aqk"):
+        assert torch.equal(got[name], want[name]), name
 
 
 @pytest.mark.parametrize("lengths", [[], [0, 0]])

@@ -74,6 +74,23 @@ def test_whole_layer_matches_reference_and_advances_history():
     assert (cache[[1, 2, 3]] == -7).all()  # the padding sequence (-1) and unnamed rows untouched
 
 
+@pytest.mark.parametrize("lens", [[], [0], [0, 0]], ids=["no sequence", "one of length 0", "two of length 0"])
+def test_an_empty_batch_gives_an_empty_output_and_leaves_the_cache(lens):
+    # Issue 54: torch's "cannot reshape tensor of 0 elements" from the embeddings.
+    layer, _ = make_layer()
+    N = len(lens)
+    cache = torch.full((3, 2), 4, dtype=torch.int64)
+    batch = EngramBatch(torch.zeros(N + 1, dtype=torch.long), torch.arange(N), torch.zeros(N, dtype=torch.bool))
+    hidden = hidden_for(0, 2)
+    out = layer(hidden, batch, token_ids=torch.zeros(0, dtype=torch.long), history_cache=cache)
+    assert out.shape == (0, HC, DIM) and out.dtype == hidden.dtype
+    rows = layer.hash_step(torch.zeros(0, dtype=torch.long), batch, cache.clone())
+    assert layer(hidden, rows=rows).shape == (0, HC, DIM)
+    # A fresh sequence of length 0 has no tokens: its history is the reference's ("none").
+    hist = naive_next_history(torch.zeros(0, dtype=torch.long), [0] * (N + 1), layer.layout)
+    assert cache[:N].tolist() == hist.tolist() and (cache[N:] == 4).all()
+
+
 def test_chunked_prefill_and_decode_equal_one_shot():
     """Sequence A (slot 1) arrives as prefill 7 + prefill 8 + two decode steps, sequence
     B (slot 3) as prefill 5 + decode; batches built from KDABatch (decode rows first)."""
@@ -358,3 +375,21 @@ def test_a_parameter_that_requires_grad_is_refused_before_the_hash():
         layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
     assert str(info.value).startswith("engram.wkv.weight: expected a parameter that does not require grad")
     assert hist.tolist() == [[1, 42]]
+
+
+@pytest.mark.parametrize("bad", [99, -3])
+def test_a_history_row_read_with_an_id_outside_the_vocabulary_is_refused(bad):
+    # Issue 54: ngram_hash refused such a history, the layer hashed it (id 99 with a
+    # vocabulary of 30) without a word.
+    layer, _ = make_layer()
+    cache = torch.full((3, 2), 5, dtype=torch.int64)
+    cache[1, 1] = bad
+    before = cache.clone()
+    batch = EngramBatch.from_query_lens(torch.tensor([2, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    with refused(ValueError, match=rf"^history_cache: expected ids in \[0, {VOCAB}\) \(layout.compressed_vocab_size; "
+                                   r"the rows this step reads\) or -1 \(none\), got "):
+        layer(hidden_for(5, 1), batch, token_ids=ids_for(5, 2), history_cache=cache)
+    assert torch.equal(cache, before)
+    # A row the step does not read (a fresh sequence) is not its business.
+    fresh = EngramBatch.from_query_lens(torch.tensor([2, 3]), torch.tensor([0, 1]), torch.tensor([True, False]))
+    layer(hidden_for(5, 1), fresh, token_ids=ids_for(5, 2), history_cache=cache)

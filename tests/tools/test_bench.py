@@ -1,5 +1,8 @@
 """``kda-engram bench``'s table (CPU: formatting only; the timings need a GPU)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,15 +54,53 @@ def test_every_benchmark_script_imports_and_has_a_main():
         assert exc.value.code == 0, name
 
 
-def test_group_sweep_refuses_without_a_gpu(monkeypatch, capsys):
-    # sweep_kda_groups (the sweep behind kda/groups.py's constants) exits 2 on a CPU machine.
-    import torch
+#: The scripts that time on a GPU only; bench_tp (gloo ranks) and
+#: profile_default_checks (--counts) also run on a CPU.
+CPU_SCRIPTS = {"bench_tp", "profile_default_checks"}
 
-    from kda_engram.tools.benchmarks import sweep_kda_groups
+
+def test_every_gpu_only_script_says_so_in_one_line_and_exits_2_on_a_cpu(monkeypatch, capsys):
+    # Issue 54: bench_kda_prefill and bench_engram_table printed a traceback and exited
+    # 1, sweep_engram_gate exited 1, four others printed one line and exited 2.
+    import importlib
+
+    from kda_engram.tools.bench import BENCHMARKS_PACKAGE, benchmark_scripts
+    from kda_engram.tools.benchmarks.common import NEEDS_GPU_EXIT
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert sweep_kda_groups.main(["--part", "groups"]) == 2
-    assert "needs a GPU" in capsys.readouterr().err
+    gpu_only = [n for n in benchmark_scripts() if n not in CPU_SCRIPTS]
+    assert {"bench_kda_prefill", "bench_engram_table", "sweep_engram_gate", "sweep_kda_groups"} <= set(gpu_only)
+    for name in gpu_only:
+        module = importlib.import_module(f"{BENCHMARKS_PACKAGE}.{name}")
+        assert module.main([]) == NEEDS_GPU_EXIT == 2, name
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and err.startswith(f"{name} needs a GPU"), (name, out, err)
+
+
+def test_profile_default_checks_on_a_cpu_without_the_interpreter_says_so_in_one_line(monkeypatch, capsys):
+    # Issue 54: a Triton traceback ("0 active drivers") and exit status 0.
+    from kda_engram.tools.benchmarks import profile_default_checks
+
+    monkeypatch.setattr(profile_default_checks, "interpreting", lambda: False)
+    assert profile_default_checks.main(["--counts", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "TRITON_INTERPRET=1" in err
+
+
+def test_a_benchmark_run_as_a_script_on_a_cpu_prints_no_traceback():
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the machine has a GPU")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(root, "src"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "kda_engram.tools.benchmarks.bench_kda_prefill"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("bench_kda_prefill needs a GPU") and done.stdout == ""
 
 
 def test_profile_default_checks_reports_every_call(tmp_path, capsys):
@@ -88,6 +129,16 @@ def test_profile_default_checks_reports_every_call(tmp_path, capsys):
         assert r["extra_ops"] == r["ops_default"] - r["ops_nocheck"]
     out = capsys.readouterr().out
     assert "layer_forward" in out and "nocheck/default/+" in out
+    # Issue 54: the README said +6 ops (the H100's count) for the CPU's +4.
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    said = re.search(r"`kda_decode`'s does: \+(\d+) ops and \+(\d+) launch over its no-check call on a CPU \(the "
+                     r"fused decode step's: \+(\d+) ops and \+(\d+) launches\)", readme)
+    assert said is not None
+    by_call = {r["call"]: r for r in rows}
+    for call in ("kda_decode", "layer_forward"):
+        assert (by_call[call]["extra_ops"], by_call[call]["extra_launches"]) == tuple(map(int, said.groups()[:2]))
+    step = by_call["kda_layer_decode_step"]
+    assert (step["extra_ops"], step["extra_launches"]) == tuple(map(int, said.groups()[2:]))
 
 
 def test_count_ops_and_launches_counts_what_a_call_runs():

@@ -2,8 +2,9 @@
 
 The package's sources (``pyproject.toml``, ``README.md``, ``src/``) are copied out of
 the checkout, built into a wheel, and the wheel installed with ``--no-deps`` into a
-fresh venv that sees the system's torch and triton (``--system-site-packages``;
-nothing is downloaded). Then, from a folder outside the repository and without
+fresh venv that sees the running interpreter's packages, torch and triton among them
+(``venv_seeing``: a ``.pth`` file adds its site directories; nothing is downloaded).
+That works whether the tests run from a system interpreter or from a venv. Then, from a folder outside the repository and without
 ``PYTHONPATH``, the venv's ``kda-engram bench --help`` and one tiny CPU benchmark
 (``bench_tp --small --part engram`` on two gloo ranks, kernels under the Triton
 interpreter) must run from the installed copy. About 30 s on the CPU.
@@ -32,6 +33,48 @@ def _run(args, *, cwd, env, timeout=300):
     return done
 
 
+SITE_DIRS = ("import json, site, sys; print(json.dumps(site.getsitepackages()"
+             " + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])))")
+
+
+def venv_seeing(python, dest, *, env=None) -> Path:
+    """A venv at ``dest`` that sees ``python``'s packages; returns its interpreter.
+
+    Not ``--system-site-packages``: from an interpreter that is itself a venv, that
+    flag shows the base interpreter's site-packages, not the venv's (where a new user's
+    torch is). Instead a ``.pth`` file in the new venv adds ``python``'s own site
+    directories (their ``.pth`` files processed, after the venv's own packages).
+    ``--without-pip``: ``python``'s pip, seen so, installs into the new venv (its
+    ``sys.prefix``) and saves the seconds ensurepip takes.
+    """
+    dest = Path(dest)
+    cwd = dest.parent
+    dirs = json.loads(_run([python, "-c", SITE_DIRS], cwd=cwd, env=env).stdout)
+    _run([python, "-m", "venv", "--without-pip", dest], cwd=cwd, env=env)
+    new = Path(dest) / "bin" / "python"
+    (own,) = json.loads(_run([new, "-c", "import json, site; print(json.dumps(site.getsitepackages()))"],
+                             cwd=cwd, env=env).stdout)
+    lines = [f"import site; site.addsitedir({d!r})" for d in dirs if Path(d).is_dir()]
+    (Path(own) / "zz_kda_engram_parent_site.pth").write_text("\n".join(lines) + "\n")
+    return new
+
+
+def test_a_venv_made_from_a_venv_sees_that_venvs_packages(tmp_path):
+    # Issue 54: made with --system-site-packages from inside a fresh venv, the wheel's
+    # venv saw the base interpreter's site-packages (no torch there) instead of the
+    # venv's. A bare venv holding a marker package stands for the user's venv.
+    outer = tmp_path / "outer"
+    _run([sys.executable, "-m", "venv", "--without-pip", outer], cwd=tmp_path, env=None)
+    outer_python = outer / "bin" / "python"
+    (site_dir,) = json.loads(_run([outer_python, "-c", "import json, site; print(json.dumps(site.getsitepackages()))"],
+                                  cwd=tmp_path, env=None).stdout)
+    (Path(site_dir) / "kda_engram_issue54_marker").mkdir()
+    (Path(site_dir) / "kda_engram_issue54_marker" / "__init__.py").write_text("WHERE = 'outer venv'\n")
+    inner = venv_seeing(outer_python, tmp_path / "inner")
+    done = _run([inner, "-c", "import kda_engram_issue54_marker as m; print(m.WHERE)"], cwd=tmp_path, env=None)
+    assert done.stdout.strip() == "outer venv"
+
+
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
     """(venv python, the folder the commands run in, their environment, the wheel)."""
@@ -51,10 +94,7 @@ def venv(tmp_path_factory):
           "-w", wheels, sources], cwd=tmp, env=env)
     (wheel,) = wheels.glob("kda_engram-*.whl")
 
-    # --without-pip: the system's pip, seen through --system-site-packages, installs
-    # into the venv (its sys.prefix) and saves the seconds ensurepip takes.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", tmp / "venv"], cwd=tmp, env=env)
-    python = tmp / "venv" / "bin" / "python"
+    python = venv_seeing(sys.executable, tmp / "venv", env=env)
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], cwd=tmp, env=env)
     work = tmp / "elsewhere"
     work.mkdir()

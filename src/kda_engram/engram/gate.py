@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..launch_config import GateGeometry
+from ..launch_config import GateGeometry, check_warps_override, is_pow2
 from ..platform import arch, interpreting, num_compute_units
 from ..validation.engram import check_gate_common, check_gate_scalars  # noqa: F401 (re-exported)
 from ..validation.engram import check_post_wkv_arguments
@@ -132,8 +132,8 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
         lanes = head + tail
     else:
         chunk = LOOP_CHUNK if chunk is None else chunk
-        if chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"chunk: expected a power of two >= 16, got {chunk}")
+        if not (is_pow2(chunk) and chunk >= 16):
+            raise ValueError(f"chunk: expected a power of two >= 16, got {chunk!r}")
         geom = dict(HEAD=16, TAIL=0, CHUNK=chunk, LOOP=True)
         lanes = chunk
     check_num_warps(num_warps)
@@ -142,8 +142,7 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
 
 
 def check_num_warps(num_warps: int | None) -> None:
-    if num_warps is not None and (num_warps < 1 or num_warps & (num_warps - 1) or num_warps > 32):
-        raise ValueError(f"num_warps: expected a power of two in [1, 32], got {num_warps}")
+    check_warps_override("num_warps", num_warps)
 
 
 # --------------------------------------------------------------------------------------

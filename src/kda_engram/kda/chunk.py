@@ -100,9 +100,10 @@ def kda_prefill_walk(
     * ``qg``, ``w``: ``[1, T, H, K]``; ``u``: ``[1, T, H, V]``; ``aqk``: ``[1, T, H, 64]``
       (only its inclusive lower triangle is read).
     * ``kg_t``: chunk-major transposed gated keys ``[R, H, K, 64]``, ``decay``:
-      ``[R, H, K]`` (any float dtype, read as fp32). Row ``chunk_offsets[n] + c``
-      is chunk ``c`` of sequence ``n``; ``R`` is at least the batch's chunk count
-      (the prologue allocates the static bound ``T // 64 + N``).
+      ``[R', H, K]`` (any float dtype, read as fp32). Row ``chunk_offsets[n] + c``
+      is chunk ``c`` of sequence ``n``; each of ``R``, ``R'`` is at least the batch's
+      chunk count, checked per operand (the prologue allocates both at the static
+      bound ``T // 64 + N``).
     * ``out``: ``[1, T, H, V]``, written for the tokens ``cu_seqlens`` covers and
       nowhere else. It may alias the ``v`` that ``u`` was computed from (the walk
       reads ``u``, never ``v``).
@@ -154,7 +155,9 @@ def kda_prefill_walk(
     back from the device) and at least :data:`~kda_engram.kda.groups.MIN_GROUP_CHUNKS`
     chunks per group; ``groups=G`` forces ``G`` with ``min_group_chunks=1``
     (each sequence's chunks cut into ``ceil(chunks / G)``-chunk groups, as
-    ``reference.naive_chunk_walk(groups=G)`` does). Per sequence, in the kernels, the
+    ``reference.naive_chunk_walk(groups=G)`` does; a ``G`` past what any sequence
+    can use, ``ceil(T / 64)`` chunks, launches only the usable groups, same results:
+    :func:`~kda_engram.kda.groups.resolve_groups`). Per sequence, in the kernels, the
     group length is ``L_n = max(ceil(chunks_n / G), min_group_chunks)``, so a short
     sequence in a ragged batch stays one group and costs no pass one. ``G = 1`` is
     the single launch above. ``G > 1`` runs pass one (every group but each
@@ -218,8 +221,8 @@ def walk_rules(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offsets
             check_tensor("chunk_offsets", chunk_offsets, shape=[cu_seqlens.numel()], dtypes=INDEX_DTYPES,
                          device=u.device)
         return None
-    expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE)
-    check_chunk_offsets(chunk_offsets, expected, kg_t.shape[0], checks)
+    expected = prepare_chunk_offsets(cu_seqlens, CHUNK_SIZE, check_inputs=False)
+    check_chunk_offsets(chunk_offsets, expected, {"kg_t": kg_t.shape[0], "decay": decay.shape[0]}, checks)
     return expected
 
 
@@ -233,7 +236,7 @@ def walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offset
     device = u.device
     T, H, K, V = qg.shape[1], qg.shape[2], qg.shape[3], u.shape[3]
     if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[0]
+        chunk_offsets = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)[0]
     num_seqs = cu_seqlens.numel() - 1
     initial_state, state_cache, state_indices = state.initial_state, state.state_cache, state.state_indices
     has_initial_state, checkpoint_state = state.has_initial_state, state.snapshots

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE
+from ..launch_config import check_warps_override, is_pow2
 from ..validation.entry import EntryChecks
 from ..validation.kda_conv import check_conv_checkpoint, check_conv_decode
 from .metadata import chunk_row
@@ -218,15 +219,16 @@ def conv_prefill_bands(
     buf = torch.empty(1, T, C, dtype=q.dtype, device=q.device)
     bands = (buf[..., : H * K].view(1, T, H, K), buf[..., H * K : 2 * H * K].view(1, T, H, K),
              buf[..., 2 * H * K :].view(1, T, H, V))
-    rows = chunk_indices.shape[0]
-    if rows == 0 or H == 0 or T == 0:
-        return bands
     has_state = conv_state is not None
     has_flags = has_state and conv_has_initial_state is not None
     if row_block is None:
         row_block = max(CONV_STATE_ROW_BLOCK if has_state else CONV_ROW_BLOCK, triton.next_power_of_2(W - 1))
-    if row_block < W - 1 or row_block & (row_block - 1) or CHUNK_SIZE % row_block:
-        raise ValueError(f"row_block: expected a power of two dividing {CHUNK_SIZE} and >= W - 1 = {W - 1}, got {row_block}")
+    if not (is_pow2(row_block) and CHUNK_SIZE % row_block == 0 and row_block >= W - 1):
+        raise ValueError(f"row_block: expected a power of two dividing {CHUNK_SIZE} and >= W - 1 = {W - 1}, got {row_block!r}")
+    check_warps_override("num_warps", num_warps)
+    rows = chunk_indices.shape[0]
+    if rows == 0 or H == 0 or T == 0:
+        return bands
     for name, stride in (("q", q.stride(1)), ("k", k.stride(1)), ("v", v.stride(1)), ("the output", C)):
         # The kernel's int32 offsets within a chunk: (64 + W) rows of this stride.
         if (CHUNK_SIZE + W) * abs(stride) >= 2**31:

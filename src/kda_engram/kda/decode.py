@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..constants import L2NORM_EPS
-from ..launch_config import decode_tiling_for, device_arch, is_pow2
+from ..launch_config import check_block_override, check_warps_override, decode_tiling_for, device_arch
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
@@ -217,14 +217,14 @@ def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_id
     point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
     B = q.shape[0]
     _, H, V, K = state_cache.shape
+    check_block_override("block_v", block_v, V, "V")
+    check_warps_override("num_warps", num_warps)
     if B == 0:
         return out
     if block_v is None or num_warps is None:
         bv, nw = decode_tiling(B, H, V, state_cache.device, steps, state_cache.dtype)
         block_v = bv if block_v is None else block_v
         num_warps = nw if num_warps is None else num_warps
-    if not (is_pow2(block_v) and V % block_v == 0):
-        raise ValueError(f"block_v: expected a power of two dividing V={V}, got {block_v}")
     if scale is None:
         scale = K ** -0.5
 

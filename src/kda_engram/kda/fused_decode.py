@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..constants import CONV_WIDTH, L2NORM_EPS
-from ..launch_config import device_arch, fused_decode_tiling_for
+from ..launch_config import check_block_override, check_warps_override, device_arch, fused_decode_tiling_for
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_fused_decode_arguments
@@ -295,9 +295,10 @@ def kda_layer_decode_step(
       ``out_dtype`` names the dtype of a new ``out`` so that the op, which cannot
       take a caller's buffer, still gives the layer its model dtype.
 
-    * ``block_v``, ``num_warps``: the state tile walked per step and the warps
-      (default :func:`kda_engram.launch_config.fused_decode_tiling_for`; only
-      speed changes).
+    * ``block_v``, ``num_warps``: the state tile walked per step (a power of two
+      dividing ``V``) and the warps (a power of two in ``[1, 32]``); default
+      :func:`kda_engram.launch_config.fused_decode_tiling_for`. Any accepted value
+      changes only speed; another is refused (``ValueError`` naming it).
 
     ``check_inputs`` validates every argument with one device read-back after
     the launch, which a broken rule turns into a no-op on both caches
@@ -335,6 +336,8 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
     (:mod:`kda_engram.ops.kda`). No token launches nothing."""
     multi = x.dim() == 3
     _, H, V, K = state_cache.shape
+    check_block_override("block_v", block_v, V, "V")  # a wider tile walked no row (issue 54)
+    check_warps_override("num_warps", num_warps)
     if out is None:
         out = torch.empty(*x.shape[:-1], H * V, dtype=out_dtype or x.dtype, device=x.device)
     B = x.shape[0]

@@ -245,7 +245,15 @@ def resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: i
     ``(T // 64) // num_seqs`` chunks per sequence as the static proxy (``min_len``
     :data:`MIN_GROUP_CHUNKS` unless given). Host facts only, no device read; a
     ``groups`` or ``min_group_chunks`` that is not ``None`` or an int >= 1 is a
-    ``ValueError``."""
+    ``ValueError``.
+
+    A forced ``groups`` is clamped to what the sequences can use: no sequence has
+    more than ``ceil(T / 64)`` chunks, so none has more than
+    ``ceil(ceil(T / 64) / min_len)`` non-empty groups, and a larger ``G`` would
+    only launch programs (and scan steps) that walk nothing. The clamp keeps every
+    sequence's groups (``L_n``, ``G_n``) and so the results bit for bit, and keeps
+    a forced ``G >= 2`` on the grouped walk (never below 2): a forced ``G`` costs
+    time with the work, not with ``G``."""
     for name, val in (("groups", groups), ("min_group_chunks", min_group_chunks)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
             raise ValueError(f"{name}: expected None or an int >= 1, got {val!r}")
@@ -254,4 +262,6 @@ def resolve_groups(groups, min_group_chunks, T: int, num_seqs: int, H: int, K: i
             return 1, 1
         n = chunk_groups((T // CHUNK_SIZE) // num_seqs, num_seqs, H, device, head_k=K, head_v=V)
         return n, MIN_GROUP_CHUNKS if min_group_chunks is None else min_group_chunks
-    return groups, 1 if min_group_chunks is None else min_group_chunks
+    min_len = 1 if min_group_chunks is None else min_group_chunks
+    usable = -(-(-(-T // CHUNK_SIZE)) // min_len)  # ceil(ceil(T / 64) / min_len)
+    return min(groups, max(2, usable)), min_len

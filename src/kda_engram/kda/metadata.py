@@ -13,39 +13,70 @@ the real chunks carry sequence id -1 for the kernels to skip.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
 
 from ..constants import CHUNK_SIZE
 from ..platform import interpreting
-from ..validation.common import check_int
-from ..validation.kda_inputs import check_cu_seqlens
+from ..validation.common import can_read_back, check_int
+from ..validation.entry import EntryChecks, check_mode
+from ..validation.kda_inputs import check_cu_seqlens, chunk_offsets_of, chunk_rows
 
 __all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
+_NO_TOKEN_BOUND = 2**62  # prepare_chunk_offsets knows no token count: no bound on cu_seqlens[-1]
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor) -> None:
-    # Metadata takes the values as they are (no device read): only the kind and shape.
-    check_cu_seqlens(cu_seqlens, 0, cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None, None,
+
+def _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs) -> EntryChecks | None:
+    """The helpers' rules, the kernels' own: ``chunk_size`` an int >= 1, ``total_tokens``
+    (None: unknown) an int >= 0, ``cu_seqlens`` int ``[N+1]`` (host, always); with
+    ``check_inputs`` (True: deferred, ``"sync"``), ``cu_seqlens`` starts at 0, never
+    decreases and ends at most at ``total_tokens`` (queued, no host sync: the verdict
+    comes as every entry point's, :mod:`kda_engram.validation.entry`); while a CUDA
+    graph is captured or ``torch.compile`` traces, host rules only (no verdict can be
+    read there; the values are then the caller's contract). ``False``: the caller has
+    checked those values (the entry points, which call these helpers)."""
+    check_int("chunk_size", chunk_size, low=1)
+    if total_tokens is not None:
+        check_int("total_tokens", total_tokens, low=0)
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
+    check_mode(check_inputs)  # the value's type, also where no rule runs
+    checks = None if check_inputs is False or not can_read_back() else EntryChecks(check_inputs)
+    if checks is not None:
+        checks.origin = sys._getframe(1).f_code.co_name  # the helper's name in the verdict, not this function's
+    check_cu_seqlens(cu_seqlens, _NO_TOKEN_BOUND if total_tokens is None else total_tokens, device, checks,
                      covers_all=False)
+    return checks
 
 
 def max_chunks(total_tokens: int, num_seqs: int, chunk_size: int = CHUNK_SIZE) -> int:
     """Static upper bound on the chunk count of ``num_seqs`` sequences of
     ``total_tokens`` tokens: ``sum ceil(l_n / C) <= T // C + N``."""
+    check_int("total_tokens", total_tokens, low=0)
+    check_int("num_seqs", num_seqs, low=0)
+    check_int("chunk_size", chunk_size, low=1)
     return total_tokens // chunk_size + num_seqs
 
 
-def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE, *,
+                          check_inputs: bool | str = True) -> torch.Tensor:
     """First chunk row of every sequence: int32 ``[N+1]``, ``offsets[n+1] -
-    offsets[n] = ceil(len_n / chunk_size)`` and ``offsets[0] = 0``."""
-    _check_cu_seqlens(cu_seqlens)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    counts = torch.div(lengths + (chunk_size - 1), chunk_size, rounding_mode="floor")
-    offsets = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
-    torch.cumsum(counts, dim=0, out=offsets[1:])
-    return offsets.to(torch.int32)
+    offsets[n] = ceil(len_n / chunk_size)`` and ``offsets[0] = 0``.
+
+    ``check_inputs``: ``cu_seqlens`` starts at 0 and never decreases, checked on the
+    device without a host sync (:func:`_metadata_rules`); ``False`` trusts the caller."""
+    checks = _metadata_rules(cu_seqlens, None, chunk_size, check_inputs)
+    offsets = _chunk_offsets(cu_seqlens, chunk_size)
+    if checks is not None:
+        checks.run()
+    return offsets
+
+
+def _chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    return chunk_offsets_of(cu_seqlens[1:] - cu_seqlens[:-1], chunk_size).to(torch.int32)
 
 
 def prepare_chunk_indices(
@@ -54,6 +85,7 @@ def prepare_chunk_indices(
     *,
     total_tokens: int | None = None,
     chunk_offsets: torch.Tensor | None = None,
+    check_inputs: bool | str = True,
 ) -> torch.Tensor:
     """Per chunk row: (sequence id, chunk index within the sequence), int32 ``[NT_max, 2]``.
 
@@ -63,24 +95,22 @@ def prepare_chunk_indices(
     a GPU. Rows past the batch's real chunks hold ``(-1, -1)``. Row ``r`` of
     sequence ``n`` is ``chunk_offsets[n] + c``, the order the chunk-major
     workspaces use.
+
+    ``check_inputs``: ``cu_seqlens`` starts at 0, never decreases and ends at most
+    at ``total_tokens``, checked on the device without a host sync; a given
+    ``chunk_offsets`` must be :func:`prepare_chunk_offsets`' (trusted: it is its
+    output). ``False`` trusts the caller for ``cu_seqlens`` too.
     """
-    _check_cu_seqlens(cu_seqlens)
+    checks = _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs)
     num_seqs = cu_seqlens.numel() - 1
     if total_tokens is None:
         total_tokens = int(cu_seqlens[-1].item())
     if chunk_offsets is None:
-        chunk_offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
-    rows = max_chunks(total_tokens, num_seqs, chunk_size)
-    device = cu_seqlens.device
-    row = torch.arange(rows, dtype=torch.int32, device=device)
-    # The last n with offsets[n] <= row: zero-length sequences share their
-    # successor's offset, and `right=True` steps past them to the real owner.
-    seq = torch.searchsorted(chunk_offsets, row, right=True).to(torch.int32) - 1
-    valid = row < chunk_offsets[-1]
-    seq_clamped = seq.clamp(0, max(num_seqs - 1, 0))
-    chunk = row - chunk_offsets[seq_clamped.long()] if num_seqs > 0 else row
-    out = torch.stack([seq, chunk.to(torch.int32)], dim=1)
-    return torch.where(valid[:, None], out, torch.full_like(out, -1))
+        chunk_offsets = _chunk_offsets(cu_seqlens, chunk_size)
+    out = chunk_rows(chunk_offsets, max_chunks(total_tokens, num_seqs, chunk_size))
+    if checks is not None:
+        checks.run()
+    return out
 
 
 @triton.jit
@@ -131,6 +161,8 @@ def prepare_chunk_metadata(
     cu_seqlens: torch.Tensor,
     total_tokens: int,
     chunk_size: int = CHUNK_SIZE,
+    *,
+    check_inputs: bool | str = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(chunk_offsets [N+1], chunk_indices [T // chunk_size + N, 2])``, both int32,
     equal to :func:`prepare_chunk_offsets` and :func:`prepare_chunk_indices`, in one
@@ -141,16 +173,25 @@ def prepare_chunk_metadata(
     bound by that host work in eager mode (measured: docs/design/kda_prefill.md,
     "Chunk metadata in one launch"). On a CPU tensor without the Triton
     interpreter it falls back to the torch functions.
+
+    ``check_inputs``: ``cu_seqlens`` starts at 0, never decreases and ends at most
+    at ``total_tokens``, checked on the device without a host sync; ``False`` (the
+    entry points, which have checked it) trusts the caller.
     """
-    _check_cu_seqlens(cu_seqlens)
-    check_int("total_tokens", total_tokens, low=0)
-    check_int("chunk_size", chunk_size, low=1)
+    checks = _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs)
+    offsets, indices = _chunk_metadata(cu_seqlens, total_tokens, chunk_size)
+    if checks is not None:
+        checks.run()
+    return offsets, indices
+
+
+def _chunk_metadata(cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int):
     num_seqs = cu_seqlens.numel() - 1
     device = cu_seqlens.device
     if device.type != "cuda" and not interpreting():
-        offsets = prepare_chunk_offsets(cu_seqlens, chunk_size)
+        offsets = _chunk_offsets(cu_seqlens, chunk_size)
         return offsets, prepare_chunk_indices(cu_seqlens, chunk_size, total_tokens=total_tokens,
-                                              chunk_offsets=offsets)
+                                              chunk_offsets=offsets, check_inputs=False)
     rows = max_chunks(total_tokens, num_seqs, chunk_size)
     offsets = torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
     indices = torch.empty(rows, 2, dtype=torch.int32, device=device)

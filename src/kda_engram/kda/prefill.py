@@ -240,7 +240,7 @@ def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, o
     T, H, V = x.q.shape[1], x.q.shape[2], x.v.shape[3]
     if x.scale is None:
         x = x.replace(scale=x.q.shape[3] ** -0.5)
-    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
+    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=x.v.dtype, device=x.v.device)
     return backend.run(x, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out,

@@ -157,7 +157,7 @@ def prepare_kda_prologue(x: KDAInputs, cu_seqlens, conv: ConvArgs = ConvArgs(), 
     V = v.shape[3]
     dev = q.device
     if chunk_indices is None:
-        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
+        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)[1]
     num_chunks = chunk_indices.shape[0]
     intra_warps, solve_warps = launch_warps(num_warps, dev, K, V)
     out = dict(

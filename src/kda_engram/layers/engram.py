@@ -61,7 +61,8 @@ from ..validation.common import (
     check_tensor,
 )
 from ..validation.entry import EntryChecks
-from ..validation.engram import check_engram_batch, check_history_scatter, check_ngram_hash_arguments
+from ..validation.engram import (check_engram_batch, check_history_cache_values, check_history_scatter,
+                                 check_ngram_hash_arguments)
 from ..engram.hashing import check_layout
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
@@ -239,6 +240,9 @@ def engram_hash_step(
         # The hash's rules (its history is gathered from the cache just checked).
         check_ngram_hash_arguments(token_ids, batch.cu_seqlens, lay, token_map, None, batch.dead_mask, global_rows,
                                    None, checks, cu_rules=False)
+        if checks is not None and known:  # the history the hash reads, as ngram_hash checks a given one
+            check_history_cache_values(checks, history_cache, batch.slot_indices, batch.has_initial_state,
+                                       lay.compressed_vocab_size, token_map)
         if checks is not None:
             g = checks.guard
             token_ids = g(token_ids, 0)
@@ -439,7 +443,7 @@ class EngramLayer(nn.Module):
         else:
             emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True, check_inputs=False),
                                      dim=1)
-        return emb.reshape(emb.shape[0], -1)
+        return emb.flatten(1)  # [T, cols * head_dim]; T = 0 too (reshape(0, -1) is ambiguous)
 
     def forward(
         self,

@@ -50,6 +50,8 @@ __all__ = [
     "check_table_rows",
     "check_table_lookup",
     "check_history_cache",
+    "check_history_cache_values",
+    "check_history_values",
     "check_history_gather",
     "check_history_scatter",
     "check_history_checkpoint",
@@ -238,6 +240,9 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
         checks.add((low < 0) | (high >= vocab), f"token_map: expected compressed ids in [0, {vocab}), got [{{}}, {{}}]",
                    low, high)
         vocab = token_map.numel()
+    what = "token_map's size" if token_map is not None else "layout.compressed_vocab_size"
+    if history is not None:
+        check_history_values(checks, "history", history, vocab if check_ids else None, what)
     if not check_ids:
         return
     # Ids of live tokens must index the map (or the compressed vocabulary, whose
@@ -249,15 +254,47 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
     live = (pos >= cu[0]) & (pos < cu[-1]) if num_seqs else torch.zeros_like(pos, dtype=torch.bool)
     lows = [torch.where(live, ids, big).min() if num_tokens else torch.full((), big, dtype=torch.int64, device=device)]
     highs = [torch.where(live, ids, -1).max() if num_tokens else torch.full((), -1, dtype=torch.int64, device=device)]
-    if history is not None and history.numel():
-        hist = history.to(torch.int64)
-        lows.append(torch.where(hist >= 0, hist, big).min())
-        highs.append(hist.max())
     low, high = torch.stack(lows).min(), torch.stack(highs).max()
-    what = "token_map's size" if token_map is not None else "layout.compressed_vocab_size"
-    checks.add((low < 0) | (high >= vocab),
-               f"token_ids: expected ids in [0, {vocab}) ({what}; history may also hold -1), got [{{}}, {{}}]",
+    checks.add((low < 0) | (high >= vocab), f"token_ids: expected ids in [0, {vocab}) ({what}), got [{{}}, {{}}]",
                low, high)
+
+
+def check_history_values(checks: DeviceChecks, name: str, history: torch.Tensor, vocab: int | None, what: str,
+                         live: torch.Tensor | None = None) -> None:
+    """A hash history's entries (queued): ids in ``[0, vocab)`` or ``-1`` ("none",
+    read as pad); ``vocab`` None: only ``>= -1`` (:func:`next_history` knows no
+    vocabulary). ``live`` (bool, broadcast against ``history``): the entries that
+    are read; the others are not checked."""
+    if not history.numel():
+        return
+    hist = history.to(torch.int64)
+    if live is None:
+        low, high = hist.min(), hist.max()
+    else:
+        low = torch.where(live, hist, -1).min()
+        high = torch.where(live, hist, -1).max()
+    if vocab is None:
+        checks.add(low < -1, f"{name}: expected ids >= 0 or -1 (none), got {{}}", low)
+        return
+    checks.add((low < -1) | (high >= vocab),
+               f"{name}: expected ids in [0, {vocab}) ({what}) or -1 (none), got [{{}}, {{}}]", low, high)
+
+
+def check_history_cache_values(checks: DeviceChecks, cache: torch.Tensor, slot_indices: torch.Tensor,
+                               has_initial_state: torch.Tensor, compressed_vocab: int, token_map) -> None:
+    """The history rows a hash step reads (queued): row ``slot_indices[n]`` of
+    ``cache`` where it is in range and ``has_initial_state[n]``, each entry an id
+    (``[0, token_map size)`` with a map, else ``[0, compressed_vocab)``) or -1, as
+    :func:`~kda_engram.engram.hashing.ngram_hash` checks a ``history`` it is given
+    (the slots' own range is :func:`check_engram_batch`'s)."""
+    slots, rows = slot_indices.to(torch.int64), cache.shape[0]
+    if rows == 0 or slots.numel() == 0:
+        return
+    vocab, what = ((token_map.shape[0], "token_map's size") if token_map is not None else
+                   (compressed_vocab, "layout.compressed_vocab_size"))
+    read = (slots >= 0) & (slots < rows) & has_initial_state.to(torch.bool)
+    check_history_values(checks, "history_cache", cache[slots.clamp(0, rows - 1)], vocab,
+                         f"{what}; the rows this step reads", live=read[:, None])
 
 
 def check_ngram_hash_arguments(token_ids, cu_seqlens, layout, token_map, history, dead_mask, global_rows, out,

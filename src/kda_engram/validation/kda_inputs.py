@@ -29,6 +29,8 @@ __all__ = [
     "check_lower_bound",
     "check_prefill_inputs",
     "check_scale",
+    "chunk_offsets_of",
+    "chunk_rows",
 ]
 
 
@@ -124,10 +126,39 @@ def check_prefill_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias) -> tuple[int,
     return T, H, K, V
 
 
+def chunk_offsets_of(lengths: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """int64 ``[N+1]`` first chunk row of every sequence of ``lengths [N]``:
+    ``offsets[n+1] - offsets[n] = ceil(len_n / chunk_size)``, ``offsets[0] = 0``."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(torch.div(lengths.to(torch.int64) + (chunk_size - 1), chunk_size, rounding_mode="floor"), 0,
+                 out=offsets[1:])
+    return offsets
+
+
+def chunk_rows(chunk_offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The chunk rows ``[rows, 2]`` (sequence id, chunk index; ``(-1, -1)`` past the
+    batch's chunks) that ``chunk_offsets [N+1]`` (first row of every sequence)
+    numbers: row ``offsets[n] + c`` is chunk ``c`` of sequence ``n``. Device ops
+    only; what :func:`kda_engram.kda.metadata.prepare_chunk_indices` returns, and
+    what :func:`check_chunk_indices` compares a caller's rows with."""
+    num_seqs = chunk_offsets.numel() - 1
+    row = torch.arange(rows, dtype=chunk_offsets.dtype, device=chunk_offsets.device)
+    # The last n with offsets[n] <= row: zero-length sequences share their
+    # successor's offset, and `right=True` steps past them to the real owner.
+    seq = torch.searchsorted(chunk_offsets, row, right=True).to(torch.int32) - 1
+    valid = row < chunk_offsets[-1]
+    seq_clamped = seq.clamp(0, max(num_seqs - 1, 0))
+    chunk = row - chunk_offsets[seq_clamped.long()] if num_seqs > 0 else row
+    out = torch.stack([seq, chunk.to(torch.int32)], dim=1)
+    return torch.where(valid[:, None], out, torch.full_like(out, -1))
+
+
 def check_chunk_indices(chunk_indices, num_seqs: int, device, checks: DeviceChecks | None,
                         lengths: torch.Tensor | None) -> None:
     """``chunk_indices`` ``[rows, 2]`` (sequence id, chunk index): ids in ``[-1, N)``,
-    and every live row's chunk inside its sequence (queued)."""
+    every live row's chunk inside its sequence, and (with ``lengths``) the rows
+    exactly :func:`chunk_rows`' for the batch: enough rows, each chunk once, in the
+    order the chunk walk reads its operands (queued)."""
     check_tensor("chunk_indices", chunk_indices, shape=[None, 2], dtypes=INDEX_DTYPES, device=device)
     if checks is None or chunk_indices.shape[0] == 0:
         return
@@ -140,3 +171,11 @@ def check_chunk_indices(chunk_indices, num_seqs: int, device, checks: DeviceChec
         length = lengths[seq.clamp(0, num_seqs - 1)]
         outside = live & ((c < 0) | (c * CHUNK_SIZE >= length))
         checks.add(outside.any(), "chunk_indices: a chunk index lies outside its sequence (need 0 <= c*64 < length)")
+        # In range row by row is not enough (issue 54: all-zero rows left chunks
+        # unwritten, NaN operands): the rows must be the batch's, each chunk once.
+        offsets = chunk_offsets_of(lengths)
+        rows = chunk_indices.shape[0]
+        checks.add(offsets[-1] > rows, f"chunk_indices: the batch has {{}} chunks, got {rows} rows", offsets[-1])
+        differ = (ci != chunk_rows(offsets, rows).to(torch.int64)).any(1)
+        checks.add(differ.any(), "chunk_indices: row {} differs from prepare_chunk_indices(cu_seqlens)'s",
+                   differ.to(torch.int8).argmax())

@@ -131,21 +131,25 @@ def check_chunk_operands(qg, w, u, kg_t, aqk, decay, out) -> tuple[int, int, int
     check_tensor("aqk", aqk, shape=[1, T, H, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
     check_tensor("kg_t", kg_t, shape=[None, H, K, CHUNK_SIZE], dtypes=FLOAT_DTYPES, device=device)
     check_same_dtype(["qg", "w", "u", "aqk", "kg_t"], [qg, w, u, aqk, kg_t])
-    check_tensor("decay", decay, shape=[kg_t.shape[0], H, K], dtypes=FLOAT_DTYPES, device=device)
+    # Each operand's rows against the batch's chunk count, by name (check_chunk_offsets):
+    # a shape rule tying decay's rows to kg_t's blamed decay for a short kg_t.
+    check_tensor("decay", decay, shape=[None, H, K], dtypes=FLOAT_DTYPES, device=device)
     if out is not None:
         check_tensor("out", out, shape=[1, T, H, V], dtypes=FLOAT_DTYPES, device=device)
     return T, H, K, V
 
 
-def check_chunk_offsets(chunk_offsets, expected: torch.Tensor, rows: int, checks: DeviceChecks) -> None:
+def check_chunk_offsets(chunk_offsets, expected: torch.Tensor, rows: dict[str, int], checks: DeviceChecks) -> None:
     """A caller's ``chunk_offsets`` equal ``expected`` (from ``cu_seqlens``), and the
-    batch's chunk count fits the ``rows`` of ``kg_t``/``decay`` (queued)."""
+    batch's chunk count fits the rows of each operand in ``rows`` (``{name: rows}``,
+    ``kg_t`` and ``decay``; queued, each naming its operand)."""
     if chunk_offsets is not None:
         check_tensor("chunk_offsets", chunk_offsets, shape=[expected.numel()], dtypes=INDEX_DTYPES,
                      device=expected.device)
         checks.add((chunk_offsets.to(torch.int64) != expected.to(torch.int64)).any(),
                    "chunk_offsets: does not match prepare_chunk_offsets(cu_seqlens)")
-    checks.add(expected[-1] > rows, f"kg_t/decay: the batch has {{}} chunks, got {rows} rows", expected[-1])
+    for name, n in rows.items():
+        checks.add(expected[-1] > n, f"{name}: the batch has {{}} chunks, got {n} rows", expected[-1])
 
 
 def check_checkpoint_offsets(checks: DeviceChecks, name: str, offsets: torch.Tensor,

@@ -43,7 +43,7 @@ from ...engram.gate import engram_post_wkv
 from ...engram.reference import gate_from_sums, shard_kv_by_dim
 from ...engram.sharded_gate import engram_gate_finish, engram_gate_partials, send_width
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, result_row, write_json
+from .common import copy_bandwidth_gbs, cuda_graph_ms, no_gpu_exit, result_row, write_json
 
 HC = 4
 EPS = 1e-6
@@ -371,9 +371,8 @@ def main(argv=None) -> int:
     parser.add_argument("--distributed", action="store_true", help="time the Engram layer over GPUs with NCCL")
     parser.add_argument("--nproc", type=int, default=None, help="GPUs for --distributed (default: all)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_engram_gate needs a GPU")
-        return 2
+    if (code := no_gpu_exit("bench_engram_gate")) is not None:
+        return code
     print(f"device: {torch.cuda.get_device_name(0)} | torch {torch.__version__}")
     if args.distributed:
         rows = run_distributed(args.nproc)

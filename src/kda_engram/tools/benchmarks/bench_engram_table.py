@@ -44,7 +44,7 @@ import torch
 from ...engram.hashing import ngram_hash
 from ...engram.layout import EngramLayout
 from ...engram.table import SCALE_BLOCK, EngramTable
-from .common import bench_ms, cuda_graph_ms, write_json
+from .common import bench_ms, cuda_graph_ms, no_gpu_exit, write_json
 
 N_COLS, HEAD_DIM = 24, 256
 TOKENS = {"T64": 64, "T16384": 16384}
@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if (code := no_gpu_exit("bench_engram_table")) is not None:
+        return code
     rows = run(args.cases, peers=not args.no_peers, quick=args.quick)
     print(f"{'case':<26} {'ours ms':>9} {'peer ms':>9} {'ratio':>6} {'floor ms':>9} {'of floor':>8} {'graph ms':>9} "
           f"{'of floor':>8} {'GB/s':>8} {'Mrows/s':>8} {'maxdiff':>8} {'copy ms':>9} {'copy graph':>10} {'vs copy':>7}")

@@ -57,7 +57,7 @@ import torch
 
 from ...kda.decode import decode_tiling, kda_decode, kda_decode_multi, launch_decode
 from .common import bench_ms as bench
-from .common import copy_bandwidth, default_check_bound_ms, write_json
+from .common import copy_bandwidth, default_check_bound_ms, no_gpu_exit, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -445,9 +445,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-layer", action="store_true", help="skip the layer-decode rows")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kda_decode needs a GPU")
-        return 2
+    if (code := no_gpu_exit("bench_kda_decode")) is not None:
+        return code
     cases = [parse_case(c) for c in args.cases.split(",")] if args.cases else None
     rows = run(cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep, layer=not args.no_layer)
     print_rows(rows)

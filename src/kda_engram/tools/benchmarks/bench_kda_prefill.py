@@ -69,7 +69,7 @@ from ...launch_config import chunk_config
 from ...kda.prefill_paths import PrefillCall, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
-from .common import copy_bandwidth_gbs, cuda_graph_ms, default_check_bound_ms, result_row, write_json
+from .common import copy_bandwidth_gbs, cuda_graph_ms, default_check_bound_ms, no_gpu_exit, result_row, write_json
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
@@ -628,13 +628,13 @@ def main(argv=None) -> int:
                         help="instead of timing, list each kernel's time per call (ours and fla's)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
+    if (code := no_gpu_exit("bench_kda_prefill")) is not None:
+        return code
     cases = args.cases.split(",") if args.cases else None
     for c in cases or []:
         if c not in CASES:
             parser.error(f"unknown case {c!r}; expected one of {', '.join(CASES)}")
     if args.profile:
-        if not torch.cuda.is_available():
-            parser.error("--profile needs a GPU")
         kernels = profile_cases(cases or list(CASES), peers=not args.no_peers)
         if args.json:
             write_json(kernels, args.json)

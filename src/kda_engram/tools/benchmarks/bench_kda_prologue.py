@@ -47,7 +47,7 @@ from ...kda.metadata import prepare_chunk_indices
 from ...kda.prologue import kda_prefill_prologue
 from ...kda.reference import naive_chunk_operands
 from .common import bench_ms as bench
-from .common import copy_bandwidth, write_json
+from .common import copy_bandwidth, no_gpu_exit, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -247,9 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("--conv", choices=("weight", "state"), help="conv (and conv state) on")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kda_prologue needs a GPU")
-        return 2
+    if (code := no_gpu_exit("bench_kda_prologue")) is not None:
+        return code
     rows = run(args.cases, peers=not args.no_peer, quick=args.quick, sweep=args.sweep, conv=args.conv)
     if rows:
         print(f"device: {torch.cuda.get_device_name(0)}; copy bandwidth {rows[0]['copy_gbps']:.0f} GB/s (read + write)")

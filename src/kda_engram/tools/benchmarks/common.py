@@ -9,6 +9,25 @@ the ``bench_*`` ones behind ``kda-engram bench`` through their ``run``.
 from __future__ import annotations
 
 import statistics
+import sys
+
+
+
+#: The exit status of a GPU-only benchmark script where torch sees no GPU.
+NEEDS_GPU_EXIT = 2
+
+
+def no_gpu_exit(name: str) -> int | None:
+    """Where torch sees no GPU: one line on stderr saying ``name`` needs one, and
+    :data:`NEEDS_GPU_EXIT` for the script's ``main`` to return (no traceback);
+    ``None`` where it sees one. Every GPU-only script checks this first."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    print(f"{name} needs a GPU (CUDA or ROCm) and this torch sees none: its timings are only meaningful on one",
+          file=sys.stderr)
+    return NEEDS_GPU_EXIT
 
 
 def bench_ms(fn, quick: bool = False, *, return_mode: str = "median") -> float:

@@ -40,6 +40,7 @@ import cProfile
 import io
 import pstats
 import statistics
+import sys
 import time
 import warnings
 
@@ -50,8 +51,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...kda.decode import kda_decode
 from ...kda.fused_decode import kda_layer_decode_step
 from ...layers.kda import KDABatch, KimiDeltaAttention
+from ...platform import interpreting
 from ...validation import entry
-from .common import write_json
+from .common import NEEDS_GPU_EXIT, write_json
 
 LOWER_BOUND = -5.0
 
@@ -369,6 +371,12 @@ def main(argv=None) -> int:
                         help="only the op and launch counts (no timing; what a CPU run is for)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu" and not interpreting():
+        # Without it Triton finds no driver and dies with a traceback (issue 54).
+        print("profile_default_checks: on a CPU the kernels run under the Triton interpreter: set "
+              "TRITON_INTERPRET=1 before Python starts (and use --counts with small sizes, e.g. --batch 4 --heads 2 "
+              "--head-dim 16)", file=sys.stderr)
+        return NEEDS_GPU_EXIT
     rows = [] if args.counts else run(device, args.batch, args.heads, args.head_dim, args.iters, args.top)
     if rows:
         print_rows(rows)

@@ -25,7 +25,7 @@ import torch
 from ...engram.gate import engram_post_wkv, post_wkv_launch
 from ...platform import num_compute_units
 from . import bench_engram_gate as gate_bench
-from .common import cuda_graph_ms
+from .common import cuda_graph_ms, no_gpu_exit
 
 HC = gate_bench.HC
 
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("sweep_engram_gate needs a GPU")
+    if (code := no_gpu_exit("sweep_engram_gate")) is not None:
+        return code
     device = torch.device("cuda", torch.cuda.current_device())
     copy_gbs = gate_bench.copy_bandwidth_gbs(device)
     print(f"copy bandwidth (read + write): {copy_gbs:,.0f} GB/s")

@@ -32,6 +32,7 @@ from ...constants import CHUNK_SIZE
 from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from .bench_kda_prefill import HEAD_DIM, LOWER_BOUND, kernel_times, make_inputs
 from .common import bench_ms as _bench
+from .common import no_gpu_exit
 
 SCAN_CASES = ((1, 131072, 4, 32), (1, 32768, 4, 16))  # (sequences, length, heads, forced G)
 GROUP_CASES = ((1, 32768, 4), (1, 131072, 4), (1, 32768, 8), (1, 65536, 8), (2, 32768, 4), (1, 16384, 4),
@@ -104,9 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=("all", "scan", "groups"), default="all")
     parser.add_argument("--config", type=json.loads, default=None, help="chunk config for --part groups (JSON)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sweep_kda_groups: needs a GPU", file=sys.stderr)
-        return 2
+    if (code := no_gpu_exit("sweep_kda_groups")) is not None:
+        return code
     device = torch.device("cuda")
     with torch.inference_mode():
         config = args.config
