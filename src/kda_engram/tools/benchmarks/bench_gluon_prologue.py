@@ -23,7 +23,7 @@ from ...bundles import KDAInputs
 from ...kda.hopper.folded_prologue import prepare_folded_prologue
 from ...kda.hopper.prologue import gluon_folded_prologue
 from ...kda.metadata import prepare_chunk_metadata
-from .common import bench_ms
+from .common import bench_ms, no_gpu_exit
 
 HEAD_DIM = 128
 MAXNREGS = (None, 168, 128)  # None: uncapped (255 registers, one CTA per SM)
@@ -63,9 +63,9 @@ def main(argv=None) -> int:
     parser.add_argument("--maxnregs", type=int, nargs="*", default=[168, 128],
                         help="register caps timed beside the uncapped build")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_gluon_prologue: needs a GPU (sm_90)", file=sys.stderr)
-        return 2
+    code = no_gpu_exit("bench_gluon_prologue")
+    if code is not None:
+        return code
     run(args.seqs, args.seqlen, args.heads, args.lower_bound, (None, *args.maxnregs))
     return 0
 
