@@ -537,3 +537,125 @@ def test_a_module_replaced_on_import_keeps_its_loader_interface(vllm_own, monkey
     assert f"{name}.fused_recurrent_kda" in vllm_plugin.replaced()
     assert "def fused_recurrent_kda_packed_decode(" in module.__loader__.get_source(name)
     assert "def fused_recurrent_kda_fwd(" in inspect.getsource(module)
+
+
+# ------------------------------------------------------------------- Engram hash
+
+VOCAB, COMPRESSED = 40, 17
+
+
+def hash_state(cache_slots=None, block_size=4):
+    """vLLM's ``NgramHashState`` with what its ``forward`` reads, from vLLM's own
+    ``EngramLayout`` and ``compute_hash_multipliers`` (its constructor needs the
+    tokenizer; the token map here is a random many-to-one map instead)."""
+    from types import SimpleNamespace
+
+    engram = sys.modules[ENGRAM]
+    config = SimpleNamespace(engram_layer_ids=[1, 3], engram_num_embeddings=[1000, 1000], engram_max_ngram_size=4,
+                             engram_n_heads=2, engram_head_dim=8, engram_compressed_vocab_size=COMPRESSED,
+                             engram_pad_token_id=2, engram_vocab_size=50)
+    layout = engram.EngramLayout(config)
+    state = engram.NgramHashState.__new__(engram.NgramHashState)
+    torch.nn.Module.__init__(state)
+    token_map = torch.randint(0, COMPRESSED, (VOCAB,), generator=torch.Generator().manual_seed(3)).int()
+    state.layout, state.block_size, state.pad_id = layout, block_size, int(token_map[config.engram_pad_token_id])
+    state.use_slot_cache = cache_slots is not None
+    state._cache = None if cache_slots is None else cache_slots.clone()
+    state.token_map, state.primes, state.offsets = token_map, torch.tensor(layout.primes), layout.offsets
+    state.multipliers = engram.compute_hash_multipliers(layout.layer_ids, 4, COMPRESSED)
+    return state
+
+
+def hash_batch():
+    """Five requests and two CUDA-graph padding tokens: a fresh prompt (position 0:
+    the window reaches below 0), a continued chunk with lookback ids (an unknown -1
+    and a dead one among them), a decode step at position 1, a zero-length padding
+    request, a decode far into its sequence; then padding tokens past the last end
+    with positions of their own. Dead tokens inside the batch too."""
+    g = torch.Generator().manual_seed(11)
+    lengths, starts = [4, 3, 1, 0, 2], [0, 6, 1, 0, 30]
+    qsl = torch.tensor([0, 4, 7, 8, 8, 10])
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)] + [torch.tensor([0, 7])])
+    T = positions.numel()
+    input_ids = torch.randint(0, VOCAB, (T,), generator=g)
+    dead = torch.zeros(T, dtype=torch.bool)
+    dead[[2, 9]] = True
+    lookback = torch.randint(0, VOCAB, (5, 3), generator=g)
+    lookback[1, 1] = -1  # unknown: pad, older ones still count
+    lookback_dead = torch.zeros(5, 3, dtype=torch.bool)
+    lookback_dead[4, 2] = True  # dead: hides what is older
+    return input_ids, positions, qsl, dead, lookback, lookback_dead
+
+
+def test_the_hash_launch_signature_is_vllms(vllm_own):
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    names = list(inspect.signature(vllm_deepseek_v41.hash_ids).parameters)
+    assert names == ["grid", *vllm_own[(ENGRAM, "_hash_ids_kernel")].arg_names, "num_warps"]
+
+
+@pytest.mark.parametrize("depth", [3, 2, 0])
+@pytest.mark.parametrize("slot_cache", [False, True])
+def test_engram_hash_matches_vllms_kernel(plugin_on, depth, slot_cache):
+    """vLLM's ``NgramHashState.forward`` with its ``_hash_ids_kernel``, then with the
+    plugin's launch under that name: exact ids for every token, the padding ones
+    included. ``depth`` < 3: lags past the window read the slot cache (V1) or pad
+    (V2); ``slot_cache``: vLLM's V1 runner, a cache holding dead ids too, addressed
+    through a block table (issue 53 row 8)."""
+    engram = sys.modules[ENGRAM]
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    lookback, lookback_dead = lookback[:, :depth], lookback_dead[:, :depth]
+    cache = block_table = slot_mapping = None
+    if slot_cache:
+        g = torch.Generator().manual_seed(5)
+        cache = torch.randint(0, COMPRESSED, (64,), generator=g).int()
+        cache[torch.randperm(64, generator=g)[:12]] = engram.DEAD_ID
+        block_table = torch.randperm(16, generator=g)[:10].view(5, 2)
+        slot_mapping = torch.randint(-1, 64, (input_ids.numel(),), generator=g)
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    assert current(ENGRAM, "_hash_ids_kernel") is vllm_deepseek_v41.hash_ids_kernel
+    args = (input_ids, positions, qsl, dead, lookback, lookback_dead, slot_mapping, block_table)
+    ours = hash_state(cache)(*args)
+    engram._hash_ids_kernel = plugin_on[(ENGRAM, "_hash_ids_kernel")]
+    with vllm_kernels_on_cpu():
+        theirs = hash_state(cache)(*args)
+    assert ours.shape == (input_ids.numel(), 2, 6) and ours.dtype == torch.int32
+    mismatch = (ours != theirs).any(-1).any(-1).nonzero().flatten().tolist()
+    assert mismatch == [], f"tokens whose ids differ: {mismatch}"
+
+
+def test_engram_hash_conventions_matter(plugin_on):
+    """The batch above tells vLLM's conventions apart: an unknown lookback id read as
+    dead (hiding older ids), or the padding tokens left out, would change ids."""
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    state = hash_state()
+    base = state(input_ids, positions, qsl, dead, lookback, lookback_dead, None, None)
+    hidden = lookback_dead.clone()
+    hidden[1, 1] = True
+    as_dead = state(input_ids, positions, qsl, dead, torch.where(hidden, 0, lookback), hidden, None, None)
+    assert not torch.equal(base[4:7], as_dead[4:7])  # the continued chunk's older lags count
+    assert (base[10:] >= 0).all()  # padding tokens hash as the last request's, into the tables
+
+
+def test_engram_hash_launch_refuses_what_it_does_not_match(vllm_own):
+    from kda_engram.integrations.vllm_deepseek_v41 import hash_ids_kernel as kernel
+
+    state = hash_state()
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    T = input_ids.numel()
+    out = torch.empty(T, 2, 6, dtype=torch.int32)
+    args = [input_ids, state.token_map, dead, positions, None, qsl, state.multipliers, state.primes, state.offsets,
+            None, lookback, lookback_dead, out, T, 0, state.pad_id]
+    kw = dict(input_stride=1, mask_stride=1, position_stride=1, table_stride=0, table_col_stride=0, query_stride=1,
+              num_query_rows=5, num_table_rows=0, max_blocks=0, cache_block_size=4, MAX_NGRAM=4, num_heads=2,
+              BLOCK_T=32, BLOCK_H=2, dead_id=-1, lookback_depth=3, lookback_row_stride=3, lookback_col_stride=1,
+              lookback_mask_row_stride=3, lookback_mask_col_stride=1, num_warps=4)
+    with pytest.raises(ValueError, match=r"^grid: expected \(cdiv\(T, BLOCK_T\), L\) = \(1, 2\), got \(1, 1\)$"):
+        kernel[(1, 1)](*args, **kw)
+    with pytest.raises(ValueError, match=r"^lookback_row_stride: expected lookback_token_ids.stride\(0\) = 3, got 1$"):
+        kernel[(1, 2)](*args, **{**kw, "lookback_row_stride": 1})
+    with pytest.raises(ValueError, match=r"^num_query_rows: expected query_start_loc.numel\(\) - 1 >= 1, got 4"):
+        kernel[(1, 2)](*args, **{**kw, "num_query_rows": 4})
+    kernel[(1, 2)](*args, **kw)
+    torch.testing.assert_close(out, state(input_ids, positions, qsl, dead, lookback, lookback_dead, None, None))

@@ -30,10 +30,14 @@ Replaced so far:
 
 * ``models/deepseek_v41/common/engram._fused_engram_post_wkv_kernel``, the gate
   kernel ``Engram.forward`` launches, by a launch of the same arguments
-  (:mod:`kda_engram.integrations.vllm_deepseek_v41`).
+  (:mod:`kda_engram.integrations.vllm_deepseek_v41`);
+* ``models/deepseek_v41/common/engram._hash_ids_kernel``, the n-gram hash kernel
+  ``NgramHashState.forward`` launches, by a launch of the same arguments on our
+  hash kernel (vLLM's newest-first lookback, dead masks, unknown ids and padding
+  tokens honoured: :func:`kda_engram.integrations.vllm_deepseek_v41.hash_ids`).
 
 Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
-hash and ``wkv``) stays vLLM's own.
+slot-cache write, lookup and ``wkv``) stays vLLM's own.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ REPLACEMENTS = (
      (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
     ("vllm.models.deepseek_v41.common.engram", "_fused_engram_post_wkv_kernel",
      "vllm_deepseek_v41.fused_engram_post_wkv_kernel", ()),
+    ("vllm.models.deepseek_v41.common.engram", "_hash_ids_kernel", "vllm_deepseek_v41.hash_ids_kernel", ()),
 )
 
 _state = {"done": False, "replaced": [], "finder": None}
