@@ -12,6 +12,15 @@ that name. No vLLM import.
   ``_hash_ids_kernel[(cdiv(T, 32), n_layers)](...)``, on the n-gram hash kernel of
   :mod:`kda_engram.engram.hashing` (see :func:`hash_ids` for the conventions).
 
+And the dim-sharded gate inside vLLM's ``Engram`` (:func:`engram_init`,
+:func:`engram_forward`, replacing ``Engram.__init__`` and ``Engram.forward``):
+with tensor parallelism on and no sequence parallelism, vLLM all-gathers the
+whole ``wkv`` projection (``gather_output=True``, ``(hc+1)*dim`` elements per
+token); here ``wkv`` keeps its local output (``gather_output=False``), its weight
+loader takes each rank's slice of every key and of the value
+(:func:`wkv_dim_shard_loader`), and the ranks exchange value slices and gate
+partial sums instead (:mod:`kda_engram.engram.sharded_gate`).
+
 The gate's conventions, adapted here (on the device, no host sync):
 
 * the sequence-parallel ``token_mask`` has ``num_kv_tokens`` rows (the rank's
@@ -28,10 +37,17 @@ from __future__ import annotations
 
 import torch
 
+import sys
+
 from ..engram.gate import engram_post_wkv
 from ..engram.hashing import launch_ngram_hash
+from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
+from ..parallel import merged_column_parallel_shard
 
-__all__ = ["fused_engram_post_wkv", "fused_engram_post_wkv_kernel", "hash_ids", "hash_ids_kernel"]
+__all__ = [
+    "engram_forward", "engram_init", "fused_engram_post_wkv", "fused_engram_post_wkv_kernel", "hash_ids",
+    "hash_ids_kernel", "shard_engram_wkv", "wkv_dim_shard_loader",
+]
 
 _STRIDES = (
     ("hidden_states", "hidden_stride_t", 0), ("hidden_states", "hidden_stride_h", 1),
@@ -288,3 +304,104 @@ class _Launch:
 fused_engram_post_wkv_kernel = _Launch(fused_engram_post_wkv, "fused_engram_post_wkv_kernel")
 #: What ``NgramHashState.forward`` launches as ``_hash_ids_kernel[grid](...)``.
 hash_ids_kernel = _Launch(hash_ids, "hash_ids_kernel")
+
+
+# ----------------------------------------------------------- the dim-sharded gate
+
+
+def _engram_module(layer):
+    """The module that defines vLLM's ``Engram`` (its distributed names are read there,
+    as ``Engram.forward`` reads them)."""
+    return sys.modules[type(layer).__module__]
+
+
+def wkv_dim_shard_loader(hc: int, dim: int, rank: int, tp_size: int):
+    """A vLLM weight loader ``loader(param, loaded_weight)`` for the dim-sharded
+    ``wkv``: from the checkpoint's full ``[(hc+1)*dim, in]`` weight, rank ``rank``
+    keeps rows ``[j*dim + rank*width, j*dim + (rank+1)*width)`` of each block ``j``
+    (``hc`` keys, then the value; ``width = dim / tp_size``), concatenated in block
+    order: ``param`` is ``[(hc+1)*width, in]``. vLLM's plain column-parallel loader
+    would keep the contiguous rows ``[rank*(hc+1)*width, ...)`` instead."""
+
+    def load(param, loaded_weight):
+        shard = merged_column_parallel_shard(loaded_weight, [dim] * (hc + 1), rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"loaded_weight: rank {rank}'s dim shard is {list(shard.shape)}, the wkv "
+                             f"parameter {list(param.shape)}")
+        param.data.copy_(shard)
+
+    return load
+
+
+def shard_engram_wkv(layer) -> bool:
+    """Switch a built vLLM ``Engram`` (weights not loaded yet) to the dim-sharded gate
+    where it applies; ``True`` when it did.
+
+    Applies with tensor parallelism over ``P > 1`` ranks, no sequence parallelism
+    (there ``wkv`` is not sharded), ``dim`` divisible by ``P`` with a slice the
+    packed partials can align (``width * element_size`` a multiple of 4 bytes) and
+    an unquantized ``wkv`` (its only parameter ``weight``, ``[(hc+1)*dim/P, in]``:
+    a quantized one's scales follow vLLM's plain layout, so it keeps vLLM's path).
+    Then ``wkv.gather_output`` is turned off and ``wkv.weight``'s loader becomes
+    :func:`wkv_dim_shard_loader`'s."""
+    engram = _engram_module(layer)
+    P = engram.get_tensor_model_parallel_world_size()
+    wkv, hc, dim = layer.wkv, layer.hc_mult, layer.dim
+    if P <= 1 or layer.use_sequence_parallel or dim % P:
+        return False
+    params = dict(wkv.named_parameters())
+    weight = params.get("weight")
+    if set(params) != {"weight"} or not weight.is_floating_point() or weight.shape[0] * P != (hc + 1) * dim:
+        return False
+    if (dim // P) * weight.element_size() % 4:
+        return False
+    rank = engram.get_tensor_model_parallel_rank()
+    weight.weight_loader = wkv_dim_shard_loader(hc, dim, rank, P)
+    wkv.gather_output = False
+    layer.kda_engram_dim_sharded = True
+    return True
+
+
+def engram_init(self, *args, **kwargs) -> None:
+    """``Engram.__init__`` with the plugin on: vLLM's own, then
+    :func:`shard_engram_wkv`."""
+    from .vllm_plugin import original
+
+    original(f"{_ENGRAM_MODULE}.Engram.__init__")(self, *args, **kwargs)
+    shard_engram_wkv(self)
+
+
+def engram_forward(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``Engram.forward`` with the plugin on: a layer :func:`shard_engram_wkv`
+    switched runs the dim-sharded gate; any other runs vLLM's own forward.
+
+    ``hidden_states`` ``[T, hc, dim]`` (every rank holds every token: no sequence
+    parallelism), ``hash_ids`` ``[T, n_hash_cols]``, ``token_mask`` bool ``[T]`` or
+    ``None`` (false rows pass ``hidden`` through). ``wkv`` gives this rank's
+    ``[T, (hc+1)*width]``; :func:`~kda_engram.engram.sharded_gate.engram_gate_partials`
+    packs its value slice and partial sums, vLLM's
+    ``tensor_model_parallel_all_gather`` (dim 0, rank-major) exchanges them and
+    :func:`~kda_engram.engram.sharded_gate.engram_gate_finish` writes the output,
+    the same bits on every rank."""
+    if not getattr(self, "kda_engram_dim_sharded", False):
+        from .vllm_plugin import original
+
+        return original(f"{_ENGRAM_MODULE}.Engram.forward")(self, hidden_states, hash_ids, token_mask)
+    engram = _engram_module(self)
+    T = hash_ids.shape[0]
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != T:
+        raise ValueError(f"hidden_states: expected [T, hc, dim] with T = hash_ids.shape[0] = {T} (no sequence "
+                         f"parallelism), got {list(hidden_states.shape)}")
+    if self._batch is not None:
+        kv_local = self.wkv(self._batch.wkv_input(self, T))
+    else:
+        kv_local = self.wkv(self.embed(hash_ids).flatten(-2))
+    P, rank = engram.get_tensor_model_parallel_world_size(), engram.get_tensor_model_parallel_rank()
+    send = engram_gate_partials(hidden_states, kv_local, self.q_weight, self.k_weight, rank=rank, tp_size=P)
+    gathered = engram.tensor_model_parallel_all_gather(send, dim=0)
+    return engram_gate_finish(hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value,
+                              token_mask=token_mask)
+
+
+_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
