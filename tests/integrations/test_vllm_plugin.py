@@ -582,7 +582,7 @@ def hash_state(cache_slots=None, block_size=4):
 
 
 def hash_batch():
-    """Five requests and two CUDA-graph padding tokens: a fresh prompt (position 0:
+    """Five requests and three CUDA-graph padding tokens: a fresh prompt (position 0:
     the window reaches below 0), a continued chunk with lookback ids (an unknown -1
     and a dead one among them), a decode step at position 1, a zero-length padding
     request, a decode far into its sequence; then padding tokens past the last end
@@ -590,7 +590,9 @@ def hash_batch():
     g = torch.Generator().manual_seed(11)
     lengths, starts = [4, 3, 1, 0, 2], [0, 6, 1, 0, 30]
     qsl = torch.tensor([0, 4, 7, 8, 8, 10])
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)] + [torch.tensor([0, 7])])
+    # Padding positions: 29 reads the last request's lookback window at lag 0, 32 the
+    # batch (then the dead token 9), 0 the pad id.
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)] + [torch.tensor([29, 32, 0])])
     T = positions.numel()
     input_ids = torch.randint(0, VOCAB, (T,), generator=g)
     dead = torch.zeros(T, dtype=torch.bool)
@@ -672,6 +674,8 @@ def test_engram_hash_launch_refuses_what_it_does_not_match(vllm_own):
         kernel[(1, 2)](*args, **{**kw, "lookback_row_stride": 1})
     with pytest.raises(ValueError, match=r"^num_query_rows: expected query_start_loc.numel\(\) - 1 >= 1, got 4"):
         kernel[(1, 2)](*args, **{**kw, "num_query_rows": 4})
+    with pytest.raises(ValueError, match=r"^dead_mask: expected \[num_tokens\] = \[13\], got \[12\]$"):
+        kernel[(1, 2)](*args[:2], dead[:12], *args[3:], **kw)
     kernel[(1, 2)](*args, **kw)
     torch.testing.assert_close(out, state(input_ids, positions, qsl, dead, lookback, lookback_dead, None, None))
 

@@ -221,6 +221,9 @@ def hash_ids(
     L, T = output.shape[1], int(num_tokens)
     if T != input_ids.shape[0]:
         raise ValueError(f"num_tokens: expected input_ids.shape[0] = {input_ids.shape[0]}, got {num_tokens}")
+    for name, tensor in (("input_ids", input_ids), ("dead_mask", dead_mask), ("positions", positions)):
+        if tensor.dim() != 1 or tensor.shape[0] < T:
+            raise ValueError(f"{name}: expected [num_tokens] = [{T}], got {list(tensor.shape)}")
     if tuple(grid) != (-(-T // BLOCK_T), L):
         raise ValueError(f"grid: expected (cdiv(T, BLOCK_T), L) = ({-(-T // BLOCK_T)}, {L}), got {tuple(grid)}")
     if tuple(multipliers.shape) != (L, MAX_NGRAM) or primes.numel() != L * C or offsets.numel() != L * C:
@@ -230,9 +233,10 @@ def hash_ids(
     if num_query_rows != query_start_loc.numel() - 1 or num_query_rows < 1:
         raise ValueError(f"num_query_rows: expected query_start_loc.numel() - 1 >= 1, got {num_query_rows} for "
                          f"{query_start_loc.numel()} boundaries")
-    if lookback_depth != lookback_token_ids.shape[1] or lookback_dead_mask.shape != lookback_token_ids.shape:
-        raise ValueError(f"lookback_depth, lookback_dead_mask: expected lookback_token_ids' depth "
-                         f"{lookback_token_ids.shape[1]} and shape {list(lookback_token_ids.shape)}, got "
+    if (lookback_token_ids.dim() != 2 or lookback_token_ids.shape[0] < num_query_rows
+            or lookback_depth != lookback_token_ids.shape[1] or lookback_dead_mask.shape != lookback_token_ids.shape):
+        raise ValueError(f"lookback_token_ids, lookback_depth, lookback_dead_mask: expected [>= num_query_rows = "
+                         f"{num_query_rows}, lookback_depth] each, got {list(lookback_token_ids.shape)}, "
                          f"{lookback_depth} and {list(lookback_dead_mask.shape)}")
     if cache is not None and (block_table is None or block_table.shape[0] < 1 or block_table.shape[1] < 1
                               or (num_slots, num_table_rows, max_blocks) != (cache.shape[0], *block_table.shape)):
