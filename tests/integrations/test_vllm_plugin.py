@@ -822,3 +822,30 @@ def test_the_dim_sharded_gate_applies_only_where_it_can(plugin_on, monkeypatch):
         assert not getattr(kept, "kda_engram_dim_sharded", False)
     sharded = layer(4)
     assert shard_engram_wkv(sharded) is True and not sharded.wkv.gather_output
+
+
+def test_torch_compile_fullgraph_takes_the_sharded_engram_forward(plugin_on, monkeypatch):
+    """The dim-sharded ``Engram.forward`` under ``torch.compile(fullgraph=True)``
+    (backend "eager"): the gate's entry points become their custom ops; two ranks
+    faked in one process (rank 0, an all-gather that repeats its rows, the
+    collective being vLLM's), compiled equal to eager."""
+    from kda_engram.integrations.vllm_deepseek_v41 import engram_forward, shard_engram_wkv
+
+    engram = sys.modules[ENGRAM]
+    hc, dim = 2, 24
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(engram, "tensor_model_parallel_all_gather", lambda x, dim=-1: torch.cat([x, x], dim=dim))
+    layer = engram_layer(hc, dim)
+    table, wkv, _, _ = engram_weights(hc, dim)
+    layer.wkv = _VllmColumnParallelLinear(COLS * EMB, (hc + 1) * dim, bias=False, gather_output=True,
+                                          quant_config=None, return_bias=False, prefix="wkv", disable_tp=False)
+    assert shard_engram_wkv(layer)
+    layer.wkv.weight.weight_loader(layer.wkv.weight, wkv)
+    layer.embed = lambda ids: table[ids]
+    hidden, hash_ids, mask = engram_inputs(hc, dim)
+    with torch.no_grad():
+        eager = engram_forward(layer, hidden, hash_ids, mask)
+        torch._dynamo.reset()
+        got = torch.compile(engram_forward, fullgraph=True, backend="eager")(layer, hidden, hash_ids, mask)
+    assert torch.equal(eager, got) and not torch.equal(eager, hidden)

@@ -39,6 +39,7 @@ import torch
 
 import sys
 
+from .. import ops
 from ..engram.gate import engram_post_wkv
 from ..engram.hashing import launch_ngram_hash
 from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
@@ -402,10 +403,13 @@ def engram_forward(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
     else:
         kv_local = self.wkv(self.embed(hash_ids).flatten(-2))
     P, rank = engram.get_tensor_model_parallel_world_size(), engram.get_tensor_model_parallel_rank()
-    send = engram_gate_partials(hidden_states, kv_local, self.q_weight, self.k_weight, rank=rank, tp_size=P)
+    # While torch.compile traces: the same entry points as custom ops (host rules only).
+    partials, finish = ((ops.engram_gate_partials, ops.engram_gate_finish) if torch.compiler.is_compiling()
+                        else (engram_gate_partials, engram_gate_finish))
+    send = partials(hidden_states, kv_local, self.q_weight, self.k_weight, rank=rank, tp_size=P)
     gathered = engram.tensor_model_parallel_all_gather(send, dim=0)
-    return engram_gate_finish(hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value,
-                              token_mask=token_mask)
+    return finish(hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value,
+                  token_mask=token_mask)
 
 
 _ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
