@@ -10,6 +10,7 @@ after the plugin replaced it, with the same arguments, and compares within 1e-5.
 import inspect
 import logging
 import math
+import os
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from kda_engram.integrations import vllm_plugin
 
+from ..helpers import free_port
 from .vllm_wheel import vllm_kernels_on_cpu, vllm_root  # noqa: F401 (vllm_root: a fixture)
 
 H, K = 2, 32
@@ -44,7 +46,11 @@ def _targets():
                 module = importlib.import_module(m)
             except ImportError:
                 continue
-            if hasattr(module, name):
+            try:
+                owner, attribute = vllm_plugin.resolve(module, name)
+            except AttributeError:
+                continue
+            if hasattr(owner, attribute):
                 yield module, name
 
 
@@ -52,13 +58,13 @@ def _targets():
 def vllm_own(vllm_root):  # noqa: F811
     """vLLM's own functions (before any replacement), by ``(module, name)``; every
     target restored and the plugin's per-process state reset afterwards."""
-    saved = {(m.__name__, n): getattr(m, n) for m, n in _targets()}
+    saved = {(m.__name__, n): getattr(*vllm_plugin.resolve(m, n)) for m, n in _targets()}
     vllm_plugin._reset()
     yield saved
     vllm_plugin._reset()
     for (m, n), f in saved.items():
         if m in sys.modules:
-            setattr(sys.modules[m], n, f)
+            setattr(*vllm_plugin.resolve(sys.modules[m], n), f)
 
 
 @pytest.fixture
@@ -69,7 +75,7 @@ def plugin_on(vllm_own, monkeypatch):
 
 
 def current(module_name, name):
-    return getattr(sys.modules[module_name], name)
+    return getattr(*vllm_plugin.resolve(sys.modules[module_name], name))
 
 
 # ------------------------------------------------------------------- the switch
@@ -462,16 +468,25 @@ def engram_layer(hc, dim, seed=100):
     engram = sys.modules[ENGRAM]
     layer = engram.Engram.__new__(engram.Engram)
     torch.nn.Module.__init__(layer)
-    cols, emb = 3, 8
-    table = rnd(50, emb, seed=seed)
+    table, wkv, q, k = engram_weights(hc, dim, seed)
     layer.embed = lambda ids: table[ids]
-    layer.wkv = torch.nn.Linear(cols * emb, (hc + 1) * dim, bias=False)
+    layer.wkv = torch.nn.Linear(wkv.shape[1], wkv.shape[0], bias=False)
     with torch.no_grad():
-        layer.wkv.weight.copy_(rnd(*layer.wkv.weight.shape, seed=seed + 1))
+        layer.wkv.weight.copy_(wkv)
     layer.hc_mult, layer.dim, layer.eps, layer.clamp_value = hc, dim, 1e-6, 1e-6
-    layer.q_weight, layer.k_weight = rnd(hc, dim, seed=seed + 2), rnd(hc, dim, seed=seed + 3)
+    layer.q_weight, layer.k_weight = q, k
     layer.use_sequence_parallel = False
     return layer
+
+
+COLS, EMB = 3, 8
+
+
+def engram_weights(hc, dim, seed=100):
+    """The embedding table ``[50, EMB]``, the full ``wkv`` weight ``[(hc+1)*dim,
+    COLS*EMB]`` and ``q_weight``, ``k_weight`` ``[hc, dim]`` (the same on every rank)."""
+    return (rnd(50, EMB, seed=seed), rnd((hc + 1) * dim, COLS * EMB, seed=seed + 1), rnd(hc, dim, seed=seed + 2),
+            rnd(hc, dim, seed=seed + 3))
 
 
 @pytest.mark.parametrize("mask, tp", [(False, None), (True, None), (True, (2, 1)), (True, (2, 0))])
@@ -537,3 +552,300 @@ def test_a_module_replaced_on_import_keeps_its_loader_interface(vllm_own, monkey
     assert f"{name}.fused_recurrent_kda" in vllm_plugin.replaced()
     assert "def fused_recurrent_kda_packed_decode(" in module.__loader__.get_source(name)
     assert "def fused_recurrent_kda_fwd(" in inspect.getsource(module)
+
+
+# ------------------------------------------------------------------- Engram hash
+
+VOCAB, COMPRESSED = 40, 17
+
+
+def hash_state(cache_slots=None, block_size=4):
+    """vLLM's ``NgramHashState`` with what its ``forward`` reads, from vLLM's own
+    ``EngramLayout`` and ``compute_hash_multipliers`` (its constructor needs the
+    tokenizer; the token map here is a random many-to-one map instead)."""
+    from types import SimpleNamespace
+
+    engram = sys.modules[ENGRAM]
+    config = SimpleNamespace(engram_layer_ids=[1, 3], engram_num_embeddings=[1000, 1000], engram_max_ngram_size=4,
+                             engram_n_heads=2, engram_head_dim=8, engram_compressed_vocab_size=COMPRESSED,
+                             engram_pad_token_id=2, engram_vocab_size=50)
+    layout = engram.EngramLayout(config)
+    state = engram.NgramHashState.__new__(engram.NgramHashState)
+    torch.nn.Module.__init__(state)
+    token_map = torch.randint(0, COMPRESSED, (VOCAB,), generator=torch.Generator().manual_seed(3)).int()
+    state.layout, state.block_size, state.pad_id = layout, block_size, int(token_map[config.engram_pad_token_id])
+    state.use_slot_cache = cache_slots is not None
+    state._cache = None if cache_slots is None else cache_slots.clone()
+    state.token_map, state.primes, state.offsets = token_map, torch.tensor(layout.primes), layout.offsets
+    state.multipliers = engram.compute_hash_multipliers(layout.layer_ids, 4, COMPRESSED)
+    return state
+
+
+def hash_batch():
+    """Five requests and three CUDA-graph padding tokens: a fresh prompt (position 0:
+    the window reaches below 0), a continued chunk with lookback ids (an unknown -1
+    and a dead one among them), a decode step at position 1, a zero-length padding
+    request, a decode far into its sequence; then padding tokens past the last end
+    with positions of their own. Dead tokens inside the batch too."""
+    g = torch.Generator().manual_seed(11)
+    lengths, starts = [4, 3, 1, 0, 2], [0, 6, 1, 0, 30]
+    qsl = torch.tensor([0, 4, 7, 8, 8, 10])
+    # Padding positions: 29 reads the last request's lookback window at lag 0, 32 the
+    # batch (then the dead token 9), 0 the pad id.
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)] + [torch.tensor([29, 32, 0])])
+    T = positions.numel()
+    input_ids = torch.randint(0, VOCAB, (T,), generator=g)
+    dead = torch.zeros(T, dtype=torch.bool)
+    dead[[2, 9]] = True
+    lookback = torch.randint(0, VOCAB, (5, 3), generator=g)
+    lookback[1, 1] = -1  # unknown: pad, older ones still count
+    lookback_dead = torch.zeros(5, 3, dtype=torch.bool)
+    lookback_dead[4, 2] = True  # dead: hides what is older
+    return input_ids, positions, qsl, dead, lookback, lookback_dead
+
+
+def test_the_hash_launch_signature_is_vllms(vllm_own):
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    names = list(inspect.signature(vllm_deepseek_v41.hash_ids).parameters)
+    assert names == ["grid", *vllm_own[(ENGRAM, "_hash_ids_kernel")].arg_names, "num_warps"]
+
+
+@pytest.mark.parametrize("depth", [3, 2, 0])
+@pytest.mark.parametrize("slot_cache", [False, True])
+def test_engram_hash_matches_vllms_kernel(plugin_on, depth, slot_cache):
+    """vLLM's ``NgramHashState.forward`` with its ``_hash_ids_kernel``, then with the
+    plugin's launch under that name: exact ids for every token, the padding ones
+    included. ``depth`` < 3: lags past the window read the slot cache (V1) or pad
+    (V2); ``slot_cache``: vLLM's V1 runner, a cache holding dead ids too, addressed
+    through a block table (issue 53 row 8)."""
+    engram = sys.modules[ENGRAM]
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    lookback, lookback_dead = lookback[:, :depth], lookback_dead[:, :depth]
+    cache = block_table = slot_mapping = None
+    if slot_cache:
+        g = torch.Generator().manual_seed(5)
+        cache = torch.randint(0, COMPRESSED, (64,), generator=g).int()
+        cache[torch.randperm(64, generator=g)[:12]] = engram.DEAD_ID
+        block_table = torch.randperm(16, generator=g)[:10].view(5, 2)
+        slot_mapping = torch.randint(-1, 64, (input_ids.numel(),), generator=g)
+    from kda_engram.integrations import vllm_deepseek_v41
+
+    assert current(ENGRAM, "_hash_ids_kernel") is vllm_deepseek_v41.hash_ids_kernel
+    args = (input_ids, positions, qsl, dead, lookback, lookback_dead, slot_mapping, block_table)
+    ours = hash_state(cache)(*args)
+    engram._hash_ids_kernel = plugin_on[(ENGRAM, "_hash_ids_kernel")]
+    with vllm_kernels_on_cpu():
+        theirs = hash_state(cache)(*args)
+    assert ours.shape == (input_ids.numel(), 2, 6) and ours.dtype == torch.int32
+    mismatch = (ours != theirs).any(-1).any(-1).nonzero().flatten().tolist()
+    assert mismatch == [], f"tokens whose ids differ: {mismatch}"
+
+
+def test_engram_hash_conventions_matter(plugin_on):
+    """The batch above tells vLLM's conventions apart: an unknown lookback id read as
+    dead (hiding older ids), or the padding tokens left out, would change ids."""
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    state = hash_state()
+    base = state(input_ids, positions, qsl, dead, lookback, lookback_dead, None, None)
+    hidden = lookback_dead.clone()
+    hidden[1, 1] = True
+    as_dead = state(input_ids, positions, qsl, dead, torch.where(hidden, 0, lookback), hidden, None, None)
+    assert not torch.equal(base[4:7], as_dead[4:7])  # the continued chunk's older lags count
+    assert (base[10:] >= 0).all()  # padding tokens hash as the last request's, into the tables
+
+
+def test_engram_hash_launch_refuses_what_it_does_not_match(vllm_own):
+    from kda_engram.integrations.vllm_deepseek_v41 import hash_ids_kernel as kernel
+
+    state = hash_state()
+    input_ids, positions, qsl, dead, lookback, lookback_dead = hash_batch()
+    T = input_ids.numel()
+    out = torch.empty(T, 2, 6, dtype=torch.int32)
+    args = [input_ids, state.token_map, dead, positions, None, qsl, state.multipliers, state.primes, state.offsets,
+            None, lookback, lookback_dead, out, T, 0, state.pad_id]
+    kw = dict(input_stride=1, mask_stride=1, position_stride=1, table_stride=0, table_col_stride=0, query_stride=1,
+              num_query_rows=5, num_table_rows=0, max_blocks=0, cache_block_size=4, MAX_NGRAM=4, num_heads=2,
+              BLOCK_T=32, BLOCK_H=2, dead_id=-1, lookback_depth=3, lookback_row_stride=3, lookback_col_stride=1,
+              lookback_mask_row_stride=3, lookback_mask_col_stride=1, num_warps=4)
+    with pytest.raises(ValueError, match=r"^grid: expected \(cdiv\(T, BLOCK_T\), L\) = \(1, 2\), got \(1, 1\)$"):
+        kernel[(1, 1)](*args, **kw)
+    with pytest.raises(ValueError, match=r"^lookback_row_stride: expected lookback_token_ids.stride\(0\) = 3, got 1$"):
+        kernel[(1, 2)](*args, **{**kw, "lookback_row_stride": 1})
+    with pytest.raises(ValueError, match=r"^num_query_rows: expected query_start_loc.numel\(\) - 1 >= 1, got 4"):
+        kernel[(1, 2)](*args, **{**kw, "num_query_rows": 4})
+    with pytest.raises(ValueError, match=r"^dead_mask: expected \[num_tokens\] = \[13\], got \[12\]$"):
+        kernel[(1, 2)](*args[:2], dead[:12], *args[3:], **kw)
+    kernel[(1, 2)](*args, **kw)
+    torch.testing.assert_close(out, state(input_ids, positions, qsl, dead, lookback, lookback_dead, None, None))
+
+
+
+# ------------------------------------------------------- Engram's dim-sharded gate
+
+
+class _VllmColumnParallelLinear(torch.nn.Module):
+    """vLLM's ``ColumnParallelLinear`` as ``Engram.__init__`` builds ``wkv``,
+    unquantized (vLLM's ``linear.py`` pulls in its whole quantization stack, so the
+    harness stands it in): the weight ``[O/P, in]``, vLLM's plain column-parallel
+    loader (contiguous rows ``[rank*O/P, ...)``) and its forward (the local output,
+    all-gathered on the last dim when ``gather_output``)."""
+
+    def __init__(self, input_size, output_size, *, bias, gather_output, quant_config, return_bias, prefix,
+                 disable_tp):
+        super().__init__()
+        engram = sys.modules[ENGRAM]
+        self.tp_size = 1 if disable_tp else engram.get_tensor_model_parallel_world_size()
+        self.tp_rank = 0 if disable_tp else engram.get_tensor_model_parallel_rank()
+        self.gather_output = gather_output
+        self.weight = torch.nn.Parameter(torch.empty(output_size // self.tp_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded_weight):
+        rows = param.shape[0]
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * rows, rows))
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.weight)
+        if self.gather_output and self.tp_size > 1:
+            y = sys.modules[ENGRAM].tensor_model_parallel_all_gather(y, dim=-1)
+        return y
+
+
+def engram_inputs(hc, dim, T=6):
+    g = torch.Generator().manual_seed(21)
+    hash_ids = torch.randint(0, 50, (T, COLS), generator=g)
+    mask = torch.tensor([True, False, True, True, True, False][:T])
+    return rnd(T, hc, dim, seed=22), hash_ids, mask
+
+
+def _sharded_engram_worker(rank, P, port, root, folder, hc, dim):
+    """One gloo rank: vLLM's ``Engram.__init__`` and ``forward`` with the plugin on,
+    vLLM's distributed names on this gloo group, its ``wkv`` loaded from the full
+    weight through the parameter's loader, as vLLM's model loader does."""
+    import datetime
+    import importlib
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from kda_engram.integrations import vllm_deepseek_v41
+    from kda_engram.parallel import TensorParallelGroup, merged_column_parallel_shard
+
+    torch.set_num_threads(1)  # the ranks share the CPU
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        os.environ[vllm_plugin.SWITCH] = "1"
+        vllm_plugin.register()
+        engram = importlib.import_module(ENGRAM)
+        assert engram.Engram.forward is vllm_deepseek_v41.engram_forward
+        group = TensorParallelGroup()
+        engram.get_tensor_model_parallel_world_size = lambda: P
+        engram.get_tensor_model_parallel_rank = lambda: rank
+        engram.tensor_model_parallel_all_gather = lambda x, dim=-1: group.all_gather(x, dim=dim)
+        engram.ColumnParallelLinear = _VllmColumnParallelLinear
+        engram.get_current_vllm_config = lambda: SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=16))
+        engram.Engram._create_embedding = lambda self, layout, index: SimpleNamespace(
+            dp_size=1, tp_size=P, part_n_hash_cols=COLS, n_hash_cols=COLS, cpu_offload=False)
+        config = SimpleNamespace(hidden_size=dim, hc_mult=hc, rms_norm_eps=1e-6)
+        layout = SimpleNamespace(max_ngram_size=2, n_heads=COLS, head_dim=EMB, num_embeddings=[50],
+                                 primes=[[(50,) * COLS]])
+        layer = engram.Engram(config, None, layout, 0, False, "model.layers.0.engram")
+        assert layer.kda_engram_dim_sharded and not layer.wkv.gather_output
+        table, wkv, q, k = engram_weights(hc, dim)
+        layer.wkv.weight.weight_loader(layer.wkv.weight, wkv)
+        assert torch.equal(layer.wkv.weight, merged_column_parallel_shard(wkv, [dim] * (hc + 1), rank, P))
+        layer.q_weight.data, layer.k_weight.data = q.clone(), k.clone()
+        layer.embed = lambda ids: table[ids]
+        hidden, hash_ids, mask = engram_inputs(hc, dim)
+        with torch.no_grad():
+            for name, m in (("mask", mask), ("none", None)):
+                torch.save(layer(hidden, hash_ids, m), os.path.join(folder, f"{name}{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_sharded_gate_inside_vllms_engram_on_gloo_ranks(vllm_own, vllm_root, tmp_path, P):  # noqa: F811
+    """Deliverable 3: ``wkv`` sharded by dim (``gather_output=False``, the dim-shard
+    loader) and the exchange of value slices and partial sums, inside vLLM's
+    ``Engram`` over ``P`` gloo ranks, against vLLM's own unsharded path (its
+    ``forward`` and gate kernel, one rank): within 1e-5 in fp32, the same bits on
+    every rank."""
+    import torch.multiprocessing as mp
+
+    hc, dim = 2, 24
+    mp.spawn(_sharded_engram_worker, args=(P, free_port(), vllm_root, str(tmp_path), hc, dim), nprocs=P, join=True)
+    layer = engram_layer(hc, dim)
+    hidden, hash_ids, mask = engram_inputs(hc, dim)
+    for name, m in (("mask", mask), ("none", None)):
+        with torch.no_grad(), vllm_kernels_on_cpu():
+            want = layer(hidden, hash_ids, m)
+        outs = [torch.load(tmp_path / f"{name}{r}.pt") for r in range(P)]
+        for out in outs:
+            close(out, want)
+            assert torch.equal(out, outs[0])
+        assert not torch.equal(want, hidden)
+
+
+def test_the_dim_sharded_gate_applies_only_where_it_can(plugin_on, monkeypatch):
+    """``shard_engram_wkv`` leaves vLLM's path (its loader, ``gather_output``, its
+    ``forward``) for one rank, sequence parallelism, a quantized ``wkv`` (a scale
+    beside the weight) and a slice the packed partials cannot align."""
+    from kda_engram.integrations.vllm_deepseek_v41 import engram_forward, shard_engram_wkv
+
+    engram = sys.modules[ENGRAM]
+    assert [n for n in inspect.signature(engram_forward).parameters] == \
+        [n for n in inspect.signature(plugin_on[(ENGRAM, "Engram.forward")]).parameters]
+    hc, dim = 2, 24
+
+    def layer(P, *, sp=False, scale=False, dtype=torch.float32, d=dim):
+        monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: P)
+        monkeypatch.setattr(engram, "get_tensor_model_parallel_rank", lambda: P - 1)
+        built = engram_layer(hc, d)
+        built.wkv = _VllmColumnParallelLinear(COLS * EMB, (hc + 1) * d, bias=False, gather_output=True,
+                                              quant_config=None, return_bias=False, prefix="wkv", disable_tp=sp)
+        built.wkv.weight.data = built.wkv.weight.data.to(dtype)
+        if scale:
+            built.wkv.weight_scale = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+        built.use_sequence_parallel = sp
+        return built
+
+    for kept in (layer(1), layer(2, sp=True), layer(2, scale=True), layer(4, dtype=torch.bfloat16, d=20)):
+        plain = kept.wkv.weight.weight_loader
+        assert shard_engram_wkv(kept) is False
+        assert kept.wkv.gather_output and kept.wkv.weight.weight_loader == plain
+        assert not getattr(kept, "kda_engram_dim_sharded", False)
+    sharded = layer(4)
+    assert shard_engram_wkv(sharded) is True and not sharded.wkv.gather_output
+
+
+def test_torch_compile_fullgraph_takes_the_sharded_engram_forward(plugin_on, monkeypatch):
+    """The dim-sharded ``Engram.forward`` under ``torch.compile(fullgraph=True)``
+    (backend "eager"): the gate's entry points become their custom ops; two ranks
+    faked in one process (rank 0, an all-gather that repeats its rows, the
+    collective being vLLM's), compiled equal to eager."""
+    from kda_engram.integrations.vllm_deepseek_v41 import engram_forward, shard_engram_wkv
+
+    engram = sys.modules[ENGRAM]
+    hc, dim = 2, 24
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(engram, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(engram, "tensor_model_parallel_all_gather", lambda x, dim=-1: torch.cat([x, x], dim=dim))
+    layer = engram_layer(hc, dim)
+    table, wkv, _, _ = engram_weights(hc, dim)
+    layer.wkv = _VllmColumnParallelLinear(COLS * EMB, (hc + 1) * dim, bias=False, gather_output=True,
+                                          quant_config=None, return_bias=False, prefix="wkv", disable_tp=False)
+    assert shard_engram_wkv(layer)
+    layer.wkv.weight.weight_loader(layer.wkv.weight, wkv)
+    layer.embed = lambda ids: table[ids]
+    hidden, hash_ids, mask = engram_inputs(hc, dim)
+    with torch.no_grad():
+        eager = engram_forward(layer, hidden, hash_ids, mask)
+        torch._dynamo.reset()
+        got = torch.compile(engram_forward, fullgraph=True, backend="eager")(layer, hidden, hash_ids, mask)
+    assert torch.equal(eager, got) and not torch.equal(eager, hidden)

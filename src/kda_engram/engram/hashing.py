@@ -265,9 +265,24 @@ def run_ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=Non
     if num_tokens == 0 or num_seqs == 0:
         return out if num_tokens == 0 else out.fill_(-1)
     primes, offsets, mults = layout.device_arrays(device, global_rows=global_rows)
+    return launch_ngram_hash(token_ids, cu_seqlens, primes, offsets, mults, out, layout.hash_pad_id,
+                             max_ngram=layout.max_ngram, n_heads=layout.n_heads, history=history,
+                             dead_mask=dead_mask, token_map=token_map)
+
+
+def launch_ngram_hash(token_ids, cu_seqlens, primes, offsets, multipliers, out, pad_id, *, max_ngram, n_heads,
+                      history=None, dead_mask=None, token_map=None) -> torch.Tensor:
+    """The hash kernel's launch on explicit tables (no rule, no layout): ``primes``,
+    ``offsets`` int64 contiguous ``[L, (max_ngram - 1) * n_heads]`` (any leading
+    shape of that many elements per layer), ``multipliers`` int64 contiguous
+    ``[L, max_ngram]``, ``out`` int32 ``[T, L, n_hash_cols]``, ``pad_id`` the
+    compressed pad id; the other arguments as :func:`ngram_hash`'s. ``T`` and
+    ``N`` must be non-zero. The layer count is ``out.shape[1]``."""
+    num_tokens = token_ids.shape[0]
+    num_seqs = cu_seqlens.numel() - 1
     dead = _dead_view(dead_mask) if dead_mask is not None else None
     steps = max(0, (num_seqs - 1).bit_length())
-    grid = (triton.cdiv(num_tokens, BLOCK_T), L)
+    grid = (triton.cdiv(num_tokens, BLOCK_T), out.shape[1])
     _ngram_hash_kernel[grid](
         token_ids,
         token_ids.stride(0),
@@ -282,16 +297,16 @@ def run_ngram_hash(token_ids, cu_seqlens, layout, *, history=None, dead_mask=Non
         dead.stride(0) if dead is not None else 0,
         primes,
         offsets,
-        mults,
+        multipliers,
         out,
         out.stride(0),
         out.stride(1),
         out.stride(2),
         num_tokens,
         num_seqs,
-        layout.hash_pad_id,
-        MAX_NGRAM=layout.max_ngram,
-        N_HEADS=layout.n_heads,
+        pad_id,
+        MAX_NGRAM=max_ngram,
+        N_HEADS=n_heads,
         SEARCH_STEPS=steps,
         HAS_MAP=token_map is not None,
         HAS_HISTORY=history is not None,

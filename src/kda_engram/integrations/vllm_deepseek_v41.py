@@ -1,12 +1,27 @@
-"""vLLM 0.33's DeepSeek-V4.1 Engram gate launch, on kda-engram's fused gate.
+"""vLLM 0.33's DeepSeek-V4.1 Engram kernel launches, on kda-engram's kernels.
 
-``vllm/models/deepseek_v41/common/engram.py``'s ``Engram.forward`` launches its
-post-``wkv`` gate kernel directly: ``_fused_engram_post_wkv_kernel[(T * hc,)](...)``.
-:data:`fused_engram_post_wkv_kernel` takes that launch, with its exact arguments,
-and runs :func:`kda_engram.engram.gate.engram_post_wkv` instead, so
-:mod:`kda_engram.integrations.vllm_plugin` can put it under that name. No vLLM import.
+``vllm/models/deepseek_v41/common/engram.py`` launches its Triton kernels
+directly, ``kernel[grid](...)``; each launch here takes the same arguments and
+runs ours instead, so :mod:`kda_engram.integrations.vllm_plugin` can put it under
+that name. No vLLM import.
 
-vLLM's conventions, adapted here (on the device, no host sync):
+* :data:`fused_engram_post_wkv_kernel`: ``Engram.forward``'s post-``wkv`` gate
+  ``_fused_engram_post_wkv_kernel[(T * hc,)](...)``, on
+  :func:`kda_engram.engram.gate.engram_post_wkv`;
+* :data:`hash_ids_kernel`: ``NgramHashState.forward``'s
+  ``_hash_ids_kernel[(cdiv(T, 32), n_layers)](...)``, on the n-gram hash kernel of
+  :mod:`kda_engram.engram.hashing` (see :func:`hash_ids` for the conventions).
+
+And the dim-sharded gate inside vLLM's ``Engram`` (:func:`engram_init`,
+:func:`engram_forward`, replacing ``Engram.__init__`` and ``Engram.forward``):
+with tensor parallelism on and no sequence parallelism, vLLM all-gathers the
+whole ``wkv`` projection (``gather_output=True``, ``(hc+1)*dim`` elements per
+token); here ``wkv`` keeps its local output (``gather_output=False``), its weight
+loader takes each rank's slice of every key and of the value
+(:func:`wkv_dim_shard_loader`), and the ranks exchange value slices and gate
+partial sums instead (:mod:`kda_engram.engram.sharded_gate`).
+
+The gate's conventions, adapted here (on the device, no host sync):
 
 * the sequence-parallel ``token_mask`` has ``num_kv_tokens`` rows (the rank's
   share of the tokens), possibly fewer than the ``T`` rows of ``hidden_states``;
@@ -22,9 +37,18 @@ from __future__ import annotations
 
 import torch
 
-from ..engram.gate import engram_post_wkv
+import sys
 
-__all__ = ["fused_engram_post_wkv", "fused_engram_post_wkv_kernel"]
+from .. import ops
+from ..engram.gate import engram_post_wkv
+from ..engram.hashing import launch_ngram_hash
+from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
+from ..parallel import merged_column_parallel_shard
+
+__all__ = [
+    "engram_forward", "engram_init", "fused_engram_post_wkv", "fused_engram_post_wkv_kernel", "hash_ids",
+    "hash_ids_kernel", "shard_engram_wkv", "wkv_dim_shard_loader",
+]
 
 _STRIDES = (
     ("hidden_states", "hidden_stride_t", 0), ("hidden_states", "hidden_stride_h", 1),
@@ -81,11 +105,7 @@ def fused_engram_post_wkv(
         raise ValueError(f"grid: expected (T * hc,) = ({T * hc},), got {tuple(grid)}")
     if (DIM, HC_MULT) != (dim, hc):
         raise ValueError(f"DIM, HC_MULT: expected hidden_states' dim and hc ({dim}, {hc}), got ({DIM}, {HC_MULT})")
-    given = locals()
-    for tensor, name, axis in _STRIDES:
-        if given[name] != given[tensor].stride(axis):
-            raise ValueError(f"{name}: expected {tensor}.stride({axis}) = {given[tensor].stride(axis)}, "
-                             f"got {given[name]}")
+    _check_strides(locals(), _STRIDES)
     mask = None
     if HAS_MASK:
         if token_mask.dim() != 1 or mask_stride != token_mask.stride(0):
@@ -98,18 +118,298 @@ def fused_engram_post_wkv(
                     token_mask=mask, num_kv_tokens=int(num_kv_tokens), out=output)
 
 
+def _check_strides(given: dict, strides) -> None:
+    """Each ``(tensor, argument, axis)``: the stride argument is the tensor's own."""
+    for tensor, name, axis in strides:
+        if given[tensor] is not None and given[name] != given[tensor].stride(axis):
+            raise ValueError(f"{name}: expected {tensor}.stride({axis}) = {given[tensor].stride(axis)}, "
+                             f"got {given[name]}")
+
+
+_HASH_STRIDES = (
+    ("input_ids", "input_stride", 0), ("dead_mask", "mask_stride", 0), ("positions", "position_stride", 0),
+    ("block_table", "table_stride", 0), ("block_table", "table_col_stride", 1),
+    ("query_start_loc", "query_stride", 0), ("lookback_token_ids", "lookback_row_stride", 0),
+    ("lookback_token_ids", "lookback_col_stride", 1), ("lookback_dead_mask", "lookback_mask_row_stride", 0),
+    ("lookback_dead_mask", "lookback_mask_col_stride", 1),
+)
+
+
+def hash_ids(
+    grid,
+    input_ids: torch.Tensor,
+    token_map: torch.Tensor,
+    dead_mask: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    multipliers: torch.Tensor,
+    primes: torch.Tensor,
+    offsets: torch.Tensor,
+    cache: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor,
+    lookback_dead_mask: torch.Tensor,
+    output: torch.Tensor,
+    num_tokens: int,
+    num_slots: int,
+    pad_id: int,
+    input_stride: int,
+    mask_stride: int,
+    position_stride: int,
+    table_stride: int,
+    table_col_stride: int,
+    query_stride: int,
+    num_query_rows: int,
+    num_table_rows: int,
+    max_blocks: int,
+    cache_block_size: int,
+    MAX_NGRAM: int,
+    num_heads: int,
+    BLOCK_T: int,
+    BLOCK_H: int,
+    dead_id: int,
+    lookback_depth: int,
+    lookback_row_stride: int,
+    lookback_col_stride: int,
+    lookback_mask_row_stride: int,
+    lookback_mask_col_stride: int,
+    num_warps: int | None = None,
+) -> None:
+    """vLLM's launch ``_hash_ids_kernel[grid](...)``, served by kda-engram's n-gram
+    hash kernel (:func:`kda_engram.engram.hashing.launch_ngram_hash`).
+
+    Shapes (vLLM's): ``input_ids`` ``[T]`` raw ids; ``token_map`` ``[vocab]`` raw ->
+    compressed; ``dead_mask`` bool ``[T]``; ``positions`` ``[T]``;
+    ``query_start_loc`` ``[R+1]`` (repeated boundaries: zero-length padding
+    requests); ``multipliers`` int64 ``[L, MAX_NGRAM]``; ``primes`` int64 ``[L,
+    MAX_NGRAM-1, num_heads]``; ``offsets`` int64 ``[L, n_hash_cols]``;
+    ``lookback_token_ids`` / ``lookback_dead_mask`` ``[R, depth]``, **newest
+    first** (column 0 is the position right before the request's chunk);
+    ``cache`` (V1 runner) int32 ``[num_slots]`` of compressed ids or ``dead_id``,
+    addressed through ``block_table`` ``[rows, max_blocks]``, or ``None`` (V2).
+    Writes ``output`` int32 ``[T, L, n_hash_cols]``. ``grid`` must be
+    ``(cdiv(T, BLOCK_T), L)``.
+
+    vLLM's contract, exactly: token ``t`` belongs to the first request whose end
+    ``query_start_loc[r+1]`` exceeds ``t``, and **tokens past the last end
+    (CUDA-graph padding) belong to the last request**. With ``p = positions[t]``,
+    ``cs`` the position of the request's first token, the n-gram reads for lag
+    ``s``: the batch token ``t - s`` when ``p - s >= cs`` (membership by
+    *position*, source by *index*); else the lookback column ``cs - 1 - (p - s)``
+    when it is inside the window and its id is ``>= 0``; else the slot cache
+    (V1) or the pad id (V2). **An unknown (``-1``) lookback id reads as pad but
+    older ids still count**; a dead token (``dead_mask``, ``lookback_dead_mask``,
+    a cache ``dead_id``) or a position ``< 0`` reads as pad and hides every older
+    one.
+
+    What our kernel cannot express, and the conversion around it: our kernel
+    decides membership by *index* inside ``cu_seqlens`` (a padding token past
+    ``cu[N]`` is no one's and gets row ``-1``), and its ``history`` reads ``-1`` as
+    pad *and* hides older ids. vLLM's position-based membership (which matters for
+    padding tokens, whose positions need not follow their request's) has no
+    equivalent there, so each token becomes its own one-token sequence whose
+    ``history`` row (oldest first) holds, per lag, the compressed id vLLM's
+    kernel selects (gathers on the device, no host sync): pad for an unknown id
+    (a real id, so it hides nothing) and ``-1`` for a dead or negative position
+    (which hides the older ones, exactly vLLM's ``blocked``). The kernel then does
+    the hashing itself: the XOR of id x multiplier, the cumulative blocking to
+    pad, the modulo by each head's prime and the bucket offsets.
+    """
+    C = (MAX_NGRAM - 1) * num_heads
+    if output.dim() != 3 or output.shape[0] != input_ids.shape[0] or output.shape[2] != C:
+        raise ValueError(f"output: expected [T, L, (MAX_NGRAM-1)*num_heads] = [{input_ids.shape[0]}, L, "
+                         f"{C}], got {list(output.shape)}")
+    L, T = output.shape[1], int(num_tokens)
+    if T != input_ids.shape[0]:
+        raise ValueError(f"num_tokens: expected input_ids.shape[0] = {input_ids.shape[0]}, got {num_tokens}")
+    for name, tensor in (("input_ids", input_ids), ("dead_mask", dead_mask), ("positions", positions)):
+        if tensor.dim() != 1 or tensor.shape[0] < T:
+            raise ValueError(f"{name}: expected [num_tokens] = [{T}], got {list(tensor.shape)}")
+    if tuple(grid) != (-(-T // BLOCK_T), L):
+        raise ValueError(f"grid: expected (cdiv(T, BLOCK_T), L) = ({-(-T // BLOCK_T)}, {L}), got {tuple(grid)}")
+    if tuple(multipliers.shape) != (L, MAX_NGRAM) or primes.numel() != L * C or offsets.numel() != L * C:
+        raise ValueError(f"multipliers, primes, offsets: expected [L, MAX_NGRAM] = [{L}, {MAX_NGRAM}] and "
+                         f"{L * C} elements each, got {list(multipliers.shape)}, {list(primes.shape)}, "
+                         f"{list(offsets.shape)}")
+    if num_query_rows != query_start_loc.numel() - 1 or num_query_rows < 1:
+        raise ValueError(f"num_query_rows: expected query_start_loc.numel() - 1 >= 1, got {num_query_rows} for "
+                         f"{query_start_loc.numel()} boundaries")
+    if (lookback_token_ids.dim() != 2 or lookback_token_ids.shape[0] < num_query_rows
+            or lookback_depth != lookback_token_ids.shape[1] or lookback_dead_mask.shape != lookback_token_ids.shape):
+        raise ValueError(f"lookback_token_ids, lookback_depth, lookback_dead_mask: expected [>= num_query_rows = "
+                         f"{num_query_rows}, lookback_depth] each, got {list(lookback_token_ids.shape)}, "
+                         f"{lookback_depth} and {list(lookback_dead_mask.shape)}")
+    if cache is not None and (block_table is None or block_table.shape[0] < 1 or block_table.shape[1] < 1
+                              or (num_slots, num_table_rows, max_blocks) != (cache.shape[0], *block_table.shape)):
+        raise ValueError("cache, block_table: the slot cache needs a non-empty block table, num_slots = "
+                         "cache.shape[0] and (num_table_rows, max_blocks) = block_table.shape")
+    _check_strides(locals(), _HASH_STRIDES)
+    if T == 0:
+        return
+    device = input_ids.device
+    t = torch.arange(T, device=device)
+    ends = query_start_loc[1:].to(torch.int64)
+    req = torch.searchsorted(ends, t, right=True).clamp_(max=num_query_rows - 1)
+    first = query_start_loc.to(torch.int64)[req].clamp_(max=T - 1)
+    chunk_start = positions.to(torch.int64)[first]
+    position = positions.to(torch.int64)
+    compressed = token_map[input_ids.long()].to(torch.int64)
+    depth = lookback_token_ids.shape[1]
+    shifts = []
+    for s in range(MAX_NGRAM):
+        lookback = position - s
+        batch = (t - s).clamp_(min=0)
+        value = torch.where(dead_mask[batch].bool(), -1, compressed[batch])
+        in_batch = lookback >= chunk_start
+        col = chunk_start - 1 - lookback
+        fallback = torch.full_like(value, int(pad_id))
+        if cache is not None:
+            clamped = lookback.clamp(0, max_blocks * cache_block_size - 1)
+            block = block_table[req.clamp(max=num_table_rows - 1), clamped // cache_block_size].to(torch.int64)
+            slot = (block * cache_block_size + clamped % cache_block_size).clamp_(0, num_slots - 1)
+            fallback = cache[slot].to(torch.int64)
+            fallback = torch.where(fallback == dead_id, -1, fallback)
+        if depth > 0:
+            in_window = (col >= 0) & (col < depth)
+            col = col.clamp(0, depth - 1)
+            window = lookback_token_ids[req, col].to(torch.int64)
+            known = in_window & (window >= 0)
+            window_value = torch.where(lookback_dead_mask[req, col].bool(), -1,
+                                       token_map[torch.where(known, window, 0)].to(torch.int64))
+            fallback = torch.where(known, window_value, fallback)
+        value = torch.where(in_batch, value, fallback)
+        shifts.append(torch.where(lookback < 0, -1, value))
+    # Each token its own sequence: its own id (lag 0) and a history of lags
+    # MAX_NGRAM-1 .. 1, oldest first; -1 there pads and hides the older lags.
+    own = shifts[0]
+    history = torch.stack(shifts[:0:-1], dim=1) if MAX_NGRAM > 1 else own.new_empty(T, 0)
+    cu_seqlens = torch.arange(T + 1, device=device)
+    launch_ngram_hash(own.clamp(min=0), cu_seqlens, primes.contiguous(), offsets.contiguous(),
+                      multipliers.contiguous(), output, int(pad_id), max_ngram=MAX_NGRAM, n_heads=num_heads,
+                      history=history, dead_mask=own < 0)
+
+
 class _Launch:
-    """``kernel[grid]`` -> a launch of :func:`fused_engram_post_wkv` on that grid."""
+    """``kernel[grid]`` -> a launch of ``function`` on that grid."""
+
+    def __init__(self, function, name: str) -> None:
+        self.function, self.name = function, name
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            return fused_engram_post_wkv(grid, *args, **kwargs)
+            return self.function(grid, *args, **kwargs)
 
         return launch
 
     def __repr__(self) -> str:
-        return "kda_engram.integrations.vllm_deepseek_v41.fused_engram_post_wkv_kernel"
+        return f"kda_engram.integrations.vllm_deepseek_v41.{self.name}"
 
 
 #: What ``Engram.forward`` launches as ``_fused_engram_post_wkv_kernel[grid](...)``.
-fused_engram_post_wkv_kernel = _Launch()
+fused_engram_post_wkv_kernel = _Launch(fused_engram_post_wkv, "fused_engram_post_wkv_kernel")
+#: What ``NgramHashState.forward`` launches as ``_hash_ids_kernel[grid](...)``.
+hash_ids_kernel = _Launch(hash_ids, "hash_ids_kernel")
+
+
+# ----------------------------------------------------------- the dim-sharded gate
+
+
+def _engram_module(layer):
+    """The module that defines vLLM's ``Engram`` (its distributed names are read there,
+    as ``Engram.forward`` reads them)."""
+    return sys.modules[type(layer).__module__]
+
+
+def wkv_dim_shard_loader(hc: int, dim: int, rank: int, tp_size: int):
+    """A vLLM weight loader ``loader(param, loaded_weight)`` for the dim-sharded
+    ``wkv``: from the checkpoint's full ``[(hc+1)*dim, in]`` weight, rank ``rank``
+    keeps rows ``[j*dim + rank*width, j*dim + (rank+1)*width)`` of each block ``j``
+    (``hc`` keys, then the value; ``width = dim / tp_size``), concatenated in block
+    order: ``param`` is ``[(hc+1)*width, in]``. vLLM's plain column-parallel loader
+    would keep the contiguous rows ``[rank*(hc+1)*width, ...)`` instead."""
+
+    def load(param, loaded_weight):
+        shard = merged_column_parallel_shard(loaded_weight, [dim] * (hc + 1), rank, tp_size)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"loaded_weight: rank {rank}'s dim shard is {list(shard.shape)}, the wkv "
+                             f"parameter {list(param.shape)}")
+        param.data.copy_(shard)
+
+    return load
+
+
+def shard_engram_wkv(layer) -> bool:
+    """Switch a built vLLM ``Engram`` (weights not loaded yet) to the dim-sharded gate
+    where it applies; ``True`` when it did.
+
+    Applies with tensor parallelism over ``P > 1`` ranks, no sequence parallelism
+    (there ``wkv`` is not sharded), ``dim`` divisible by ``P`` with a slice the
+    packed partials can align (``width * element_size`` a multiple of 4 bytes) and
+    an unquantized ``wkv`` (its only parameter ``weight``, ``[(hc+1)*dim/P, in]``:
+    a quantized one's scales follow vLLM's plain layout, so it keeps vLLM's path).
+    Then ``wkv.gather_output`` is turned off and ``wkv.weight``'s loader becomes
+    :func:`wkv_dim_shard_loader`'s."""
+    engram = _engram_module(layer)
+    P = engram.get_tensor_model_parallel_world_size()
+    wkv, hc, dim = layer.wkv, layer.hc_mult, layer.dim
+    if P <= 1 or layer.use_sequence_parallel or dim % P:
+        return False
+    params = dict(wkv.named_parameters())
+    weight = params.get("weight")
+    if set(params) != {"weight"} or not weight.is_floating_point() or weight.shape[0] * P != (hc + 1) * dim:
+        return False
+    if (dim // P) * weight.element_size() % 4:
+        return False
+    rank = engram.get_tensor_model_parallel_rank()
+    weight.weight_loader = wkv_dim_shard_loader(hc, dim, rank, P)
+    wkv.gather_output = False
+    layer.kda_engram_dim_sharded = True
+    return True
+
+
+def engram_init(self, *args, **kwargs) -> None:
+    """``Engram.__init__`` with the plugin on: vLLM's own, then
+    :func:`shard_engram_wkv`."""
+    from .vllm_plugin import original
+
+    original(f"{_ENGRAM_MODULE}.Engram.__init__")(self, *args, **kwargs)
+    shard_engram_wkv(self)
+
+
+def engram_forward(self, hidden_states: torch.Tensor, hash_ids: torch.Tensor,
+                   token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``Engram.forward`` with the plugin on: a layer :func:`shard_engram_wkv`
+    switched runs the dim-sharded gate; any other runs vLLM's own forward.
+
+    ``hidden_states`` ``[T, hc, dim]`` (every rank holds every token: no sequence
+    parallelism), ``hash_ids`` ``[T, n_hash_cols]``, ``token_mask`` bool ``[T]`` or
+    ``None`` (false rows pass ``hidden`` through). ``wkv`` gives this rank's
+    ``[T, (hc+1)*width]``; :func:`~kda_engram.engram.sharded_gate.engram_gate_partials`
+    packs its value slice and partial sums, vLLM's
+    ``tensor_model_parallel_all_gather`` (dim 0, rank-major) exchanges them and
+    :func:`~kda_engram.engram.sharded_gate.engram_gate_finish` writes the output,
+    the same bits on every rank."""
+    if not getattr(self, "kda_engram_dim_sharded", False):
+        from .vllm_plugin import original
+
+        return original(f"{_ENGRAM_MODULE}.Engram.forward")(self, hidden_states, hash_ids, token_mask)
+    engram = _engram_module(self)
+    T = hash_ids.shape[0]
+    if hidden_states.dim() != 3 or hidden_states.shape[0] != T:
+        raise ValueError(f"hidden_states: expected [T, hc, dim] with T = hash_ids.shape[0] = {T} (no sequence "
+                         f"parallelism), got {list(hidden_states.shape)}")
+    if self._batch is not None:
+        kv_local = self.wkv(self._batch.wkv_input(self, T))
+    else:
+        kv_local = self.wkv(self.embed(hash_ids).flatten(-2))
+    P, rank = engram.get_tensor_model_parallel_world_size(), engram.get_tensor_model_parallel_rank()
+    # While torch.compile traces: the same entry points as custom ops (host rules only).
+    partials, finish = ((ops.engram_gate_partials, ops.engram_gate_finish) if torch.compiler.is_compiling()
+                        else (engram_gate_partials, engram_gate_finish))
+    send = partials(hidden_states, kv_local, self.q_weight, self.k_weight, rank=rank, tp_size=P)
+    gathered = engram.tensor_model_parallel_all_gather(send, dim=0)
+    return finish(hidden_states, gathered, tp_size=P, eps=self.eps, clamp_value=self.clamp_value,
+                  token_mask=token_mask)
+
+
+_ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"

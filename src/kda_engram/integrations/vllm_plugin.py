@@ -30,10 +30,20 @@ Replaced so far:
 
 * ``models/deepseek_v41/common/engram._fused_engram_post_wkv_kernel``, the gate
   kernel ``Engram.forward`` launches, by a launch of the same arguments
-  (:mod:`kda_engram.integrations.vllm_deepseek_v41`).
+  (:mod:`kda_engram.integrations.vllm_deepseek_v41`);
+* ``models/deepseek_v41/common/engram._hash_ids_kernel``, the n-gram hash kernel
+  ``NgramHashState.forward`` launches, by a launch of the same arguments on our
+  hash kernel (vLLM's newest-first lookback, dead masks, unknown ids and padding
+  tokens honoured: :func:`kda_engram.integrations.vllm_deepseek_v41.hash_ids`);
+* ``Engram.__init__`` and ``Engram.forward`` of that module: with tensor
+  parallelism on (no sequence parallelism, an unquantized ``wkv``), ``wkv`` stays
+  sharded by dim (``gather_output=False``, a loader taking each rank's slice of
+  every block) and the ranks exchange value slices and gate partials instead of
+  the whole projection (kda-engram's sharded gate); any other layer runs vLLM's
+  own ``__init__`` / ``forward``.
 
 Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
-hash and ``wkv``) stays vLLM's own.
+slot-cache write, lookup and ``wkv``) stays vLLM's own.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import logging
 import os
 import sys
 
-__all__ = ["REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "register", "replaced"]
+__all__ = ["REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced", "resolve"]
 
 #: The environment switch: ``1`` turns the replacement on, unset or ``0`` leaves vLLM as is.
 SWITCH = "KDA_ENGRAM_VLLM"
@@ -70,8 +80,9 @@ def _ours(path: str):
     return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
 
 
-#: ``(module that defines the name, name, our replacement as "module.attribute" of
-#: kda_engram.integrations, modules that import the name from it)``.
+#: ``(module that defines the name, name (``"Class.method"`` for a method), our
+#: replacement as "module.attribute" of kda_engram.integrations, modules that import
+#: the name from it)``.
 REPLACEMENTS = (
     (f"{_AMD}.ops.kda_prefill", "chunk_kda_prefill", "vllm_kimi_k3.chunk_kda_prefill", (f"{_AMD}.kda",)),
     (f"{_AMD}.ops.kda_chunk", "is_fused_kda_chunk_supported", "vllm_plugin._fused_chunk_supported", (f"{_AMD}.kda",)),
@@ -89,14 +100,39 @@ REPLACEMENTS = (
      (f"{_NVIDIA}.ops.third_party.kda", f"{_NVIDIA}.kda")),
     ("vllm.models.deepseek_v41.common.engram", "_fused_engram_post_wkv_kernel",
      "vllm_deepseek_v41.fused_engram_post_wkv_kernel", ()),
+    ("vllm.models.deepseek_v41.common.engram", "_hash_ids_kernel", "vllm_deepseek_v41.hash_ids_kernel", ()),
+    ("vllm.models.deepseek_v41.common.engram", "Engram.__init__", "vllm_deepseek_v41.engram_init", ()),
+    ("vllm.models.deepseek_v41.common.engram", "Engram.forward", "vllm_deepseek_v41.engram_forward", ()),
 )
 
-_state = {"done": False, "replaced": [], "finder": None}
+_state = {"done": False, "replaced": [], "finder": None, "originals": {}}
 
 
 def replaced() -> list[str]:
     """The ``module.name`` targets this process has replaced so far (empty when off)."""
     return list(_state["replaced"])
+
+
+def resolve(module, name: str):
+    """``(owner, attribute)`` of a target ``name`` in ``module``: a module attribute,
+    or ``"Class.method"`` (the class's attribute)."""
+    owner, *path = name.split(".")
+    if not path:
+        return module, name
+    owner = getattr(module, owner)
+    for part in path[:-1]:
+        owner = getattr(owner, part)
+    return owner, path[-1]
+
+
+def original(target: str):
+    """vLLM's own object that the plugin replaced as ``target`` (``"module.name"``, as
+    :func:`replaced` lists it), for a replacement that keeps vLLM's path in the cases it
+    does not serve. ``KeyError`` naming ``target`` when it was not replaced."""
+    try:
+        return _state["originals"][target]
+    except KeyError:
+        raise KeyError(f"target: {target!r} was not replaced by the kda-engram plugin in this process") from None
 
 
 def _version(text: str) -> tuple[int, ...] | None:
@@ -122,7 +158,9 @@ def _patch(module) -> None:
         if module_name != module.__name__:
             continue
         ours = _ours(our_name)
-        setattr(module, name, ours)
+        owner, attribute = resolve(module, name)
+        _state["originals"].setdefault(f"{module_name}.{name}", getattr(owner, attribute))
+        setattr(owner, attribute, ours)
         for importer in importers:
             loaded = sys.modules.get(importer)
             if loaded is not None and hasattr(loaded, name):
@@ -204,4 +242,4 @@ def _reset() -> None:
     finder = _state["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)
-    _state.update(done=False, replaced=[], finder=None)
+    _state.update(done=False, replaced=[], finder=None, originals={})
