@@ -45,7 +45,8 @@ from ..launch_config import check_block_override, check_warps_override, device_a
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_fused_decode_arguments
-from .decode import _l2_normalize, _log_decay
+from .decode import _l2_normalize
+from .gate import dt_bias_strides, log_decay
 from .state_dtype import round_state
 
 __all__ = ["kda_layer_decode_step", "CONV_WIDTH"]
@@ -112,9 +113,9 @@ def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k
                    sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
     q = _l2_normalize(q, EPS)
     k = _l2_normalize(k, EPS)
-    xg = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32) + bias
+    g = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32)
     beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
-    a = _log_decay(xg, a_scale, lower_bound, HAS_LOWER_BOUND)
+    a = log_decay(g, bias, a_scale, lower_bound, HAS_LOWER_BOUND, False)
     return q, k, tl.exp(a), beta, tl.sum(k * q, axis=0)
 
 
@@ -359,8 +360,7 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
         num_warps = tiling.num_warps if num_warps is None else num_warps
     if scale is None:
         scale = K**-0.5
-    sd_h, sd_k = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (K * dt_bias.stride(0),
-                                                                                      dt_bias.stride(0))
+    sd_h, sd_k = dt_bias_strides(dt_bias, K)
     rb = tuple(raw_beta.stride()) if multi else (raw_beta.stride(0), 0, raw_beta.stride(1))
     _fused_kda_decode_kernel[(B * H,)](
         x, conv_weight, conv_state, cinit, conv_state_indices,

@@ -52,6 +52,7 @@ from ..validation.entry import EntryChecks
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
 from ..validation.kda_prefill import check_prologue_arguments
 from .conv import conv_prefill_bands
+from .gate import gate_pointers
 from .metadata import prepare_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
@@ -105,15 +106,7 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
     dot_dtype = prologue_dot_dtype(q)
 
     log_decay = gate == "log_decay"
-    if log_decay:
-        # No A_log / dt_bias: the kernel never reads them, so raw_g stands in for
-        # both pointers (a pointer argument must be a tensor).
-        A_log, dt_bias = raw_g, raw_g
-        sdtb_h, sdtb_c = 0, 0
-    elif dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    A_log, dt_bias, sdtb_h, sdtb_c = gate_pointers(raw_g, A_log, dt_bias, K, log_decay)
     grid = (chunk_indices.shape[0] * H,)
 
     def launch(qg, w, u, kg, aqk, decay, akk, folded):

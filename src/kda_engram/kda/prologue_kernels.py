@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gate import L2NORM_EPS_JIT, chunk_log2_gate
 from .metadata import chunk_row
 
 
@@ -45,22 +46,10 @@ def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.c
     qh = qr.to(tl.float32)
     kh = kr.to(tl.float32)
     if QK_L2NORM:
-        qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + 1e-6)[:, None]
-        kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + 1e-6)[:, None]
-    if LOG_DECAY_GATE:
-        a = xr.to(tl.float32)
-        a = tl.where(a < -128.0, -128.0, a)  # the floor of the softplus branch, same reason
-    elif BOUNDED:
-        a = lower_bound * tl.sigmoid(alog * (xr.to(tl.float32) + dtb[None, :]))
-    else:
-        x = xr.to(tl.float32) + dtb[None, :]
-        # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for any x.
-        a = -alog * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-        # A floor that exp() already takes to exactly 0 in fp32: a +inf raw gate
-        # gives -inf here, and -inf - -inf in the cumsum differences would be NaN
-        # (decode's exp(-inf) = 0 stays finite). A where, not a max: NaN stays NaN.
-        a = tl.where(a < -128.0, -128.0, a)
-    a = tl.where(valid[:, None], a * 1.4426950408889634, 0.0)
+        qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + L2NORM_EPS_JIT)[:, None]
+        kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + L2NORM_EPS_JIT)[:, None]
+    a = tl.where(valid[:, None], chunk_log2_gate(xr.to(tl.float32), dtb[None, :], alog, lower_bound, BOUNDED,
+                                                 LOG_DECAY_GATE), 0.0)
     lc = tl.cumsum(a, 0)
     tot = tl.sum(a, 0)
     if BETA_SIGMOID:
