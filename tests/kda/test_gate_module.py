@@ -143,6 +143,13 @@ def test_dt_bias_strides():
     transposed = torch.zeros(K, H).t()  # [H, K] with the channel stride H
     assert gate.dt_bias_strides(transposed, K) == (1, H)
     g = torch.zeros(1, 2, H, K)
-    assert gate.gate_pointers(g, None, None, K, True) == (g, g, 0, 0)
-    A_log, bias = torch.zeros(H), torch.zeros(H, K)
-    assert gate.gate_pointers(g, A_log, bias, K, False) == (A_log, bias, K, 1)
+    assert gate.gate_pointers(g, None, None, K, "log_decay") == (g, 0, g, 0, 0)
+    A_log, bias = torch.zeros(2 * H)[::2], torch.zeros(H, K)
+    assert gate.gate_pointers(g, A_log, bias, K, "raw") == (A_log, 2, bias, K, 1)
+
+
+def test_gate_form():
+    assert gate.gate_form("log_decay", None) == gate.GATE_LOG_DECAY.value
+    assert gate.gate_form("raw", -5.0) == gate.GATE_BOUNDED.value
+    assert gate.gate_form("raw", None) == gate.GATE_SOFTPLUS.value
+    assert len({gate.GATE_LOG_DECAY.value, gate.GATE_BOUNDED.value, gate.GATE_SOFTPLUS.value}) == 3

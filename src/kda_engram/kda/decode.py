@@ -48,7 +48,7 @@ from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values
-from .gate import gate_pointers, log_decay
+from .gate import gate_form, gate_operands, gate_pointers, log_decay
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling", "launch_decode"]
@@ -81,11 +81,10 @@ def _kda_decode_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr,
+    GATE: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
-    LOG_DECAY_GATE: tl.constexpr,
     QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):
@@ -98,8 +97,8 @@ def _kda_decode_kernel(
     With ``STATE_BF16`` the cache is bf16: loads widen to fp32, every token's
     state is rounded to bf16 (RTNE) and the walk carries the rounded value, so S
     tokens in one launch equal S one-token launches bit for bit.
-    ``LOG_DECAY_GATE``: ``g_ptr`` holds the log decay itself (``alog_ptr`` and
-    ``dtb_ptr`` are never read); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and
+    ``GATE`` (:func:`kda_engram.kda.gate.gate_form`): the gate form; the precomputed
+    one has ``g_ptr`` hold the log decay itself (``alog_ptr`` and ``dtb_ptr`` are never read); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and
     beta are used as given.
     """
     NUM_TILES: tl.constexpr = V // BLOCK_V
@@ -125,12 +124,7 @@ def _kda_decode_kernel(
         eviction_policy="evict_first",
     ).to(tl.float32)
 
-    if not LOG_DECAY_GATE:
-        a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
-    else:  # no A_log / dt_bias: placeholders the gate never reads
-        a_scale = 0.0
-        bias = tl.zeros([K], dtype=tl.float32)
+    a_scale, bias = gate_operands(alog_ptr, sa_h, dtb_ptr, sd_h, sd_k, h, offs_k, GATE)
 
     for s in range(S):
         q = tl.load(q_ptr + b * sq_b + s * sq_s + h * sq_h + offs_k * sq_k).to(tl.float32)
@@ -145,7 +139,7 @@ def _kda_decode_kernel(
             q = _l2_normalize(q, EPS)
             k = _l2_normalize(k, EPS)
         # No floor (unlike the chunk kernels): exp(-inf) = 0, any strength stays finite.
-        a = log_decay(g, bias, a_scale, lower_bound, HAS_LOWER_BOUND, LOG_DECAY_GATE)
+        a = log_decay(g, bias, a_scale, lower_bound, GATE)
 
         state = state * tl.exp(a)[None, :]
         pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]
@@ -212,24 +206,23 @@ def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_id
     def s3(t):  # raw_beta: [B, S, H] strides
         return t.stride() if t.dim() == 3 else (t.stride(0), 0, t.stride(1))
 
-    precomputed = gate == "log_decay"
-    A_log, dt_bias, sd_h, sd_k = gate_pointers(raw_g, A_log, dt_bias, K, precomputed)
+    alog, sa_h, dtb, sd_h, sd_k = gate_pointers(raw_g, A_log, dt_bias, K, gate)
     grid = (B * H * (V // block_v),)
     _kda_decode_kernel[grid](
-        q, k, v, raw_g, raw_beta, A_log, dt_bias,
+        q, k, v, raw_g, raw_beta, alog, dtb,
         state_cache, init_idx, idx, out,
         float(scale), float(lower_bound) if lower_bound is not None else 0.0,
         *s4(q), *s4(k), *s4(v), *s4(raw_g), *s3(raw_beta),
-        0 if precomputed else A_log.stride(0), sd_h, sd_k,
+        sa_h, sd_h, sd_k,
         *state_cache.stride(),
         init_stride, *idx_strides,
         *s4(out),
         S=steps, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None,
+        GATE=gate_form(gate, lower_bound),
         EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting() if native_round is None else native_round,
-        LOG_DECAY_GATE=precomputed, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+        QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
         num_warps=num_warps,
     )
     return out

@@ -46,7 +46,7 @@ from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_fused_decode_arguments
 from .decode import _l2_normalize
-from .gate import dt_bias_strides, log_decay
+from .gate import dt_bias_strides, gate_form, gate_operands, log_decay
 from .state_dtype import round_state
 
 __all__ = ["kda_layer_decode_step", "CONV_WIDTH"]
@@ -104,7 +104,7 @@ def _store_window(x_ptr, cs_ptr, b, crow_new, chans, s: tl.constexpr, old0, old1
 @triton.jit
 def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
               lower_bound, s: tl.constexpr, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
-              sb_b, sb_s, sb_h, K: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+              sb_b, sb_s, sb_h, K: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr):
     """Token ``s`` of a head: L2-normed q and k after the conv, the per-channel
     decay exp(a), beta and q·k (all fp32)."""
     q = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, q_ch, s,
@@ -115,7 +115,7 @@ def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k
     k = _l2_normalize(k, EPS)
     g = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32)
     beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
-    a = log_decay(g, bias, a_scale, lower_bound, HAS_LOWER_BOUND, False)
+    a = log_decay(g, bias, a_scale, lower_bound, GATE)
     return q, k, tl.exp(a), beta, tl.sum(k * q, axis=0)
 
 
@@ -141,7 +141,7 @@ def _fused_kda_decode_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr,
+    GATE: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
@@ -161,8 +161,7 @@ def _fused_kda_decode_kernel(
     clive = crow0 >= 0
     crow = tl.where(clive, crow0, 0)
 
-    a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
-    bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
+    a_scale, bias = gate_operands(alog_ptr, sa_h, dtb_ptr, sd_h, sd_k, h, offs_k, GATE)
     state_h = state_ptr + h * ss_h
 
     NUM_TILES: tl.constexpr = V // BLOCK_V
@@ -171,7 +170,7 @@ def _fused_kda_decode_kernel(
         q1, k1, decay1, beta1, qk1 = _token_qk(
             x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
             lower_bound, 0, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c, sb_b, sb_s, sb_h,
-            K, HAS_LOWER_BOUND, EPS)
+            K, GATE, EPS)
     # The state tiles stream through one register double buffer: tile t + 1's load
     # is in flight while tile t is stepped (one program walks all V rows).
     rows = tl.arange(0, BLOCK_V)
@@ -192,7 +191,7 @@ def _fused_kda_decode_kernel(
                 q, k, decay, beta, qk = _token_qk(
                     x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
                     lower_bound, s, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
-                    sb_b, sb_s, sb_h, K, HAS_LOWER_BOUND, EPS)
+                    sb_b, sb_s, sb_h, K, GATE, EPS)
             vv = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, v_ch, s,
                             sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
             st = st * decay[None, :]  # fp32 decay before any rounding
@@ -379,7 +378,7 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
         init.stride(0), *w_strides,
         *_lead(out, multi),
         S=S, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None, EPS=L2NORM_EPS,
+        GATE=gate_form("raw", lower_bound), EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting(),
         num_warps=num_warps,

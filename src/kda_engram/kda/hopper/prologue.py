@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...bundles import ConvArgs, KDAInputs
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
-from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides
+from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides
 from .folded_prologue import allocate_folded_operands
 
 __all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "gluon_folded_prologue", "gluon_prologue_unsupported"]
@@ -75,7 +75,7 @@ def _gate_cumsum(ptrs, mask, alog, dtb, lower_bound):
     """The bounded gate of a ``[4, 16, K]`` tile in log2 units (0 on masked rows), its
     sub-chunk-local inclusive cumsum ``lc`` and the sub-chunk totals ``s [4, K]``."""
     xg = gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
-    a = chunk_log2_gate(xg, dtb, alog, lower_bound, True, False)  # the shared @triton.jit gate
+    a = chunk_log2_gate(xg, dtb, alog, lower_bound, GATE_BOUNDED)  # the shared @triton.jit gate
     a = gl.where(mask, a, gl.zeros_like(a))
     return gl.associative_scan(a, 1, _add), gl.sum(a, 1)
 
