@@ -17,7 +17,6 @@ transposed. Each adapter validates what it maps (one ``ValueError``/``TypeError`
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..kda.decode import kda_decode_multi
 from ..kda.prefill import chunk_kda_prefill
@@ -213,14 +212,14 @@ def fused_kda_gate(
     """The KDA gate alone (vLLM's ``fused_kda_gate``): ``g [..., H*D]`` -> fp32 ``[..., H, D]``.
 
     ``-exp(A) softplus_{beta, threshold}(g + g_bias)`` (softplus with torch's
-    ``beta``/``threshold`` semantics; at the defaults it is
-    :func:`kda_engram.kda.reference.kda_gate`), or with ``lower_bound``
+    ``beta``/``threshold`` semantics), or with ``lower_bound``
     ``lower_bound * sigmoid(exp(A) (g + g_bias))``. ``A``: ``[H]`` or any shape of
     ``H`` elements; ``g_bias``: ``[H*D]`` or None. ``g``, ``A`` and ``g_bias`` are float
     tensors (bf16, fp16 or fp32) on one device; ``lower_bound`` is None or a finite
     number <= 0 (as every entry point: a positive one would give positive log decays);
     ``beta`` is a finite number > 0 and ``threshold`` a finite number. Host checks only
-    (no device values are read).
+    (no device values are read). Computed by the package's one gate reference,
+    :func:`kda_engram.kda.reference.kda_gate`.
     """
     check_tensor("g", g, dtypes=FLOAT_DTYPES)
     check_tensor("A", A, dtypes=FLOAT_DTYPES, device=g.device)
@@ -239,6 +238,4 @@ def fused_kda_gate(
     x = g.float().view(*g.shape[:-1], H, head_k_dim)
     A_log = A.reshape(H).float()
     bias = torch.zeros(H * head_k_dim, device=g.device) if g_bias is None else g_bias.reshape(-1).float()
-    if lower_bound is not None or (beta == 1.0 and threshold == 20.0):
-        return kda_gate(x, A_log, bias, lower_bound)
-    return -torch.exp(A_log)[:, None] * F.softplus(x + bias.view(H, head_k_dim), beta=beta, threshold=threshold)
+    return kda_gate(x, A_log, bias, lower_bound, softplus_beta=beta, softplus_threshold=threshold)

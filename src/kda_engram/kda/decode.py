@@ -48,32 +48,16 @@ from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values
+from .gate import gate_form, gate_operands, gate_pointers, log_decay
 from .state_dtype import round_state
 
 __all__ = ["kda_decode", "kda_decode_multi", "decode_tiling", "launch_decode"]
 
 
 @triton.jit
-def _softplus(x):
-    # max(x, 0) + log(1 + exp(-|x|)): exact for large |x| of either sign and never
-    # overflows (no log1p: it is not in Triton's portable math).
-    return tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x)))
-
-
-@triton.jit
 def _l2_normalize(x, EPS: tl.constexpr):
     """``x / sqrt(sum x^2 + EPS)`` of one head's 1-D vector (the eps inside the sqrt)."""
     return x / tl.sqrt(tl.sum(x * x, axis=0) + EPS)
-
-
-@triton.jit
-def _log_decay(x, a_scale, lower_bound, HAS_LOWER_BOUND: tl.constexpr):
-    """Per-channel log decay ``a`` of one token from ``x = raw_g + dt_bias`` and
-    ``a_scale = exp(A_log)``: ``L·sigmoid(a_scale·x)`` or ``-a_scale·softplus(x)``."""
-    if HAS_LOWER_BOUND:
-        return lower_bound * tl.sigmoid(a_scale * x)
-    else:
-        return -a_scale * _softplus(x)
 
 
 @triton.jit
@@ -97,11 +81,10 @@ def _kda_decode_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr,
+    GATE: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
-    LOG_DECAY_GATE: tl.constexpr,
     QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):
@@ -114,8 +97,8 @@ def _kda_decode_kernel(
     With ``STATE_BF16`` the cache is bf16: loads widen to fp32, every token's
     state is rounded to bf16 (RTNE) and the walk carries the rounded value, so S
     tokens in one launch equal S one-token launches bit for bit.
-    ``LOG_DECAY_GATE``: ``g_ptr`` holds the log decay itself (``alog_ptr`` and
-    ``dtb_ptr`` are never read); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and
+    ``GATE`` (:func:`kda_engram.kda.gate.gate_form`): the gate form; the precomputed
+    one has ``g_ptr`` hold the log decay itself (``alog_ptr`` and ``dtb_ptr`` are never read); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and
     beta are used as given.
     """
     NUM_TILES: tl.constexpr = V // BLOCK_V
@@ -141,9 +124,7 @@ def _kda_decode_kernel(
         eviction_policy="evict_first",
     ).to(tl.float32)
 
-    if not LOG_DECAY_GATE:
-        a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
-        bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
+    a_scale, bias = gate_operands(alog_ptr, sa_h, dtb_ptr, sd_h, sd_k, h, offs_k, GATE)
 
     for s in range(S):
         q = tl.load(q_ptr + b * sq_b + s * sq_s + h * sq_h + offs_k * sq_k).to(tl.float32)
@@ -157,10 +138,8 @@ def _kda_decode_kernel(
         if QK_L2NORM:
             q = _l2_normalize(q, EPS)
             k = _l2_normalize(k, EPS)
-        if LOG_DECAY_GATE:
-            a = g  # exp(-inf) = 0: any strength stays finite
-        else:
-            a = _log_decay(g + bias, a_scale, lower_bound, HAS_LOWER_BOUND)
+        # No floor (unlike the chunk kernels): exp(-inf) = 0, any strength stays finite.
+        a = log_decay(g, bias, a_scale, lower_bound, GATE)
 
         state = state * tl.exp(a)[None, :]
         pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]
@@ -203,13 +182,6 @@ def decode_tiling(
     return tiling.block_v, tiling.num_warps
 
 
-def _dt_bias_strides(dt_bias: torch.Tensor, heads: int, k_dim: int) -> tuple[int, int]:
-    # [H, K] or flat [H*K]; a strided 1-D view is read through its stride, not reshaped.
-    if dt_bias.dim() == 2:
-        return dt_bias.stride(0), dt_bias.stride(1)
-    return k_dim * dt_bias.stride(0), dt_bias.stride(0)
-
-
 def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
                   scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
                   native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
@@ -234,27 +206,23 @@ def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_id
     def s3(t):  # raw_beta: [B, S, H] strides
         return t.stride() if t.dim() == 3 else (t.stride(0), 0, t.stride(1))
 
-    log_decay = gate == "log_decay"
-    if log_decay:  # no A_log / dt_bias: raw_g stands in for both pointers, never read
-        A_log, dt_bias, sd_h, sd_k = raw_g, raw_g, 0, 0
-    else:
-        sd_h, sd_k = _dt_bias_strides(dt_bias, H, K)
+    alog, sa_h, dtb, sd_h, sd_k = gate_pointers(raw_g, A_log, dt_bias, K, gate)
     grid = (B * H * (V // block_v),)
     _kda_decode_kernel[grid](
-        q, k, v, raw_g, raw_beta, A_log, dt_bias,
+        q, k, v, raw_g, raw_beta, alog, dtb,
         state_cache, init_idx, idx, out,
         float(scale), float(lower_bound) if lower_bound is not None else 0.0,
         *s4(q), *s4(k), *s4(v), *s4(raw_g), *s3(raw_beta),
-        0 if log_decay else A_log.stride(0), sd_h, sd_k,
+        sa_h, sd_h, sd_k,
         *state_cache.stride(),
         init_stride, *idx_strides,
         *s4(out),
         S=steps, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None,
+        GATE=gate_form(gate, lower_bound),
         EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting() if native_round is None else native_round,
-        LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+        QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
         num_warps=num_warps,
     )
     return out

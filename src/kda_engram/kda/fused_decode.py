@@ -45,7 +45,8 @@ from ..launch_config import check_block_override, check_warps_override, device_a
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
 from ..validation.kda_decode import check_fused_decode_arguments
-from .decode import _l2_normalize, _log_decay
+from .decode import _l2_normalize
+from .gate import dt_bias_strides, gate_form, gate_operands, log_decay
 from .state_dtype import round_state
 
 __all__ = ["kda_layer_decode_step", "CONV_WIDTH"]
@@ -103,7 +104,7 @@ def _store_window(x_ptr, cs_ptr, b, crow_new, chans, s: tl.constexpr, old0, old1
 @triton.jit
 def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
               lower_bound, s: tl.constexpr, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
-              sb_b, sb_s, sb_h, K: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+              sb_b, sb_s, sb_h, K: tl.constexpr, GATE: tl.constexpr, EPS: tl.constexpr):
     """Token ``s`` of a head: L2-normed q and k after the conv, the per-channel
     decay exp(a), beta and q·k (all fp32)."""
     q = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, q_ch, s,
@@ -112,9 +113,9 @@ def _token_qk(x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k
                    sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
     q = _l2_normalize(q, EPS)
     k = _l2_normalize(k, EPS)
-    xg = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32) + bias
+    g = tl.load(g_ptr + b * sg_b + s * sg_s + (h * K + offs_k) * sg_c).to(tl.float32)
     beta = tl.sigmoid(tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32))
-    a = _log_decay(xg, a_scale, lower_bound, HAS_LOWER_BOUND)
+    a = log_decay(g, bias, a_scale, lower_bound, GATE)
     return q, k, tl.exp(a), beta, tl.sum(k * q, axis=0)
 
 
@@ -140,7 +141,7 @@ def _fused_kda_decode_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    HAS_LOWER_BOUND: tl.constexpr,
+    GATE: tl.constexpr,
     EPS: tl.constexpr,
     STATE_BF16: tl.constexpr,
     NATIVE_ROUND: tl.constexpr,
@@ -160,8 +161,7 @@ def _fused_kda_decode_kernel(
     clive = crow0 >= 0
     crow = tl.where(clive, crow0, 0)
 
-    a_scale = tl.exp(tl.load(alog_ptr + h * sa_h).to(tl.float32))
-    bias = tl.load(dtb_ptr + h * sd_h + offs_k * sd_k).to(tl.float32)
+    a_scale, bias = gate_operands(alog_ptr, sa_h, dtb_ptr, sd_h, sd_k, h, offs_k, GATE)
     state_h = state_ptr + h * ss_h
 
     NUM_TILES: tl.constexpr = V // BLOCK_V
@@ -170,7 +170,7 @@ def _fused_kda_decode_kernel(
         q1, k1, decay1, beta1, qk1 = _token_qk(
             x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
             lower_bound, 0, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c, sb_b, sb_s, sb_h,
-            K, HAS_LOWER_BOUND, EPS)
+            K, GATE, EPS)
     # The state tiles stream through one register double buffer: tile t + 1's load
     # is in flight while tile t is stepped (one program walks all V rows).
     rows = tl.arange(0, BLOCK_V)
@@ -191,7 +191,7 @@ def _fused_kda_decode_kernel(
                 q, k, decay, beta, qk = _token_qk(
                     x_ptr, cs_ptr, cw_ptr, g_ptr, beta_ptr, b, h, crow, clive, q_ch, k_ch, offs_k, bias, a_scale,
                     lower_bound, s, sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w, sg_b, sg_s, sg_c,
-                    sb_b, sb_s, sb_h, K, HAS_LOWER_BOUND, EPS)
+                    sb_b, sb_s, sb_h, K, GATE, EPS)
             vv = _conv_silu(x_ptr, cs_ptr, cw_ptr, b, crow, clive, v_ch, s,
                             sx_b, sx_s, sx_c, scs_n, scs_c, scs_w, scw_c, scw_w)
             st = st * decay[None, :]  # fp32 decay before any rounding
@@ -359,8 +359,7 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
         num_warps = tiling.num_warps if num_warps is None else num_warps
     if scale is None:
         scale = K**-0.5
-    sd_h, sd_k = (dt_bias.stride(0), dt_bias.stride(1)) if dt_bias.dim() == 2 else (K * dt_bias.stride(0),
-                                                                                      dt_bias.stride(0))
+    sd_h, sd_k = dt_bias_strides(dt_bias, K)
     rb = tuple(raw_beta.stride()) if multi else (raw_beta.stride(0), 0, raw_beta.stride(1))
     _fused_kda_decode_kernel[(B * H,)](
         x, conv_weight, conv_state, cinit, conv_state_indices,
@@ -379,7 +378,7 @@ def run_kda_layer_decode_step(x, raw_g, raw_beta, g_out, conv_weight, conv_state
         init.stride(0), *w_strides,
         *_lead(out, multi),
         S=S, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None, EPS=L2NORM_EPS,
+        GATE=gate_form("raw", lower_bound), EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting(),
         num_warps=num_warps,

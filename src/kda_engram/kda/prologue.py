@@ -52,6 +52,7 @@ from ..validation.entry import EntryChecks
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
 from ..validation.kda_prefill import check_prologue_arguments
 from .conv import conv_prefill_bands
+from .gate import gate_form, gate_pointers
 from .metadata import prepare_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
@@ -104,16 +105,7 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
         shift = 0.0
     dot_dtype = prologue_dot_dtype(q)
 
-    log_decay = gate == "log_decay"
-    if log_decay:
-        # No A_log / dt_bias: the kernel never reads them, so raw_g stands in for
-        # both pointers (a pointer argument must be a tensor).
-        A_log, dt_bias = raw_g, raw_g
-        sdtb_h, sdtb_c = 0, 0
-    elif dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    gate_args = gate_pointers(raw_g, A_log, dt_bias, K, gate)
     grid = (chunk_indices.shape[0] * H,)
 
     def launch(qg, w, u, kg, aqk, decay, akk, folded):
@@ -129,15 +121,14 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
             vb, vb.stride(1), vb.stride(2), vb.stride(3),
             raw_g, raw_g.stride(1), raw_g.stride(2), raw_g.stride(3),
             raw_beta, raw_beta.stride(1), raw_beta.stride(2),
-            A_log, 0 if log_decay else A_log.stride(0),
-            dt_bias, sdtb_h, sdtb_c,
+            *gate_args,
             cu_seqlens, chunk_indices, chunk_indices.stride(0), chunk_indices.stride(1),
             qg, w, u, kg, aqk, decay, akk,
             H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
             K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
-            BOUNDED=bounded, EXACT_DIAG=exact_diag,
+            GATE=gate_form(gate, lower_bound), EXACT_DIAG=exact_diag,
             DOT=dot_dtype,
-            LOG_DECAY_GATE=log_decay, QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+            QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
             FOLDED=folded, LOAD_V=not folded,
             num_warps=num_warps, num_stages=1,
         )

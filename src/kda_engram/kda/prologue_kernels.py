@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_operands
 from .metadata import chunk_row
 
 
@@ -36,31 +37,19 @@ def _load_block(
 
 
 @triton.jit
-def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, BOUNDED: tl.constexpr,
-                LOG_DECAY_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, GATE: tl.constexpr,
+                QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """One 16-row sub-chunk: ``(q̂, k̂, lc, tot, beta, beta*v)`` with ``lc`` the
     sub-chunk-local inclusive cumsum of the gate (log2 units, 0 on invalid rows)
-    and ``tot`` its total per channel. ``LOG_DECAY_GATE``: ``xr`` is the log decay
-    itself; ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and beta are used as given."""
+    and ``tot`` its total per channel (:func:`kda_engram.kda.gate.chunk_log2_gate` of
+    the form ``GATE``); ``QK_L2NORM`` / ``BETA_SIGMOID`` off: q, k and beta are used as given."""
     qh = qr.to(tl.float32)
     kh = kr.to(tl.float32)
     if QK_L2NORM:
-        qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + 1e-6)[:, None]
-        kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + 1e-6)[:, None]
-    if LOG_DECAY_GATE:
-        a = xr.to(tl.float32)
-        a = tl.where(a < -128.0, -128.0, a)  # the floor of the softplus branch, same reason
-    elif BOUNDED:
-        a = lower_bound * tl.sigmoid(alog * (xr.to(tl.float32) + dtb[None, :]))
-    else:
-        x = xr.to(tl.float32) + dtb[None, :]
-        # softplus(x) = max(x, 0) + log(1 + exp(-|x|)), stable for any x.
-        a = -alog * (tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-        # A floor that exp() already takes to exactly 0 in fp32: a +inf raw gate
-        # gives -inf here, and -inf - -inf in the cumsum differences would be NaN
-        # (decode's exp(-inf) = 0 stays finite). A where, not a max: NaN stays NaN.
-        a = tl.where(a < -128.0, -128.0, a)
-    a = tl.where(valid[:, None], a * 1.4426950408889634, 0.0)
+        qh = qh * tl.rsqrt(tl.sum(qh * qh, 1) + L2NORM_EPS_JIT)[:, None]
+        kh = kh * tl.rsqrt(tl.sum(kh * kh, 1) + L2NORM_EPS_JIT)[:, None]
+    a = tl.where(valid[:, None], chunk_log2_gate(xr.to(tl.float32), dtb[None, :], alog, lower_bound, GATE),
+                 0.0)
     lc = tl.cumsum(a, 0)
     tot = tl.sum(a, 0)
     if BETA_SIGMOID:
@@ -193,9 +182,9 @@ def _kda_prologue_intra_kernel(
     qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr, akk_ptr,
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    BOUNDED: tl.constexpr, EXACT_DIAG: tl.constexpr,
+    GATE: tl.constexpr, EXACT_DIAG: tl.constexpr,
     DOT: tl.constexpr,
-    LOG_DECAY_GATE: tl.constexpr, QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     FOLDED: tl.constexpr = False, LOAD_V: tl.constexpr = True,
 ):
     """Launch 1 of 2: everything but the triangular solve. Writes ``qg, kg_t,
@@ -213,12 +202,7 @@ def _kda_prologue_intra_kernel(
     rows = tl.arange(0, BS)
 
     colk = tl.arange(0, K)
-    if LOG_DECAY_GATE:  # no A_log / dt_bias: their pointers are placeholders, never read
-        alog = 0.0
-        dtb = tl.zeros([K], dtype=tl.float32)
-    else:
-        alog = tl.exp(tl.load(alog_ptr + h * salog).to(tl.float32))
-        dtb = tl.load(dtb_ptr + h * sdtb_h + colk * sdtb_c).to(tl.float32)
+    alog, dtb = gate_operands(alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, h, colk, GATE)
     o_qk = H * K  # token stride of qg / w
     o_v = H * V
     o_a = H * BT  # token stride of aqk / akk
@@ -243,8 +227,8 @@ def _kda_prologue_intra_kernel(
     qr1, kr1, vr1, xr1, rb1 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V, LOAD_V)
-    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, BOUNDED,
-        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
+    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, GATE,
+        QK_L2NORM, BETA_SIGMOID)
     d0 = tl.exp2(lc0)
     kf0 = k0 * tl.exp2(s0[None, :] - lc0)
     qd0 = q0 * d0
@@ -269,8 +253,8 @@ def _kda_prologue_intra_kernel(
     qr2, kr2, vr2, xr2, rb2 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V, LOAD_V)
-    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, BOUNDED,
-        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
+    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, GATE,
+        QK_L2NORM, BETA_SIGMOID)
     b1 = s0  # cumulative gate just before sub-chunk 1
     d1 = tl.exp2(lc1)
     kf1 = k1 * tl.exp2(s1[None, :] - lc1)
@@ -301,8 +285,8 @@ def _kda_prologue_intra_kernel(
     qr3, kr3, vr3, xr3, rb3 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V, LOAD_V)
-    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, BOUNDED,
-        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
+    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, GATE,
+        QK_L2NORM, BETA_SIGMOID)
     b2 = s0 + s1
     d2 = tl.exp2(lc2)
     kf2 = k2 * tl.exp2(s2[None, :] - lc2)
@@ -330,8 +314,8 @@ def _kda_prologue_intra_kernel(
     kf2 = kf2.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 3
-    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, BOUNDED,
-        LOG_DECAY_GATE, QK_L2NORM, BETA_SIGMOID)
+    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, GATE,
+        QK_L2NORM, BETA_SIGMOID)
     b3 = b2 + s2
     d3 = tl.exp2(lc3)
     kf3 = k3 * tl.exp2(s3[None, :] - lc3)

@@ -50,12 +50,18 @@ def kda_gate(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     lower_bound: float | None = None,
+    *,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
 ) -> torch.Tensor:
-    """Per-channel log decay ``a`` (natural log, ``a <= 0``) from the raw gate.
+    """Per-channel log decay ``a`` (natural log, ``a <= 0``) from the raw gate: the
+    reference of the kernels' gate (:mod:`kda_engram.kda.gate`).
 
     raw_g ``[..., H, K]``, A_log ``[H]``, dt_bias ``[H, K]`` or ``[H*K]``.
 
-    * ``lower_bound is None``: ``a = -exp(A_log) * softplus(raw_g + dt_bias)``.
+    * ``lower_bound is None``: ``a = -exp(A_log) * softplus(raw_g + dt_bias)``
+      (torch's ``softplus_beta`` / ``softplus_threshold``; the kernels' softplus is
+      the default 1 / 20, the other values serve vLLM's ``fused_kda_gate``).
     * ``lower_bound = L``: ``a = L * sigmoid(exp(A_log) * (raw_g + dt_bias))``,
       so ``L <= a <= 0``: a bounded gate keeps the chunk's cumulative decay
       within ``64 * |L| * log2(e)`` in log2 units, which the kernels rely on.
@@ -65,7 +71,7 @@ def kda_gate(
     a_scale = torch.exp(A_log.reshape(num_heads, 1).to(raw_g.dtype))
     x = raw_g + bias
     if lower_bound is None:
-        return -a_scale * F.softplus(x)
+        return -a_scale * F.softplus(x, beta=softplus_beta, threshold=softplus_threshold)
     return lower_bound * torch.sigmoid(a_scale * x)
 
 

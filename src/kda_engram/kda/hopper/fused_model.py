@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG2E, SUB_CHUNK
 from ..reference import kda_gate
 
 __all__ = ["FAULTS", "MAX_ANCHOR_SPAN", "log2_gate", "model_fused_prefill"]
@@ -71,7 +71,7 @@ def log2_gate(raw_g, A_log, dt_bias, lower_bound, gate="raw"):
 
 
 def _l2(x):
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
 def _blocks(x, NB):

@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...bundles import ConvArgs, KDAInputs
 from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides
 from .folded_prologue import allocate_folded_operands
 
 __all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "gluon_folded_prologue", "gluon_prologue_unsupported"]
@@ -74,8 +75,8 @@ def _gate_cumsum(ptrs, mask, alog, dtb, lower_bound):
     """The bounded gate of a ``[4, 16, K]`` tile in log2 units (0 on masked rows), its
     sub-chunk-local inclusive cumsum ``lc`` and the sub-chunk totals ``s [4, K]``."""
     xg = gl.load(ptrs, mask=mask, other=0.0).to(gl.float32)
-    a = lower_bound / (1.0 + gl.exp(-(alog * (xg + dtb))))
-    a = gl.where(mask, a * 1.4426950408889634, gl.zeros_like(a))
+    a = chunk_log2_gate(xg, dtb, alog, lower_bound, GATE_BOUNDED)  # the shared @triton.jit gate
+    a = gl.where(mask, a, gl.zeros_like(a))
     return gl.associative_scan(a, 1, _add), gl.sum(a, 1)
 
 
@@ -226,7 +227,7 @@ def _gluon_prologue_kernel(
     # ----------------------------------------------- 2. kd, kf, kg, qg; KE, QE
     kf = gl.load(k_ptr + h64 * sk_h + t3 * sk_t + cc3 * sk_c, mask=m3, other=0.0).to(gl.float32)
     if QK_L2NORM:
-        kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 2) + 1e-6), 2)
+        kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 2) + L2NORM_EPS_JIT), 2)
     gl.store(kd_ptr + qk_off, (kf * gl.exp2(u + e_g)).to(kd_ptr.dtype.element_ty), mask=m3)
     kfac = kf * gl.exp2(-u)  # k̂ 2^(b_(I+1) - g) <= 1
     kf_s.store(gl.reshape(kfac.to(gl.bfloat16), [BT, K]))
@@ -235,7 +236,7 @@ def _gluon_prologue_kernel(
     KE = kf * gl.exp2(u)  # k̂ 2^(g - b_(I+1)), up to 2^span
     qf = gl.load(q_ptr + h64 * sq_h + t3 * sq_t + cc3 * sq_c, mask=m3, other=0.0).to(gl.float32)
     if QK_L2NORM:
-        qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 2) + 1e-6), 2)
+        qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 2) + L2NORM_EPS_JIT), 2)
     gl.store(qg_ptr + qk_off, (qf * gl.exp2(u + e_g)).to(qg_ptr.dtype.element_ty), mask=m3)
     QE = qf * gl.exp2(u)
     # (every pointer and offset tile dies here: only QE and KE cross the strips)
@@ -380,10 +381,7 @@ def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArg
     out = allocate_folded_operands(q, x.v, num_chunks)
     if num_chunks == 0 or H == 0:
         return lambda: out
-    if dt_bias.dim() == 1:
-        sdtb_h, sdtb_c = dt_bias.stride(0) * K, dt_bias.stride(0)
-    else:
-        sdtb_h, sdtb_c = dt_bias.stride(0), dt_bias.stride(1)
+    sdtb_h, sdtb_c = dt_bias_strides(dt_bias, K)
     grid = (num_chunks * H,)
 
     def launch():

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG2E, SUB_CHUNK
+from ..reference import kda_gate
 
 __all__ = ["model_folded_prologue"]
 
@@ -41,7 +42,7 @@ def _mm3(a, b, on):
     return ah @ bh + ah @ bl + al @ bh
 
 
-def _chunk(qf, kf, xg, rb, alog, dtb, L, nvalid, round_bf16, qk_l2norm, beta_sigmoid, fault):
+def _chunk(qf, kf, a, rb, nvalid, round_bf16, qk_l2norm, beta_sigmoid, fault):
     """One chunk of every head: inputs ``[H, 64, K]`` (zero rows past ``nvalid``), fp32."""
     Hh, BT, K = qf.shape
     BS = SUB_CHUNK
@@ -49,8 +50,7 @@ def _chunk(qf, kf, xg, rb, alog, dtb, L, nvalid, round_bf16, qk_l2norm, beta_sig
     on = round_bf16
     valid = (torch.arange(BT) < nvalid)[None, :, None]
     # 1. gate, norms, cumsum by sub-chunk
-    a = L / (1.0 + torch.exp(-(alog[:, None, None] * (xg + dtb[:, None, :]))))
-    a = torch.where(valid, a * LOG2E, torch.zeros_like(a))
+    a = torch.where(valid, a, torch.zeros_like(a))  # the log2 gate, 0 on rows past the end
     a4 = a.view(Hh, NB, BS, K)
     lc = torch.cumsum(a4, 2)
     s = a4.sum(2)  # [H, 4, K]
@@ -63,8 +63,8 @@ def _chunk(qf, kf, xg, rb, alog, dtb, L, nvalid, round_bf16, qk_l2norm, beta_sig
     e_g = (bI + s)[:, :, None]
     e_kg = torch.exp2(g_last[:, None] - (bI + s))[:, :, None]
     if qk_l2norm:
-        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + L2NORM_EPS)
+        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + L2NORM_EPS)
     q4, k4 = qf.view(Hh, NB, BS, K), kf.view(Hh, NB, BS, K)
     out = {}
     out["kd"] = (k4 * torch.exp2(u + e_g)).reshape(Hh, BT, K)
@@ -143,8 +143,7 @@ def model_folded_prologue(q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu
     _, T, H, K = q.shape
     BT = CHUNK_SIZE
     f = torch.float32
-    alog = torch.exp(A_log.reshape(H).to(f))
-    dtb = dt_bias.reshape(H, K).to(f)
+    a_log2 = kda_gate(raw_g.to(f), A_log.to(f), dt_bias.to(f), float(lower_bound)) * LOG2E  # the kernel's gate
     out = {n: torch.zeros(1, T, H, K) for n in ("qg", "kd", "t_fold")}
     out["a_fold"] = torch.zeros(1, T, H, BT)
     decays = []
@@ -161,7 +160,7 @@ def model_folded_prologue(q, k, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu
 
             rb = torch.zeros(H, BT)
             rb[:, :L_] = raw_beta[0, s0:e0].to(f).transpose(0, 1)
-            c = _chunk(tile(q, K), tile(k, K), tile(raw_g, K), rb, alog, dtb, float(lower_bound), L_, round_bf16,
+            c = _chunk(tile(q, K), tile(k, K), tile(a_log2, K), rb, L_, round_bf16,
                        qk_l2norm, beta_sigmoid, fault)
             for key in ("qg", "kd", "t_fold"):
                 out[key][0, s0:e0] = c[key][:, :L_].transpose(0, 1)
