@@ -161,6 +161,34 @@ def test_the_helpers_check_cu_seqlens_values_as_the_kernels_do(helper, bad, mess
         HELPERS[helper](bad)
 
 
+@pytest.mark.parametrize("helper", HELPERS)
+def test_cpu_metadata_without_the_interpreter_is_checked_on_the_host(helper, monkeypatch):
+    """A CPU ``cu_seqlens`` where kernels do not run on the CPU (a GPU machine; seen on an
+    H100: the rules' launch failed with "cannot be accessed from Triton (cpu tensor?)"):
+    the values are read in place, no rule kernel is launched, a broken rule raises in
+    the call, in the same words."""
+    import kda_engram.validation.index_rules as index_rules_mod
+
+    monkeypatch.setattr(metadata_mod, "interpreting", lambda: False)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a rule kernel was launched for a CPU cu_seqlens")
+
+    monkeypatch.setattr(index_rules_mod, "_cu_seqlens_rules_kernel", NoLaunch())
+    monkeypatch.setattr(metadata_mod, "_chunk_metadata_kernel", NoLaunch())
+    good = torch.tensor([0, 0, 65, 66])
+    assert prepare_chunk_offsets(good).tolist() == [0, 0, 2, 3]
+    HELPERS[helper](good, 66)
+    for bad, message in ((torch.tensor([0, 100, 70, 130]), "must be non-decreasing, got a sequence of length -30"),
+                         (torch.tensor([5, 70, 130]), "must start at 0, got 5")):
+        with pytest.raises(ValueError, match=f"^cu_seqlens: {re.escape(message)}$"):
+            HELPERS[helper](bad)
+    if helper != "offsets":
+        with pytest.raises(ValueError, match=r"^cu_seqlens: last entry 130 exceeds the 100 tokens of the inputs$"):
+            HELPERS[helper](torch.tensor([0, 70, 130]), 100)
+
+
 @pytest.mark.parametrize("helper", ["indices", "metadata"])
 def test_a_token_count_below_the_last_offset_is_refused(helper):
     # Issue 54: total_tokens=100 with cu_seqlens ending at 130 left chunks without a row.

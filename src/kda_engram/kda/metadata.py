@@ -23,7 +23,7 @@ from ..constants import CHUNK_SIZE
 from ..platform import interpreting
 from ..validation.common import can_read_back, check_int
 from ..validation.entry import EntryChecks, check_mode
-from ..validation.kda_inputs import check_cu_seqlens, chunk_offsets_of, chunk_rows
+from ..validation.kda_inputs import check_cu_seqlens, check_cu_seqlens_on_host, chunk_offsets_of, chunk_rows
 
 __all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
 
@@ -44,11 +44,17 @@ def _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs) -> Entry
         check_int("total_tokens", total_tokens, low=0)
     device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
     check_mode(check_inputs)  # the value's type, also where no rule runs
+    bound = _NO_TOKEN_BOUND if total_tokens is None else total_tokens
+    if check_inputs is not False and device is not None and device.type == "cpu" and not interpreting():
+        # CPU metadata on a machine whose kernels do not run on the CPU (a GPU box, or
+        # no interpreter): the values are host memory, checked in place, no launch.
+        check_cu_seqlens(cu_seqlens, bound, device, None, covers_all=False)
+        check_cu_seqlens_on_host(cu_seqlens, bound, covers_all=False)
+        return None
     checks = None if check_inputs is False or not can_read_back() else EntryChecks(check_inputs)
     if checks is not None:
         checks.origin = sys._getframe(1).f_code.co_name  # the helper's name in the verdict, not this function's
-    check_cu_seqlens(cu_seqlens, _NO_TOKEN_BOUND if total_tokens is None else total_tokens, device, checks,
-                     covers_all=False)
+    check_cu_seqlens(cu_seqlens, bound, device, checks, covers_all=False)
     return checks
 
 

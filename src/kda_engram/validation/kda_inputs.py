@@ -16,7 +16,7 @@ from .common import (
     check_same_dtype,
     check_tensor,
 )
-from .index_rules import cu_seqlens_rules
+from .index_rules import cu_seqlens_messages, cu_seqlens_rules
 
 
 __all__ = [
@@ -96,6 +96,22 @@ def check_cu_seqlens(cu_seqlens, total_tokens: int, device: torch.device, checks
         return None
     cu = cu_seqlens.to(torch.int64)
     return cu[1:] - cu[:-1]
+
+
+def check_cu_seqlens_on_host(cu_seqlens: torch.Tensor, total_tokens: int, *, covers_all: bool) -> None:
+    """The value rules of :func:`check_cu_seqlens` on a CPU ``cu_seqlens`` where no kernel
+    runs on the CPU (no interpreter): its values are host memory, so they are read in
+    place (no device sync) and a broken rule raises here, in the rules' own words."""
+    cu = cu_seqlens.to(torch.int64)
+    start, decreasing, end = cu_seqlens_messages("cu_seqlens", total_tokens, covers_all=covers_all)
+    if cu[0].item() != 0:
+        raise ValueError(start.format(cu[0].item()))
+    lengths = cu[1:] - cu[:-1]
+    if lengths.numel() and lengths.min().item() < 0:
+        raise ValueError(decreasing.format(lengths.min().item()))
+    last = cu[-1].item()
+    if last > total_tokens or (covers_all and last != total_tokens):
+        raise ValueError(end.format(last))
 
 
 def check_head_dims(K: int, V: int) -> None:
