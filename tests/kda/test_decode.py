@@ -353,7 +353,7 @@ def _gpu_case(B, H, gate, lower_bound, seed, S=None):
 
 
 # large: a 4 GiB cache, its copy and the reference's rows (peak about 20 GiB).
-GPU_SHAPES = [pytest.param(8, 4, id="small"), pytest.param(1024, 32, id="large", marks=pytest.mark.gpu_mem(24)),
+GPU_SHAPES = [pytest.param(8, 4, id="small"), pytest.param(1024, 32, id="large", marks=pytest.mark.gpu_mem(28)),
               pytest.param(256, 8, id="mid")]
 
 
