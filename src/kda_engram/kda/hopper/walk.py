@@ -236,8 +236,8 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
     dec_base = decay_ptr + h.to(gl.int64) * s_dh + ck * s_dk
     for c in range(NF):
         S = _walk_chunk(c, BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
-                        qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh, dec_base + (crow0 + c) * s_dc,
-                        K, V, VB, BT, STAGES, False, ASYNC, WS, num_warps)
+                        qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
+                        dec_base + (crow0 + c) * s_dc, K, V, VB, BT, STAGES, False, ASYNC, WS, num_warps)
         if HAS_CKPT:
             if ck_on & (ck_off == (c + 1) * BT):
                 if CKPT_BF16:
@@ -307,14 +307,16 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
     fence_async_shared()
     if WS:
         gl.warp_specialize([
-            (_walk_sequence, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
-                              o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr,
+            (_walk_sequence, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s,
+                              ready, empty, o_ptr, decay_ptr, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr,
+                              ck_off_ptr, ck_idx_ptr,
                               n, h, v0, bos, seqlen, NF, NT, crow0, scale,
                               s_ot, s_oh, s_dc, s_dh, s_dk,
                               s_in_n, s_in_h, s_in_v, s_in_k,
                               s_out_n, s_out_h, s_out_v, s_out_k,
                               s_ck_n, s_ck_h, s_ck_v, s_ck_k,
-                              K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16, ASYNC, WS, num_warps)),
+                              K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
+                              ASYNC, WS, num_warps)),
             (_walk_loader, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s, ready, empty,
                             NT, bos, h, v0, K, V, BT, STAGES)),
         ], [1], [LOADER_REGS])
