@@ -373,7 +373,12 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     """``(kernel, grid, args, kwargs)`` of one walk launch (``None`` kernel: nothing to walk).
 
     Arguments are assumed valid and :func:`tma_compatible` (the caller's job);
-    works on CPU tensors too, for compiling on a machine without a GPU."""
+    works on CPU tensors too, for compiling on a machine without a GPU.
+    ``warp_specialized``: a one-warp loader partition (``loader_regs`` registers) issues
+    the TMA loads and the walk's warps only compute (the fused prefill's consumer side;
+    the same arithmetic, bit for bit). ``chunk_size``: 64 (the prologues' chunk), or 32 /
+    16 for operands prepared at that chunk (``a_fold [1, T, H, chunk_size]``,
+    ``chunk_offsets`` and ``decay`` rows counted in such chunks)."""
     _, T, H, K = kd.shape
     V = v.shape[3]
     N = cu_seqlens.numel() - 1
@@ -410,7 +415,8 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
 def folded_walk(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens, chunk_offsets, **state):
     """Launch the walk (see :func:`folded_walk_launch` for the arguments).
 
-    ``qg, kd, t_fold [1, T, H, K]``, ``a_fold [1, T, H, 64]``, ``v, out [1, T, H, V]``
+    ``qg, kd, t_fold [1, T, H, K]``, ``a_fold [1, T, H, C]`` (``C = chunk_size``, 64 by
+    default), ``v, out [1, T, H, V]``
     (one 16-bit dtype), ``decay [chunks, H, K]`` fp32, ``cu_seqlens [N+1]``,
     ``chunk_offsets [N+1]`` int32; the state keywords as the module docstring says.
     Writes ``out``'s rows inside the sequences, the state rows it was given, and
