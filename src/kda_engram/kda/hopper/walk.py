@@ -382,6 +382,9 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     _, T, H, K = kd.shape
     V = v.shape[3]
     N = cu_seqlens.numel() - 1
+    if chunk_size not in (16, 32, 64) or isinstance(chunk_size, bool):
+        raise ValueError(f"chunk_size: expected 16, 32 or 64 (the wgmma N of the walk's chunk products), "
+                         f"got {chunk_size!r}")
     BT = int(chunk_size)
     descs = (_descriptor(qg, [BT, K]), _descriptor(kd, [BT, K]), _descriptor(t_fold, [BT, K]),
              _descriptor(a_fold, [BT, BT]), _descriptor(v, [BT, vb]), _descriptor(out, [BT, vb]))
