@@ -221,3 +221,15 @@ def test_gpu_walk_masks_rows_past_the_sequence_end(gpu):
     o_p, s_p = _walk(poisoned, d["scale"], init)
     assert torch.equal(o_p[0, :65], o_clean[0, :65])
     assert torch.equal(s_p, s_clean)
+
+
+@pytest.mark.parametrize("chunk_size", [48, 8, 128, True])
+def test_walk_refuses_a_chunk_size_it_has_no_products_for(chunk_size):
+    """CPU: ``chunk_size`` other than 16, 32 or 64 is refused in one line, before any launch."""
+    from kda_engram.kda.hopper.walk import folded_walk_launch
+
+    z = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^chunk_size: expected 16, 32 or 64"):
+        folded_walk_launch(z, z, z, torch.zeros(1, 64, 1, 64, dtype=torch.bfloat16), z, torch.zeros(1, 1, 128), z,
+                           0.1, cu, torch.tensor([0, 1], dtype=torch.int32), chunk_size=chunk_size)
