@@ -88,15 +88,14 @@ def _strips(xh, kh, a, G, bI, s, flagged, on, fault, inclusive):
     out = torch.zeros(Hh, BT, BT, dtype=xh.dtype)
     blk = torch.arange(BT) // BS
     ends = bI + s  # b_(J+1) [H, NB, K]
+    exact_diagonal = flagged and fault != "flag"
     for J in range(NB):
         anchor = (bI[:, J] if fault == "anchor" else ends[:, J])[:, None, :]  # [H, 1, K]
         col = _r(kh[:, J * BS:(J + 1) * BS] * torch.exp2(anchor - G[:, J * BS:(J + 1) * BS]), on)  # <= 1
-        rows = blk >= J if not flagged else blk > J
-        if flagged and fault == "flag":
-            rows = blk >= J
+        rows = blk > J if exact_diagonal else blk >= J  # the exact diagonal block is filled below
         row_op = torch.where(rows[None, :, None], xh * torch.exp2(G - anchor), torch.zeros_like(xh))
         out[:, :, J * BS:(J + 1) * BS] = _r(row_op, on) @ col.transpose(1, 2)
-        if flagged and fault != "flag":
+        if exact_diagonal:
             # The exact diagonal block: P_(j+d) = P_(j+d-1) 2^(a_(j+d)), factors <= 1.
             xs, ks, As = (t[:, J * BS:(J + 1) * BS] for t in (xh, kh, a))
             P = torch.ones_like(ks)  # row j: 2^(G_(j+d) - G_j), rows j < 16 - d
