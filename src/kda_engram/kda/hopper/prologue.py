@@ -403,7 +403,8 @@ def gluon_folded_prologue(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArg
             out["qg"], out["kd"], out["t_fold"], out["a_fold"], out["decay"],
             H, float(x.lower_bound),
             K=K, BT=CHUNK_SIZE, BS=SUB_CHUNK, QK_L2NORM=bool(x.qk_l2norm), BETA_SIGMOID=bool(x.beta_sigmoid),
-            PHASES=int(phases), num_warps=GLUON_PROLOGUE_WARPS, **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
+            PHASES=int(phases), num_warps=GLUON_PROLOGUE_WARPS,
+            **({} if maxnreg is None else {"maxnreg": int(maxnreg)}),
         )
         return out
 

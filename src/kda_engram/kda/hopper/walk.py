@@ -305,6 +305,8 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
+    # The argument list is spelled out in both branches: a tuple kept in a variable loses
+    # its constexprs in Gluon, and a jit call cannot unpack one with *.
     if WS:
         gl.warp_specialize([
             (_walk_sequence, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s,
@@ -382,7 +384,7 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     _, T, H, K = kd.shape
     V = v.shape[3]
     N = cu_seqlens.numel() - 1
-    if chunk_size not in (16, 32, 64) or isinstance(chunk_size, bool):
+    if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size: expected 16, 32 or 64 (the wgmma N of the walk's chunk products), "
                          f"got {chunk_size!r}")
     BT = int(chunk_size)
