@@ -16,31 +16,11 @@ hook; one already imported is patched at once, together with the modules that
 imported the name from it), and logs once, at INFO, what it replaces. It imports
 none of vLLM's model modules itself.
 
-Replaced so far:
-
-* ``vllm.models.kimi_k3.amd.ops.kda_prefill.chunk_kda_prefill`` (the ROCm Kimi-K3
-  layer's prefill, every ``kda_prefill_backend``), and
-  ``kda_chunk.is_fused_kda_chunk_supported`` as seen by that layer (True: the layer
-  enables the ``"fused"`` backend and its prefill checkpoints, which ours serve);
-* ``chunk_kda_with_fused_gate``, ``fused_recurrent_kda_packed_decode`` and
-  ``fused_recurrent_kda`` of both vendors' ``ops/third_party/kda`` (the NVIDIA
-  Kimi-K3 layer's and Kimi-Linear's prefill, the Kimi-K3 layers' and Kimi-Linear's
-  pure-decode step, decode peel and speculative verify; the layers import them from
-  there at each forward).
-
-* ``models/deepseek_v41/common/engram._fused_engram_post_wkv_kernel``, the gate
-  kernel ``Engram.forward`` launches, by a launch of the same arguments
-  (:mod:`kda_engram.integrations.vllm_deepseek_v41`);
-* ``models/deepseek_v41/common/engram._hash_ids_kernel``, the n-gram hash kernel
-  ``NgramHashState.forward`` launches, by a launch of the same arguments on our
-  hash kernel (vLLM's newest-first lookback, dead masks, unknown ids and padding
-  tokens honoured: :func:`kda_engram.integrations.vllm_deepseek_v41.hash_ids`);
-* ``Engram.__init__`` and ``Engram.forward`` of that module: with tensor
-  parallelism on (no sequence parallelism, an unquantized ``wkv``), ``wkv`` stays
-  sharded by dim (``gather_output=False``, a loader taking each rank's slice of
-  every block) and the ranks exchange value slices and gate partials instead of
-  the whole projection (kda-engram's sharded gate); any other layer runs vLLM's
-  own ``__init__`` / ``forward``.
+Replaced: the KDA prefill, packed decode, decode peel and speculative verify calls of
+the Kimi-K3 (ROCm and NVIDIA) and Kimi-Linear layers, the Engram gate and hash kernel
+launches, and ``Engram.__init__`` / ``forward`` (the dim-sharded gate where tensor
+parallelism is on and the layer allows it): :data:`REPLACEMENTS` names each target and
+its replacement; the README's "Using kda-engram from vLLM" says what each honours.
 
 Everything else in those layers (the convolutions, the gated RMSNorm, the Engram
 slot-cache write, lookup and ``wkv``) stays vLLM's own.
