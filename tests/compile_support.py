@@ -199,7 +199,7 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
 
 
 #: The kernels of the Hopper prefill path, launched on sm_90 only.
-HOPPER_KERNELS = {"_folded_walk_kernel", "_kda_prologue_fold_kernel", "_gluon_prologue_kernel"}
+HOPPER_KERNELS = {"_folded_walk_kernel", "_kda_prologue_fold_kernel", "_gluon_prologue_kernel", "_fused_prefill_kernel"}
 
 
 def drive_hopper_variants() -> None:
@@ -251,6 +251,37 @@ def drive_hopper_variants() -> None:
                     checkpoint_offsets=torch.tensor([512, 1024]), checkpoint_state_indices=torch.tensor([2, 3]),
                     warp_specialized=True)
     drive_gluon_prologue_variants()
+    drive_fused_variants()
+
+
+def drive_fused_variants() -> None:
+    """The fused Hopper prefill (kda/hopper/fused.py) through its backend at the
+    production shapes: no state, dense fp32 state in and out with an fp32 raw gate and
+    q / k / beta as given, a bf16 cache with indexed bf16 checkpoints."""
+    import torch
+
+    from kda_engram.bundles import ConvArgs, KDAInputs, StateArgs
+    from kda_engram.kda.hopper.fused_prefill import fused_kda_prefill
+
+    dt, H, D, T = torch.bfloat16, 4, 128, 4096
+    cu = torch.tensor([0, 1000, T], dtype=torch.int32)
+    x = {n: torch.zeros(1, T, H, D, dtype=dt) for n in ("q", "k", "v", "raw_g")}
+    x.update(raw_beta=torch.zeros(1, T, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
+             scale=D ** -0.5, lower_bound=-5.0)
+    out = torch.empty(1, T, H, D, dtype=dt)
+
+    def run(state=StateArgs(), **inputs):
+        fused_kda_prefill(KDAInputs.pick({**x, **inputs}), cu_seqlens=cu, chunk_offsets=None, chunk_indices=None,
+                          out=out, state=state, conv=ConvArgs())
+
+    with torch.no_grad():
+        run()
+        run(StateArgs(initial_state=torch.zeros(2, H, D, D), output_final_state=True),
+            raw_g=torch.zeros(1, T, H, D), qk_l2norm=False, beta_sigmoid=False)
+        cache = torch.zeros(6, H, D, D, dtype=dt)
+        run(StateArgs(state_cache=cache, state_indices=torch.tensor([0, 1]),
+                      has_initial_state=torch.ones(2, dtype=torch.bool), checkpoint_state=cache,
+                      checkpoint_offsets=torch.tensor([512, 1024]), checkpoint_state_indices=torch.tensor([2, 3])))
 
 
 def drive_gluon_prologue_variants() -> None:

@@ -118,6 +118,36 @@ def test_gluon_prologue_compiles_for_sm90(tmp_path):
         assert r["shared_bytes"] <= GLUON_PROLOGUE_MAX_SHARED_BYTES, r
 
 
+#: The fused prefill's producer spill (bytes per thread, sm_90a): its thread-per-channel
+#: tiles of the raw chunk, the substitution's rows and the fold's operands do not all fit
+#: the producer's 168 registers yet (docs/design/kda_fused_prefill.md). A bound, so that a
+#: lost register budget fails.
+FUSED_MAX_SPILL_BYTES = 512
+
+
+def test_fused_prefill_compiles_for_sm90(tmp_path):
+    """The fused Hopper prefill alone (quick: ``-k fused_prefill``): every state and
+    input form compiles for sm_90a within its spill bound and the shared memory a CTA
+    may take; the producer and consumer register counts (``setmaxnreg``) are the
+    launch's split of the register file."""
+    if not (NVIDIA_BIN / "ptxas").exists():
+        pytest.fail("the triton wheel ships no ptxas: cannot compile for sm_90 here")
+    report = tmp_path / "report.json"
+    proc = compile_support.run_child(__file__, [report, "--fused"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    print(proc.stdout)
+    rows = json.loads(report.read_text())["rows"]
+    assert {r["kernel"] for r in rows} == {"_fused_prefill_kernel"}
+    forms = {(r["constexprs"]["LOAD_STATE"], r["constexprs"]["HAS_CKPT"], r["constexprs"]["QK_L2NORM"]) for r in rows}
+    assert {(0, False, True), (1, False, False), (2, True, True)} <= forms, forms
+    for r in rows:
+        assert r["spill_stack_bytes"] <= FUSED_MAX_SPILL_BYTES, r
+        assert r["shared_bytes"] <= MAX_SHARED_BYTES, r
+        producer, consumers = r["setmaxnreg"]["producer"], r["setmaxnreg"]["consumers"]
+        assert producer == r["constexprs"]["PRODUCER_REGS"], r
+        assert 128 * producer + 256 * consumers <= 65536, r
+
+
 # --------------------------------------------------------------------------- child
 
 
@@ -130,8 +160,16 @@ def _resources(kernel, options) -> dict:
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", text)
     stack = re.search(r"STACK:(\d+)", text)
-    return dict(registers=int(regs.group(1)) if regs else 0, spill_stack_bytes=int(stack.group(1)) if stack else 0,
-                shared_bytes=int(kernel.metadata.shared))
+    row = dict(registers=int(regs.group(1)) if regs else 0, spill_stack_bytes=int(stack.group(1)) if stack else 0,
+               shared_bytes=int(kernel.metadata.shared))
+    if kernel.name == "_fused_prefill_kernel":
+        # The partitions' registers inside the warp-specialised region: the producer's
+        # increase and the default (consumer) partition's decrease from the launch's cap.
+        ptx = kernel.asm["ptx"]
+        inc = [int(v) for v in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)]
+        dec = [int(v) for v in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)]
+        row["setmaxnreg"] = dict(producer=min(inc), consumers=max(dec))
+    return row
 
 
 def main(report_path: str, only: str | None = None) -> int:
@@ -141,6 +179,9 @@ def main(report_path: str, only: str | None = None) -> int:
     if only == "--gluon-prologue":
         defined = compile_support.patch_device(calls, "sm_90", 132)
         compile_support.drive_gluon_prologue_variants()
+    elif only == "--fused":
+        defined = compile_support.patch_device(calls, "sm_90", 132)
+        compile_support.drive_fused_variants()
     else:
         defined = compile_support.drive(calls, "sm_90", 132)
 

@@ -56,7 +56,7 @@ def test_path_choice_on_the_cpu():
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="portable") == "portable"
     with pytest.raises(ValueError, match=r"path: the Hopper path cannot serve this call: it needs a CUDA device"):
         prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="hopper")
-    with pytest.raises(ValueError, match=r"path: expected one of \('auto', 'hopper', 'portable'\), got 'fast'"):
+    with pytest.raises(ValueError, match=r"path: expected one of \('auto', 'fused', 'hopper', 'portable'\), got 'fast'"):
         chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, path="fast")
     with pytest.raises(ValueError, match="Hopper path cannot serve"):
         chunk_kda_prefill(**raw, lower_bound=-5.0, cu_seqlens=cu, path="hopper")

@@ -45,7 +45,7 @@ def throwaway(priority=100, verdict=(True, None)):
 
 
 def test_the_shipped_backends_and_their_order():
-    assert path_names() == ("auto", "hopper", "portable")
+    assert path_names() == ("auto", "fused", "hopper", "portable")
     assert auto_order() == ("grouped", "hopper", "portable")
 
 
@@ -53,7 +53,7 @@ def test_a_registered_backend_is_a_path_and_autos_first_choice():
     raw, cu = make_raw([10, 3], H=2, K=16, V=16)
     backend, calls = throwaway()
     with registered(backend):
-        assert path_names() == ("auto", "hopper", "portable", "throwaway")
+        assert path_names() == ("auto", "fused", "hopper", "portable", "throwaway")
         assert auto_order() == ("throwaway", "grouped", "hopper", "portable")
         assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "throwaway"
         assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="throwaway") == "throwaway"
@@ -65,7 +65,7 @@ def test_a_registered_backend_is_a_path_and_autos_first_choice():
         # The other paths still answer for themselves.
         assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="portable") == "portable"
     assert prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu) == "portable"
-    with pytest.raises(ValueError, match=r"path: expected one of \('auto', 'hopper', 'portable'\), got 'throwaway'"):
+    with pytest.raises(ValueError, match=r"path: expected one of \('auto', 'fused', 'hopper', 'portable'\), got 'throwaway'"):
         prefill_path(raw["q"], raw["v"], None, cu_seqlens=cu, path="throwaway")
 
 

@@ -34,6 +34,7 @@ from ..validation.kda_prefill import check_prologue_arguments, check_state_argum
 # The backends' modules, one line each: importing one registers its backends.
 from . import portable_prefill as _portable_prefill  # noqa: F401 ("portable", "grouped")
 from .hopper import prefill as _hopper_prefill  # noqa: F401 ("hopper")
+from .hopper import fused_prefill as _fused_prefill  # noqa: F401 ("fused")
 from .metadata import prepare_chunk_metadata
 from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, serving
 from .state import guarded_state
@@ -59,7 +60,7 @@ def _backend(call: PrefillCall, path: str) -> PrefillBackend:
     return backend
 
 
-def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto") -> str:
+def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="auto", inputs=None) -> str:
     """The path :func:`chunk_kda_prefill` takes for this call, one of the registry's
     :func:`~kda_engram.kda.prefill_paths.path_names` but ``"auto"`` (``"hopper"`` or
     ``"portable"`` today).
@@ -71,8 +72,9 @@ def prefill_path(q, v, out, *, cu_seqlens, groups=None, conv_weight=None, path="
     sequence and head), else the Hopper path where it serves the call, else the portable
     one. A path that cannot serve the call is a ``ValueError`` saying why (the backends'
     verifiers, :mod:`kda_engram.kda.prefill_paths`). Host facts only: no device value is
-    read."""
-    call = PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight)
+    read. ``inputs``: the call's :class:`~kda_engram.bundles.KDAInputs`, for a backend
+    that serves some input forms only (the fused Hopper prefill)."""
+    call = PrefillCall(q, v, out, cu_seqlens=cu_seqlens, groups=groups, conv_weight=conv_weight, inputs=inputs)
     return _backend(call, path).path
 
 
@@ -236,7 +238,7 @@ def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, o
     (one launch, on the device, from static shapes: no host sync), ``out`` and the
     path's launches. Returns ``(out, final_state | None)``."""
     backend = _backend(PrefillCall(x.q, x.v, out, cu_seqlens=cu_seqlens, groups=groups,
-                                   conv_weight=conv.conv_weight), path)
+                                   conv_weight=conv.conv_weight, inputs=x), path)
     T, H, V = x.q.shape[1], x.q.shape[2], x.v.shape[3]
     if x.scale is None:
         x = x.replace(scale=x.q.shape[3] ** -0.5)

@@ -31,9 +31,12 @@ words: a refusal reads ``"the <title> cannot serve this call: it <reason>"``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from ..bundles import KDAInputs
 
 __all__ = ["BACKENDS", "PrefillBackend", "PrefillCall", "Verdict", "auto_order", "path_names", "refusal", "register",
            "serving", "unregister", "verify"]
@@ -48,7 +51,10 @@ class PrefillCall:
     """The host facts of one prefill call that a verifier may read: ``q [B, T, H, K]``
     and ``v [B, T, H, V]`` (their device, dtype, shapes and strides, never their
     values), ``out``, ``cu_seqlens`` (only its size: ``None`` means ``B`` sequences of
-    ``T`` tokens), ``groups`` and ``conv_weight`` as :func:`chunk_kda_prefill` takes them."""
+    ``T`` tokens), ``groups`` and ``conv_weight`` as :func:`chunk_kda_prefill` takes them;
+    ``inputs`` the call's :class:`~kda_engram.bundles.KDAInputs` (their forms: gate,
+    ``lower_bound``, dtypes and strides) where the caller has them (``None``: a verifier
+    that needs them says no)."""
 
     q: torch.Tensor
     v: torch.Tensor
@@ -56,6 +62,7 @@ class PrefillCall:
     cu_seqlens: torch.Tensor | None = None
     groups: int | None = None
     conv_weight: torch.Tensor | None = None
+    inputs: KDAInputs | None = None
 
     @property
     def num_seqs(self) -> int:

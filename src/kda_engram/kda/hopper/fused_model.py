@@ -165,21 +165,24 @@ def _prepare_chunk(qf, kf, a, beta, nvalid, on, qk_l2norm, fold_split, fault):
 
 def model_fused_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, *, scale, cu_seqlens, lower_bound=None, gate="raw",
                         initial_state=None, qk_l2norm=True, beta_sigmoid=True, round_bf16=True, fold_split=True,
-                        fault=None):
+                        fault=None, chunk_size=CHUNK_SIZE):
     """The fused prefill in the kernel's order (module docstring), on the CPU.
 
     ``q, k, raw_g [1, T, H, K]``, ``v [1, T, H, V]``, ``raw_beta [1, T, H]``, ``A_log [H]``,
     ``dt_bias [H*K]`` or ``[H, K]`` (unused for ``gate="log_decay"``), ``cu_seqlens
     [N+1]``, ``initial_state [N, H, V, K]`` or ``None`` (zeros). Computes in the dtype of
     ``q`` promoted to at least fp32. Returns ``(o [1, T, H, V], final_state [N, H, V, K],
-    flagged_chunks)``."""
+    flagged_chunks)``. ``chunk_size``: 64 (the design's chunk) or 32 (the kernel's,
+    :mod:`kda_engram.kda.hopper.fused`): a multiple of the 16-token sub-chunk."""
     if fault not in FAULTS:
         raise ValueError(f"fault: expected one of {FAULTS}, got {fault!r}")
     dt = torch.promote_types(q.dtype, torch.float32)
     on = bool(round_bf16)
     _, T, H, K = q.shape
     V = v.shape[3]
-    BT = CHUNK_SIZE
+    if chunk_size % SUB_CHUNK or chunk_size <= 0:
+        raise ValueError(f"chunk_size: expected a positive multiple of {SUB_CHUNK}, got {chunk_size!r}")
+    BT = int(chunk_size)
     a_all = log2_gate(raw_g.to(dt), A_log.to(dt) if A_log is not None else None,
                       dt_bias.to(dt) if dt_bias is not None else None, lower_bound, gate)
     beta_all = torch.sigmoid(raw_beta.to(dt)) if beta_sigmoid else raw_beta.to(dt)

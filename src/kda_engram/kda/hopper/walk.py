@@ -93,11 +93,14 @@ def _issue_loads(c, NT, bos, h, v0, qg_desc, kd_desc, tf_desc, af_desc, v_desc, 
 def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
                 qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                 qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
-                o_ptr, s_ot, s_oh, dec_ptr,
+                o_ptr, s_ot, s_oh, dec_src, dec_row, s_dc,
                 K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                TAIL: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
-    """One chunk: returns ``S_next``. ``Lc`` valid rows (``BT`` unless ``TAIL``);
-    ``dec_ptr`` is the chunk's per-channel decay pointer vector (``[K]``)."""
+                TAIL: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr, DECAY_IN_RING: gl.constexpr,
+                num_warps: gl.constexpr):
+    """One chunk: returns ``S_next``. ``Lc`` valid rows (``BT`` unless ``TAIL``). The
+    chunk's per-channel decay is ``dec_src + dec_row * s_dc`` (a ``[K]`` pointer vector),
+    or with ``DECAY_IN_RING`` the ring's fp32 ``[STAGES, K]`` shared buffer ``dec_src``
+    (the fused prefill's producer writes it beside the other tiles)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, K, 16])
     C_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -140,7 +143,10 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
         rT = gl.where((tok < Lc)[None, :], rT, gl.zeros_like(rT))
     r16 = rT.to(op_dt)
     oT = warpgroup_mma(gl.convert_layout(r16, A_FOR_C), as_.permute((1, 0)), -oqn, is_async=ASYNC)
-    d = gl.load(dec_ptr).to(gl.float32)
+    if DECAY_IN_RING:
+        d = dec_src.index(st).load(gl.SliceLayout(0, S_L))
+    else:
+        d = gl.load(dec_src + dec_row * s_dc).to(gl.float32)
     S = S * d[None, :]
     S = warpgroup_mma(gl.convert_layout(r16, A_FOR_S), ts, S, is_async=ASYNC)
     if ASYNC:
@@ -198,9 +204,11 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
                    K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
                    LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
                    CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   DECAY_IN_RING: gl.constexpr, num_warps: gl.constexpr):
     """The walk of one (sequence, head, V-block): the start state, every chunk, the
-    checkpoint and the final state (the consumer partition when ``WS``)."""
+    checkpoint and the final state (the consumer partition when ``WS``). ``decay_ptr``:
+    the ``decay [chunks, H, K]`` rows, or with ``DECAY_IN_RING`` the ring's shared
+    decay buffer (``crow0``, ``s_dc``, ``s_dh``, ``s_dk`` then unused)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, K, 16])
     rv = gl.arange(0, VB, gl.SliceLayout(1, S_L))
@@ -233,11 +241,14 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
         ck_base = ck_ptr + gl.where(ck_on, ck_row, 0) * s_ck_n + h.to(gl.int64) * s_ck_h
     tile_ck = (v0 + rv)[:, None] * s_ck_v + ck[None, :] * s_ck_k
 
-    dec_base = decay_ptr + h.to(gl.int64) * s_dh + ck * s_dk
+    if DECAY_IN_RING:
+        dec_base = decay_ptr
+    else:
+        dec_base = decay_ptr + h.to(gl.int64) * s_dh + ck * s_dk
     for c in range(NF):
         S = _walk_chunk(c, BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                         qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
-                        dec_base + (crow0 + c) * s_dc, K, V, VB, BT, STAGES, False, ASYNC, WS, num_warps)
+                        dec_base, crow0 + c, s_dc, K, V, VB, BT, STAGES, False, ASYNC, WS, DECAY_IN_RING, num_warps)
         if HAS_CKPT:
             if ck_on & (ck_off == (c + 1) * BT):
                 if CKPT_BF16:
@@ -246,7 +257,8 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
     if NF < NT:
         S = _walk_chunk(NF, seqlen - NF * BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc,
                         o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
-                        dec_base + (crow0 + NF) * s_dc, K, V, VB, BT, STAGES, True, ASYNC, WS, num_warps)
+                        dec_base, crow0 + NF, s_dc, K, V, VB, BT, STAGES, True, ASYNC, WS, DECAY_IN_RING,
+                        num_warps)
 
     tma.store_wait(0)
     tile_out = (v0 + rv)[:, None] * s_out_v + ck[None, :] * s_out_k
@@ -318,7 +330,7 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                               s_out_n, s_out_h, s_out_v, s_out_k,
                               s_ck_n, s_ck_h, s_ck_v, s_ck_k,
                               K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
-                              ASYNC, WS, num_warps)),
+                              ASYNC, WS, False, num_warps)),
             (_walk_loader, (qg_desc, kd_desc, tf_desc, af_desc, v_desc, qg_s, kd_s, tf_s, af_s, v_s, ready, empty,
                             NT, bos, h, v0, K, V, BT, STAGES)),
         ], [1], [LOADER_REGS])
@@ -334,7 +346,7 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                        s_out_n, s_out_h, s_out_v, s_out_k,
                        s_ck_n, s_ck_h, s_ck_v, s_ck_k,
                        K, V, VB, BT, STAGES, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16, ASYNC, WS,
-                       num_warps)
+                       False, num_warps)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
@@ -343,23 +355,31 @@ def _folded_walk_kernel(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
 # --------------------------------------------------------------------------- host side
 
 
-def tma_compatible(x: torch.Tensor) -> bool:
-    """Whether ``x [1, T, H, D]`` (16-bit) can be read or written by the walk's 2-D TMA
-    descriptors over ``[T, H * D]`` as it is: unit channel stride, heads packed, a
-    16-byte multiple token stride and a 16-byte aligned base."""
-    if x.dim() != 4 or x.shape[0] != 1 or x.element_size() != 2:
+def tma_compatible(x: torch.Tensor, element_sizes=(2,)) -> bool:
+    """Whether ``x [1, T, H, D]`` (16-bit, or an element size in ``element_sizes``) can
+    be read or written by the walk's 2-D TMA descriptors over ``[T, H * D]`` as it is:
+    unit channel stride, heads packed, a 16-byte multiple token stride and a 16-byte
+    aligned base."""
+    if x.dim() != 4 or x.shape[0] != 1 or x.element_size() not in element_sizes:
         return False
     _, T, H, D = x.shape
-    return (x.stride(3) == 1 and (H == 1 or x.stride(2) == D) and (x.stride(1) * 2) % 16 == 0
+    return (x.stride(3) == 1 and (H == 1 or x.stride(2) == D) and (x.stride(1) * x.element_size()) % 16 == 0
             and x.data_ptr() % 16 == 0 and (T <= 1 or x.stride(1) >= H * D))
 
 
-def _descriptor(x: torch.Tensor, block):
+def tma_descriptor(x: torch.Tensor, block, swizzled: bool = True):
+    """The 2-D TMA descriptor of ``x [1, T, H, D]`` over ``[T, H * D]`` with box ``block``
+    (``x`` :func:`tma_compatible`; bf16, fp16 or fp32): in the default NVMMA layout (what
+    wgmma reads), or with ``swizzled=False`` unswizzled rows (what a thread-per-column
+    register layout reads without per-row address arithmetic)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _, T, H, D = x.shape
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[x.dtype]
+    if swizzled:
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+    else:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * x.element_size(), rank=2)
     return TensorDescriptor(x, [T, H * D], [x.stride(1), 1], list(block), layout)
 
 
@@ -388,8 +408,8 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
         raise ValueError(f"chunk_size: expected 16, 32 or 64 (the wgmma N of the walk's chunk products), "
                          f"got {chunk_size!r}")
     BT = int(chunk_size)
-    descs = (_descriptor(qg, [BT, K]), _descriptor(kd, [BT, K]), _descriptor(t_fold, [BT, K]),
-             _descriptor(a_fold, [BT, BT]), _descriptor(v, [BT, vb]), _descriptor(out, [BT, vb]))
+    descs = (tma_descriptor(qg, [BT, K]), tma_descriptor(kd, [BT, K]), tma_descriptor(t_fold, [BT, K]),
+             tma_descriptor(a_fold, [BT, BT]), tma_descriptor(v, [BT, vb]), tma_descriptor(out, [BT, vb]))
     if state_cache is not None:
         load_state, store_state = 2, 2
         s_in = s_out = state_cache

@@ -1,0 +1,403 @@
+"""The fused KDA prefill on Hopper (sm_90a), in Gluon: raw ``q, k, v, raw_g, raw_beta``
+in, ``o`` (and the states) out, in one launch; the prologue's work stays on chip beside
+the walk (issue 52, ``FUSED_PREFILL.md``).
+
+One CTA per (sequence, head), chunks of ``BT = 32`` tokens (two 16-token sub-chunks),
+two partitions:
+
+* **producer** (one warpgroup): the TMA loads of the raw ``q, k, g`` tiles (two raw
+  stages) and of ``v`` (into the ring), and per chunk the gate (log2 units), its
+  cumsum ``G``, the L2 norms, the walk operands ``qg = q̂ 2^G``, ``kd = k̂ 2^G``,
+  ``decay = 2^G_last``, the strips of ``A_kk`` and ``A_qk`` re-anchored at each strip's
+  end (``mma_v2``), the inverse ``(I + A_kk)^-1`` by forward substitution in fp32, and
+  the fold ``t_fold = M^T kg``, ``a_fold = A_qk M`` (``M = T diag(beta)`` split hi/lo),
+  written into a three-stage shared-memory ring;
+* **consumers** (the default partition, two warpgroups, one per V half): the Gluon walk
+  (:func:`kda_engram.kda.hopper.walk._walk_sequence`) reading its operands from the
+  ring: the fp32 state stays in wgmma registers for the whole sequence.
+
+So per token-head only the raw inputs are read and ``o`` written (about 1.35 KB at
+K = V = 128 in bf16, against about 4.2 KB for the folded prologue and the walk).
+Chunk 32, not 64: a ``[64, 128]`` fp32 tile is 64 registers per thread in a
+warpgroup, and the producer needs the gate cumsum and both normalised inputs at once
+(docs/design/kda_fused_prefill.md, "The register budget does not close at chunk 64").
+
+The order of operations is :func:`kda_engram.kda.hopper.fused_model.model_fused_prefill`
+with ``chunk_size=32``. Served: bf16 ``q, k, v``, K = V = 128, the bounded gate with
+``|lower_bound| <= MAX_ANCHOR_SPAN / (16 log2 e)`` (the strips' anchored diagonal blocks
+stay normal numbers; the unbounded gates need the exact diagonal path, not built yet),
+raw ``g`` bf16 or fp32, ``qk_l2norm`` and ``beta_sigmoid`` either way, the state
+contract of the walk (initial / final state, the state cache with negative rows and
+``has_initial_state``, checkpoints). :func:`fused_unsupported` says why a call is
+not served. The record of experiments is docs/design/kda_fused_prefill.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from ...constants import LOG2E, SUB_CHUNK
+from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides, gate_form
+from .prologue import MAX_ANCHOR_SPAN
+from .walk import _walk_sequence, tma_compatible, tma_descriptor
+
+__all__ = ["FUSED_CHUNK", "FUSED_PRODUCER_REGS", "fused_prefill", "fused_prefill_launch", "fused_unsupported"]
+
+FUSED_CHUNK = 32
+#: Ring stages: the producer writes chunk c + 1 while the consumers walk chunk c, and
+#: ``v`` of chunk c + 2 is in flight.
+FUSED_RING = 3
+#: Registers of the producer warpgroup; the consumers' two warpgroups get the rest of
+#: the register file ((65,536 - 128 x this) / 256).
+FUSED_PRODUCER_REGS = 168
+FUSED_PRODUCER_WARPS = 4
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _beta(beta_ptr, sb_t, idx, Lc, BETA_SIGMOID: gl.constexpr):
+    """The chunk's ``beta`` at rows ``idx`` (in ``idx``'s layout; 0 past the sequence end),
+    read where it is used: a ``[BT]`` vector in the producer's row layout would hold all
+    BT values in every thread."""
+    valid = idx < Lc
+    beta = gl.load(beta_ptr + idx.to(gl.int64) * sb_t, mask=valid, other=0.0).to(gl.float32)
+    if BETA_SIGMOID:
+        beta = 1.0 / (1.0 + gl.exp(-beta))
+    return gl.where(valid, beta, gl.zeros_like(beta))
+
+
+@gluon.jit
+def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+                 ring_empty, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, RING: gl.constexpr):
+    """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k, g`` into raw stage
+    ``c % 2``, ``v`` into ring stage ``c % RING`` once the consumers released it."""
+    pred = c < NT
+    r = bos + c * BT
+    rs = c % 2
+    rbar = raw_ready.index(rs)
+    mbarrier.expect(rbar, q_desc.block_type.nbytes + k_desc.block_type.nbytes + g_desc.block_type.nbytes,
+                    pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [r, h * K], rbar, q_s.index(rs), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r, h * K], rbar, k_s.index(rs), pred=pred)
+    tma.async_copy_global_to_shared(g_desc, [r, h * K], rbar, g_s.index(rs), pred=pred)
+    st = c % RING
+    mbarrier.wait(ring_empty.index(st), ((c // RING) & 1) ^ 1, pred=pred & (c >= RING))
+    vbar = ring_ready.index(st)
+    mbarrier.expect(vbar, v_desc.block_type.nbytes, pred=pred)  # the first of the stage's two arrivals
+    tma.async_copy_global_to_shared(v_desc, [r, h * V], vbar, v_s.index(st), pred=pred)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, akk_s,
+              kg_s, c0_s, c1_s, mh_s, ml_s,
+              raw_ready, ring_ready, ring_empty,
+              b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
+              h, bos, seqlen, NT,
+              K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BS: gl.constexpr, RING: gl.constexpr,
+              GATE: gl.constexpr, QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, PHASES: gl.constexpr,
+              PW: gl.constexpr):
+    """The producer partition (module docstring): every chunk's ring tiles, in order."""
+    # Thread = one channel, the chunk's BT rows in its registers: the gate cumsum and the
+    # picks of G at the sub-chunk ends stay inside a thread.
+    CL: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, PW], [0, 1])
+    ROW: gl.constexpr = gl.SliceLayout(1, CL)
+    CH: gl.constexpr = gl.SliceLayout(0, CL)
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, PW // 2], instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # The substitution: thread = one column c of the inverse, its BT rows in registers.
+    LX: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, PW], [0, 1])
+
+    h64 = h.to(gl.int64)
+    ch = gl.arange(0, K, CH)
+    rows = gl.arange(0, BT, ROW)
+    a_scale = gl.exp(gl.load(alog_ptr + h64 * salog).to(gl.float32))
+    bias = gl.load(dtb_ptr + h64 * sdtb_h + ch * sdtb_c).to(gl.float32)
+    rM = gl.arange(0, BT, gl.SliceLayout(1, MMA))
+    cM = gl.arange(0, BT, gl.SliceLayout(0, MMA))
+    jx = gl.arange(0, BT, gl.SliceLayout(1, LX))
+    cx = gl.arange(0, BT, gl.SliceLayout(0, LX))
+    hi = gl.expand_dims(rows >= BS, 1)  # rows of sub-chunk 1
+    zero_a = gl.zeros([BT, BT], gl.float32, MMA)
+    WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
+    zero_w = gl.zeros([K, BT], gl.float32, WG)
+
+    _issue_chunk(0, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+                 ring_empty, K, V, BT, RING)
+    for c in range(NT):
+        # Every producer warp has finished reading raw stage (c + 1) % 2 (chunk c - 1).
+        gl.thread_barrier()
+        _issue_chunk(c + 1, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+                     ring_empty, K, V, BT, RING)
+        Lc = gl.minimum(seqlen - c * BT, BT)
+        valid = rows < Lc
+        vm = gl.expand_dims(valid, 1) & gl.expand_dims(ch < K, 0)
+        beta_ptr = b_ptr + (bos + c * BT).to(gl.int64) * sb_t + h64 * sb_h
+
+        rs = c % 2
+        mbarrier.wait(raw_ready.index(rs), (c // 2) & 1)
+        # 1. The gate in log2 units (0 past the sequence end) and its chunk-local cumsum.
+        a = chunk_log2_gate(g_s.index(rs).load(CL).to(gl.float32), gl.expand_dims(bias, 0), a_scale, lower_bound,
+                            GATE)
+        a = gl.where(vm, a, gl.zeros_like(a))
+        G = gl.associative_scan(a, 0, _add)
+        s0 = gl.sum(gl.where(gl.expand_dims(rows == BS - 1, 1), G, gl.zeros_like(G)), 0)  # b_1
+        g_last = gl.sum(gl.where(gl.expand_dims(rows == BT - 1, 1), G, gl.zeros_like(G)), 0)
+
+        st = c % RING
+        if PHASES >= 2:
+            # 2. The walk operands and the strips, k first, then q (one normalised input in
+            # registers at a time). Strip 0 (columns 0..15) is anchored at b_1 = s0, strip
+            # 1 (columns 16..31) at G_last, where its column operand is kg itself. Two
+            # exp2 per element, f0 = 2^(G - s0) and r0 = 2^(s0 - G); every other factor is
+            # one of them times a per-channel power of two, a product of normal numbers
+            # that underflows only where the exact factor does: qg, kd = x̂ f0 2^s0 and
+            # kg = k̂ r0 2^(G_last - s0) (<= 1), strip 0's row operand x̂ f0 (up to 2^span
+            # on its own rows: the bounded gate keeps it normal) and column operand k̂ r0
+            # (rows 0..15, <= 1), strip 1's row operand x̂ f0 2^(s0 - G_last) (rows
+            # 16..31, in [1, 2^span]; the rows above are selected away, never multiplied
+            # in). The column operands and kg wait in shared memory for the q products and
+            # the fold.
+            u = G - gl.expand_dims(s0, 0)
+            f0 = gl.exp2(u)
+            r0 = gl.exp2(-u)
+            e_g = gl.expand_dims(gl.exp2(s0), 0)
+            e_kg = gl.expand_dims(gl.exp2(g_last - s0), 0)
+            e_1 = gl.expand_dims(gl.exp2(s0 - g_last), 0)
+            dec_s.index(st).store(gl.exp2(g_last))
+            kf = k_s.index(rs).load(CL).to(gl.float32)
+            kf = gl.where(vm, kf, gl.zeros_like(kf))
+            if QK_L2NORM:
+                kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 1) + L2NORM_EPS_JIT), 1)
+            kr = kf * r0
+            kd_s.index(st).store(((kf * f0) * e_g).to(gl.bfloat16))
+            kg = (kr * e_kg).to(gl.bfloat16)
+            kg_s.store(kg)
+            c1_s.store(gl.where(hi, kg, gl.zeros_like(kg)))
+            c0_s.store(gl.where(hi, gl.zeros_like(kr), kr).to(gl.bfloat16))
+            gl.thread_barrier()
+            B0 = c0_s.permute((1, 0)).load(B_OP)
+            B1 = c1_s.permute((1, 0)).load(B_OP)
+            kx = kf * f0
+            akk = mma_v2(gl.convert_layout(kx.to(gl.bfloat16), A_OP), B0, zero_a)
+            akk = mma_v2(gl.convert_layout(gl.where(hi, kx * e_1, gl.zeros_like(kx)).to(gl.bfloat16), A_OP), B1, akk)
+            qf = q_s.index(rs).load(CL).to(gl.float32)
+            qf = gl.where(vm, qf, gl.zeros_like(qf))
+            if QK_L2NORM:
+                qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 1) + L2NORM_EPS_JIT), 1)
+            qx = qf * f0
+            qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
+            aqk = mma_v2(gl.convert_layout(qx.to(gl.bfloat16), A_OP), B0, zero_a)
+            aqk = mma_v2(gl.convert_layout(gl.where(hi, qx * e_1, gl.zeros_like(qx)).to(gl.bfloat16), A_OP), B1, aqk)
+            lower = gl.expand_dims(cM, 0) < gl.expand_dims(rM, 1)
+            akk = gl.where(lower, akk, zero_a) * gl.expand_dims(_beta(beta_ptr, sb_t, rM, Lc, BETA_SIGMOID), 1)
+            aqk = gl.where(lower | (gl.expand_dims(cM, 0) == gl.expand_dims(rM, 1)), aqk, zero_a)
+
+        if PHASES >= 3:
+            # 3. T = (I + A_kk)^-1 by forward substitution in fp32: row i of T is
+            # e_i - sum_(j < i) A_ij T_j, the rows j < i already in the thread's registers.
+            akk_s.store(akk)
+            gl.thread_barrier()
+            akk_rows = akk_s._reinterpret(gl.float32, [BT, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            X = gl.zeros([BT, BT], gl.float32, LX)
+            for i in range(BT):  # a runtime loop: the row loads are not hoisted into registers
+                ai = akk_rows.index(i).load(gl.SliceLayout(1, LX))  # A[i, :], broadcast to every thread
+                y = gl.sum(gl.expand_dims(ai, 1) * X, 0)
+                xi = gl.where(cx == i, 1.0, 0.0) - y
+                X = gl.where(gl.expand_dims(jx == i, 1), gl.expand_dims(xi, 0), X)
+            Mx = X * gl.expand_dims(_beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID), 0)  # M = T diag(beta)
+            Mh = Mx.to(gl.bfloat16)
+            Ml = (Mx - Mh.to(gl.float32)).to(gl.bfloat16)
+
+        if PHASES >= 4:
+            # 4. The fold, M split hi/lo: t_fold^T = kg^T M on wgmma (both operands in
+            # shared memory), a_fold = A_qk M on mma_v2.
+            mh_s.store(Mh)
+            ml_s.store(Ml)
+            fence_async_shared()
+            gl.thread_barrier()
+            tfT = warpgroup_mma(kg_s.permute((1, 0)), mh_s, zero_w, use_acc=False)
+            tfT = warpgroup_mma(kg_s.permute((1, 0)), ml_s, tfT)
+            tf_s.index(st).permute((1, 0)).store(tfT.to(gl.bfloat16))
+            aqA = gl.convert_layout(aqk.to(gl.bfloat16), A_OP)
+            af = mma_v2(aqA, mh_s.load(B_OP), zero_a)
+            af = mma_v2(aqA, ml_s.load(B_OP), af)
+            af_s.index(st).store(af.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ring_ready.index(st))  # the stage's second arrival (v's TMA was the first)
+
+
+@gluon.jit
+def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
+                          o_ptr, b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
+                          s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr, ck_off_ptr, ck_idx_ptr, cu_ptr, scale, H,
+                          s_ot, s_oh,
+                          s_in_n, s_in_h, s_in_v, s_in_k,
+                          s_out_n, s_out_h, s_out_v, s_out_k,
+                          s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                          K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BS: gl.constexpr,
+                          RING: gl.constexpr, GATE: gl.constexpr, QK_L2NORM: gl.constexpr,
+                          BETA_SIGMOID: gl.constexpr,
+                          LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
+                          CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr,
+                          PHASES: gl.constexpr, PW: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
+    """Grid ``(N * H,)``, head fastest. ``LOAD_STATE`` / ``STORE_STATE`` as in the walk
+    (:func:`kda_engram.kda.hopper.walk._folded_walk_kernel`)."""
+    gl.static_assert(V == 16 * num_warps, "the consumers: 16 V rows per warp, one m64 wgmma per warpgroup")
+    gl.static_assert(BT == 2 * BS, "two 16-token sub-chunks per chunk")
+    pid = gl.program_id(0)
+    h = pid % H
+    n = pid // H
+    bos = gl.load(cu_ptr + n).to(gl.int32)
+    eos = gl.load(cu_ptr + n + 1).to(gl.int32)
+    seqlen = eos - bos
+    NF = seqlen // BT
+    NT = (seqlen + BT - 1) // BT
+
+    OPK: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, K], gl.bfloat16)
+    OPC: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.bfloat16)
+    FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ROWS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a stack of 1-D rows (``.index(i)``)
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
+    g_s = gl.allocate_shared_memory(g_desc.dtype, [2, BT, K], g_desc.layout)
+    qg_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, K], OPK)
+    kd_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, K], OPK)
+    tf_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, K], OPK)
+    af_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, BT], OPC)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [RING, BT, V], v_desc.layout)
+    dec_s = gl.allocate_shared_memory(gl.float32, [RING, K], ROWS)
+    akk_s = gl.allocate_shared_memory(gl.float32, [BT, BT], FLAT)
+    o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, V], o_desc.layout)
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the producer's: kg, strip columns
+    c0_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)
+    c1_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)
+    mh_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)  # M = T diag(beta), hi and lo
+    ml_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)
+    raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ring_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    ring_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(raw_ready.index(s), count=1)
+    for s in gl.static_range(RING):
+        mbarrier.init(ring_ready.index(s), count=2)  # v's TMA (expect) and the producer's tiles
+        mbarrier.init(ring_empty.index(s), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_walk_sequence, (v_desc, v_desc, v_desc, v_desc, v_desc, o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s,
+                          ring_ready, ring_empty, o_ptr, dec_s, s_in_ptr, s_out_ptr, s_idx_ptr, has_ptr, ck_ptr,
+                          ck_off_ptr, ck_idx_ptr,
+                          n, h, 0, bos, seqlen, NF, NT, 0, scale,
+                          s_ot, s_oh, 0, 0, 0,
+                          s_in_n, s_in_h, s_in_v, s_in_k,
+                          s_out_n, s_out_h, s_out_v, s_out_k,
+                          s_ck_n, s_ck_h, s_ck_v, s_ck_k,
+                          K, V, V, BT, RING, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
+                          True, True, True, num_warps)),
+        (_producer, (q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, akk_s,
+                     kg_s, c0_s, c1_s, mh_s, ml_s,
+                     raw_ready, ring_ready, ring_empty,
+                     b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
+                     h, bos, seqlen, NT, K, V, BT, BS, RING, GATE, QK_L2NORM, BETA_SIGMOID, PHASES, PW)),
+    ], [PW], [PRODUCER_REGS])
+    for s in gl.static_range(2):
+        mbarrier.invalidate(raw_ready.index(s))
+    for s in gl.static_range(RING):
+        mbarrier.invalidate(ring_ready.index(s))
+        mbarrier.invalidate(ring_empty.index(s))
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=None) -> str | None:
+    """``None`` when the fused kernel serves these tensors and gate, else why (one line).
+    Device and architecture are the caller's (the backend verifier's) to check."""
+    if gate != "raw" or lower_bound is None:
+        return "serves the bounded gate only (the unbounded gates need the exact diagonal path)"
+    if abs(float(lower_bound)) > MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E):
+        return (f"|lower_bound| must be at most {MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E):.4f} "
+                f"(the anchored diagonal blocks), got {lower_bound}")
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        return f"needs bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[3] != 128 or v.shape[3] != 128:
+        return f"needs K = V = 128, got K = {q.shape[3]}, V = {v.shape[3]}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if x is not None and not tma_compatible(x):
+            return f"{name} must have unit channel stride, packed heads and a 16-byte token stride (TMA)"
+    if raw_g.dtype not in (torch.bfloat16, torch.float32) or not tma_compatible(raw_g, (2, 4)):
+        return "raw_g must be bf16 or fp32 with unit channel stride, packed heads and a 16-byte token stride (TMA)"
+    return None
+
+
+def _strides(x):
+    return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
+
+
+def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, cu_seqlens, *, lower_bound,
+                         qk_l2norm=True, beta_sigmoid=True, initial_state=None, final_state=None, state_cache=None,
+                         state_indices=None, has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
+                         checkpoint_state_indices=None, producer_regs=FUSED_PRODUCER_REGS, phases=4):
+    """``(kernel, grid, args, kwargs)`` of one fused launch. Arguments are assumed valid
+    and served (:func:`fused_unsupported` says ``None``); CPU tensors compile too.
+
+    ``q, k, raw_g [1, T, H, K]``, ``v, out [1, T, H, V]``, ``raw_beta [1, T, H]``,
+    ``A_log [H]``, ``dt_bias [H*K]`` or ``[H, K]``, ``cu_seqlens [N+1]``; the state
+    keywords as :func:`kda_engram.kda.hopper.walk.folded_walk_launch` takes them
+    (checkpoint offsets must be multiples of 64, the contract's alignment)."""
+    _, T, H, K = q.shape
+    V = v.shape[3]
+    N = cu_seqlens.numel() - 1
+    BT = FUSED_CHUNK
+    # The raw tiles are read by the producer's thread-per-channel layout only: unswizzled.
+    descs = (tma_descriptor(q, [BT, K], False), tma_descriptor(k, [BT, K], False),
+             tma_descriptor(raw_g, [BT, K], False),
+             tma_descriptor(v, [BT, V]), tma_descriptor(out, [BT, V]))
+    if state_cache is not None:
+        load_state, store_state = 2, 2
+        s_in = s_out = state_cache
+    else:
+        load_state = 1 if initial_state is not None else 0
+        store_state = 1 if final_state is not None else 0
+        s_in, s_out = initial_state, final_state
+    dummy = out  # never dereferenced where a pointer is unused (constexpr branches)
+    ck_indexed = checkpoint_state_indices is not None
+    sdtb_h, sdtb_c = dt_bias_strides(dt_bias, K)
+    args = (*descs, out, raw_beta, raw_beta.stride(1), raw_beta.stride(2), A_log, A_log.stride(0), dt_bias,
+            sdtb_h, sdtb_c, float(lower_bound),
+            s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
+            state_indices if state_indices is not None else cu_seqlens,
+            has_initial_state if has_initial_state is not None else cu_seqlens,
+            checkpoint_state if checkpoint_state is not None else dummy,
+            checkpoint_offsets if checkpoint_offsets is not None else cu_seqlens,
+            checkpoint_state_indices if ck_indexed else cu_seqlens,
+            cu_seqlens, float(scale), H, out.stride(1), out.stride(2),
+            *_strides(s_in), *_strides(s_out), *_strides(checkpoint_state))
+    kwargs = dict(K=K, V=V, BT=BT, BS=SUB_CHUNK, RING=FUSED_RING, GATE=gate_form("raw", lower_bound),
+                  QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+                  LOAD_STATE=load_state, STORE_STATE=store_state, HAS_CKPT=checkpoint_state is not None,
+                  CKPT_INDEXED=ck_indexed,
+                  CKPT_BF16=checkpoint_state is not None and checkpoint_state.dtype == torch.bfloat16,
+                  PHASES=int(phases), PW=FUSED_PRODUCER_WARPS, PRODUCER_REGS=int(producer_regs), num_warps=V // 16)
+    return _fused_prefill_kernel, (N * H,), args, kwargs
+
+
+def fused_prefill(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, cu_seqlens, **kw):
+    """Launch the fused prefill (:func:`fused_prefill_launch` for the arguments). Writes
+    ``out``'s rows inside the sequences, the state rows it was given, and nothing else."""
+    N = cu_seqlens.numel() - 1
+    if N == 0 or q.shape[2] == 0:
+        return
+    kernel, grid, args, kwargs = fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale,
+                                                      cu_seqlens, **kw)
+    kernel[grid](*args, **kwargs)
