@@ -202,17 +202,19 @@ def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf
             aqk = gl.where(lower | (gl.expand_dims(cM, 0) == gl.expand_dims(rM, 1)), aqk, zero_a)
 
         if PHASES >= 3:
-            # 3. T = (I + A_kk)^-1 by forward substitution in fp32: row i of T is
-            # e_i - sum_(j < i) A_ij T_j, the rows j < i already in the thread's registers.
-            akk_s.store(akk)
+            # 3. T = (I + A_kk)^-1 by column-oriented forward substitution in fp32
+            # (thread = column c of T, its rows in registers): after step j row j is final,
+            # and every row i > j takes -A_ij T_j, an FMA per row with no dependence between
+            # rows (the row-by-row form's 32-term sums are a 32-FMA chain per step).
+            # A_kk is stored transposed, so its column j is one broadcast row read.
+            akk_s.permute((1, 0)).store(akk)
             gl.thread_barrier()
-            akk_rows = akk_s._reinterpret(gl.float32, [BT, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            X = gl.zeros([BT, BT], gl.float32, LX)
-            for i in range(BT):  # a runtime loop: the row loads are not hoisted into registers
-                ai = akk_rows.index(i).load(gl.SliceLayout(1, LX))  # A[i, :], broadcast to every thread
-                y = gl.sum(gl.expand_dims(ai, 1) * X, 0)
-                xi = gl.where(cx == i, 1.0, 0.0) - y
-                X = gl.where(gl.expand_dims(jx == i, 1), gl.expand_dims(xi, 0), X)
+            akk_cols = akk_s._reinterpret(gl.float32, [BT, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx, 0), 1.0, 0.0)
+            for j in gl.static_range(BT):  # static: row j of X is a register pick
+                aj = akk_cols.index(j).load(gl.SliceLayout(1, LX))  # A[:, j]
+                xj = gl.sum(gl.where(gl.expand_dims(jx == j, 1), X, gl.zeros_like(X)), 0)
+                X = X - gl.expand_dims(aj, 1) * gl.expand_dims(xj, 0)
             Mx = X * gl.expand_dims(_beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID), 0)  # M = T diag(beta)
             Mh = Mx.to(gl.bfloat16)
             Ml = (Mx - Mh.to(gl.float32)).to(gl.bfloat16)
