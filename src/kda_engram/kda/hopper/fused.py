@@ -75,18 +75,18 @@ def _beta(beta_ptr, sb_t, idx, Lc, BETA_SIGMOID: gl.constexpr):
 
 
 @gluon.jit
-def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, RING: gl.constexpr):
-    """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k, g`` into raw stage
-    ``c % 2``, ``v`` into ring stage ``c % RING`` once the consumers released it."""
+    """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k`` (one ``[2 BT, K]``
+    tile, q's rows first) and ``g`` into raw stage ``c % 2``, ``v`` into ring stage ``c % RING`` once the consumers released it."""
     pred = c < NT
     r = bos + c * BT
     rs = c % 2
     rbar = raw_ready.index(rs)
     mbarrier.expect(rbar, q_desc.block_type.nbytes + k_desc.block_type.nbytes + g_desc.block_type.nbytes,
                     pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [r, h * K], rbar, q_s.index(rs), pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [r, h * K], rbar, k_s.index(rs), pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [r, h * K], rbar, qk_s.index(rs).slice(0, BT), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [r, h * K], rbar, qk_s.index(rs).slice(BT, BT), pred=pred)
     tma.async_copy_global_to_shared(g_desc, [r, h * K], rbar, g_s.index(rs), pred=pred)
     st = c % RING
     mbarrier.wait(ring_empty.index(st), ((c // RING) & 1) ^ 1, pred=pred & (c >= RING))
@@ -96,8 +96,8 @@ def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, akk_s,
-              kg_s, c0_s, c1_s, mh_s, ml_s,
+def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
+              kg_s, x_s, col_s, mh_s, ml_s,
               raw_ready, ring_ready, ring_empty,
               b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
               h, bos, seqlen, NT,
@@ -121,21 +121,19 @@ def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf
     rows = gl.arange(0, BT, ROW)
     a_scale = gl.exp(gl.load(alog_ptr + h64 * salog).to(gl.float32))
     bias = gl.load(dtb_ptr + h64 * sdtb_h + ch * sdtb_c).to(gl.float32)
-    rM = gl.arange(0, BT, gl.SliceLayout(1, MMA))
-    cM = gl.arange(0, BT, gl.SliceLayout(0, MMA))
     jx = gl.arange(0, BT, gl.SliceLayout(1, LX))
     cx = gl.arange(0, BT, gl.SliceLayout(0, LX))
-    hi = gl.expand_dims(rows >= BS, 1)  # rows of sub-chunk 1
     zero_a = gl.zeros([BT, BT], gl.float32, MMA)
     WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
     zero_w = gl.zeros([K, BT], gl.float32, WG)
+    zero_2 = gl.zeros([2 * BT, BT], gl.float32, WG)
 
-    _issue_chunk(0, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+    _issue_chunk(0, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K, V, BT, RING)
     for c in range(NT):
         # Every producer warp has finished reading raw stage (c + 1) % 2 (chunk c - 1).
         gl.thread_barrier()
-        _issue_chunk(c + 1, NT, bos, h, q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, raw_ready, ring_ready,
+        _issue_chunk(c + 1, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                      ring_empty, K, V, BT, RING)
         Lc = gl.minimum(seqlen - c * BT, BT)
         valid = rows < Lc
@@ -154,52 +152,51 @@ def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf
 
         st = c % RING
         if PHASES >= 2:
-            # 2. The walk operands and the strips, k first, then q (one normalised input in
-            # registers at a time). Strip 0 (columns 0..15) is anchored at b_1 = s0, strip
-            # 1 (columns 16..31) at G_last, where its column operand is kg itself. Two
-            # exp2 per element, f0 = 2^(G - s0) and r0 = 2^(s0 - G); every other factor is
-            # one of them times a per-channel power of two, a product of normal numbers
-            # that underflows only where the exact factor does: qg, kd = x̂ f0 2^s0 and
-            # kg = k̂ r0 2^(G_last - s0) (<= 1), strip 0's row operand x̂ f0 (up to 2^span
-            # on its own rows: the bounded gate keeps it normal) and column operand k̂ r0
-            # (rows 0..15, <= 1), strip 1's row operand x̂ f0 2^(s0 - G_last) (rows
-            # 16..31, in [1, 2^span]; the rows above are selected away, never multiplied
-            # in). The column operands and kg wait in shared memory for the q products and
-            # the fold.
+            # 2. The walk operands and A_qk, A_kk in one product. One anchor, the
+            # sub-chunks' boundary s0 = G_15: A[i, j] = sum_c x̂_ic 2^(G_ic - s0) .
+            # k̂_jc 2^(s0 - G_jc). Every factor spans at most one sub-chunk from the anchor,
+            # so with the bounded gate (span <= 126) each is a normal number, and below the
+            # diagonal the off-diagonal block's factors are both <= 1 (exact for any
+            # decay). Two exp2 per element, f0 = 2^(G - s0) and r0 = 2^(s0 - G); the other
+            # factors are one of them times a per-channel power of two, a product of
+            # normal numbers that underflows only where the exact factor does: qg, kd =
+            # x̂ f0 2^s0, kg = k̂ r0 2^(G_last - s0). The row operands [q̂ f0; k̂ f0] and the
+            # column operand k̂ r0 go to swizzled tiles (wgmma takes no unswizzled
+            # operand here): one m64n32k128 wgmma, q's rows then k's.
             u = G - gl.expand_dims(s0, 0)
             f0 = gl.exp2(u)
             r0 = gl.exp2(-u)
             e_g = gl.expand_dims(gl.exp2(s0), 0)
             e_kg = gl.expand_dims(gl.exp2(g_last - s0), 0)
-            e_1 = gl.expand_dims(gl.exp2(s0 - g_last), 0)
             dec_s.index(st).store(gl.exp2(g_last))
-            kf = k_s.index(rs).load(CL).to(gl.float32)
+            raw = qk_s.index(rs)
+            kf = raw.slice(BT, BT).load(CL).to(gl.float32)
             kf = gl.where(vm, kf, gl.zeros_like(kf))
             if QK_L2NORM:
                 kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 1) + L2NORM_EPS_JIT), 1)
-            kr = kf * r0
-            kd_s.index(st).store(((kf * f0) * e_g).to(gl.bfloat16))
-            kg = (kr * e_kg).to(gl.bfloat16)
-            kg_s.store(kg)
-            c1_s.store(gl.where(hi, kg, gl.zeros_like(kg)))
-            c0_s.store(gl.where(hi, gl.zeros_like(kr), kr).to(gl.bfloat16))
-            gl.thread_barrier()
-            B0 = c0_s.permute((1, 0)).load(B_OP)
-            B1 = c1_s.permute((1, 0)).load(B_OP)
             kx = kf * f0
-            akk = mma_v2(gl.convert_layout(kx.to(gl.bfloat16), A_OP), B0, zero_a)
-            akk = mma_v2(gl.convert_layout(gl.where(hi, kx * e_1, gl.zeros_like(kx)).to(gl.bfloat16), A_OP), B1, akk)
-            qf = q_s.index(rs).load(CL).to(gl.float32)
+            kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
+            x_s.slice(BT, BT).store(kx.to(gl.bfloat16))
+            kr = kf * r0
+            col_s.store(kr.to(gl.bfloat16))
+            kg_s.store((kr * e_kg).to(gl.bfloat16))
+            qf = raw.slice(0, BT).load(CL).to(gl.float32)
             qf = gl.where(vm, qf, gl.zeros_like(qf))
             if QK_L2NORM:
                 qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 1) + L2NORM_EPS_JIT), 1)
             qx = qf * f0
             qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
-            aqk = mma_v2(gl.convert_layout(qx.to(gl.bfloat16), A_OP), B0, zero_a)
-            aqk = mma_v2(gl.convert_layout(gl.where(hi, qx * e_1, gl.zeros_like(qx)).to(gl.bfloat16), A_OP), B1, aqk)
-            lower = gl.expand_dims(cM, 0) < gl.expand_dims(rM, 1)
-            akk = gl.where(lower, akk, zero_a) * gl.expand_dims(_beta(beta_ptr, sb_t, rM, Lc, BETA_SIGMOID), 1)
-            aqk = gl.where(lower | (gl.expand_dims(cM, 0) == gl.expand_dims(rM, 1)), aqk, zero_a)
+            x_s.slice(0, BT).store(qx.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            A2 = warpgroup_mma(x_s, col_s.permute((1, 0)), zero_2, use_acc=False)  # [A_qk; A_kk] unmasked
+            r2 = gl.arange(0, 2 * BT, gl.SliceLayout(1, WG))
+            c2 = gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(0, WG)), 0)
+            is_k = r2 >= BT
+            rr = gl.where(is_k, r2 - BT, r2)
+            keep = gl.where(gl.expand_dims(is_k, 1), c2 < gl.expand_dims(rr, 1), c2 <= gl.expand_dims(rr, 1))
+            row_scale = gl.where(is_k, _beta(beta_ptr, sb_t, rr, Lc, BETA_SIGMOID), 1.0)
+            A2 = gl.where(keep, A2, gl.zeros_like(A2)) * gl.expand_dims(row_scale, 1)  # A_kk's rows times beta
 
         if PHASES >= 3:
             # 3. T = (I + A_kk)^-1 by column-oriented forward substitution in fp32
@@ -207,14 +204,17 @@ def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf
             # and every row i > j takes -A_ij T_j, an FMA per row with no dependence between
             # rows (the row-by-row form's 32-term sums are a 32-FMA chain per step).
             # A_kk is stored transposed, so its column j is one broadcast row read.
-            akk_s.permute((1, 0)).store(akk)
+            a2_s.permute((1, 0)).store(A2)  # memory row j: column j of [A_qk; A_kk]
+            aq_s.store(A2.to(gl.bfloat16))
             gl.thread_barrier()
-            akk_cols = akk_s._reinterpret(gl.float32, [BT, BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            a2_cols = a2_s._reinterpret(gl.float32, [BT, 2 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx, 0), 1.0, 0.0)
             for j in gl.static_range(BT):  # static: row j of X is a register pick
-                aj = akk_cols.index(j).load(gl.SliceLayout(1, LX))  # A[:, j]
+                aj = a2_cols.index(j).slice(BT, BT).load(gl.SliceLayout(1, LX))  # A_kk[:, j]
                 xj = gl.sum(gl.where(gl.expand_dims(jx == j, 1), X, gl.zeros_like(X)), 0)
-                X = X - gl.expand_dims(aj, 1) * gl.expand_dims(xj, 0)
+                # Rows i <= j are final (A_ij = 0): a select the compiler folds per register,
+                # so only the 496 FMAs below the diagonal are issued, not 32 x 32.
+                X = gl.where(gl.expand_dims(jx > j, 1), X - gl.expand_dims(aj, 1) * gl.expand_dims(xj, 0), X)
             Mx = X * gl.expand_dims(_beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID), 0)  # M = T diag(beta)
             Mh = Mx.to(gl.bfloat16)
             Ml = (Mx - Mh.to(gl.float32)).to(gl.bfloat16)
@@ -229,7 +229,7 @@ def _producer(q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf
             tfT = warpgroup_mma(kg_s.permute((1, 0)), mh_s, zero_w, use_acc=False)
             tfT = warpgroup_mma(kg_s.permute((1, 0)), ml_s, tfT)
             tf_s.index(st).permute((1, 0)).store(tfT.to(gl.bfloat16))
-            aqA = gl.convert_layout(aqk.to(gl.bfloat16), A_OP)
+            aqA = aq_s.slice(0, BT).load(A_OP)
             af = mma_v2(aqA, mh_s.load(B_OP), zero_a)
             af = mma_v2(aqA, ml_s.load(B_OP), af)
             af_s.index(st).store(af.to(gl.bfloat16))
@@ -270,8 +270,7 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     OPC: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BT, BT], gl.bfloat16)
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     ROWS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # a stack of 1-D rows (``.index(i)``)
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [2, BT, K], q_desc.layout)
-    k_s = gl.allocate_shared_memory(k_desc.dtype, [2, BT, K], k_desc.layout)
+    qk_s = gl.allocate_shared_memory(q_desc.dtype, [2, 2 * BT, K], q_desc.layout)  # per stage: q's rows, k's
     g_s = gl.allocate_shared_memory(g_desc.dtype, [2, BT, K], g_desc.layout)
     qg_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, K], OPK)
     kd_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, K], OPK)
@@ -279,11 +278,14 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     af_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, BT], OPC)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [RING, BT, V], v_desc.layout)
     dec_s = gl.allocate_shared_memory(gl.float32, [RING, K], ROWS)
-    akk_s = gl.allocate_shared_memory(gl.float32, [BT, BT], FLAT)
+    a2_s = gl.allocate_shared_memory(gl.float32, [BT, 2 * BT], FLAT)  # [A_qk; A_kk] transposed
+    aq_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BT, BT], gl.NVMMASharedLayout.get_default_for([2 * BT, BT],
+                                                                                                   gl.bfloat16))
     o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, V], o_desc.layout)
-    kg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the producer's: kg, strip columns
-    c0_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)
-    c1_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the producer's: kg for the fold,
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BT, K],  # the row operands [q̂ f0; k̂ f0]
+                                    gl.NVMMASharedLayout.get_default_for([2 * BT, K], gl.bfloat16))
+    col_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the column operand k̂ r0
     mh_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)  # M = T diag(beta), hi and lo
     ml_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)
     raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -306,8 +308,8 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
                           s_ck_n, s_ck_h, s_ck_v, s_ck_k,
                           K, V, V, BT, RING, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
                           True, True, True, num_warps)),
-        (_producer, (q_desc, k_desc, g_desc, v_desc, q_s, k_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, akk_s,
-                     kg_s, c0_s, c1_s, mh_s, ml_s,
+        (_producer, (q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
+                     kg_s, x_s, col_s, mh_s, ml_s,
                      raw_ready, ring_ready, ring_empty,
                      b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
                      h, bos, seqlen, NT, K, V, BT, BS, RING, GATE, QK_L2NORM, BETA_SIGMOID, PHASES, PW)),
