@@ -21,6 +21,10 @@ the totals before ``I``, ``G = b_I + lc`` the chunk-local cumsum):
    row factor is then in ``[1, 2^span]``, a normal number); a flagged chunk's diagonal
    blocks take an FMA recurrence instead, ``P_(j+d) = P_(j+d-1) 2^(a_(j+d))``, which
    only ever multiplies numbers at most 1 (the softplus gate stays exact).
+   At chunk 32 (two sub-chunks, the kernel's chunk) the strips collapse into one product
+   anchored at the sub-chunks' boundary ``b_1`` (:func:`_boundary_anchored`): every
+   factor then spans at most one sub-chunk from the anchor, so unflagged chunks need no
+   per-strip operands.
 4. **Inverse**: each 16x16 diagonal block of ``I + A_kk`` by forward substitution in
    fp32, joined by block forward substitution
    ``T_IJ = -T_II sum_(J <= L < I) A_IL T_LJ``; ``M = T diag(beta)``.
@@ -131,6 +135,20 @@ def _inverse(akk, fault):
     return T
 
 
+def _boundary_anchored(xh, kh, G, anchor, on, inclusive):
+    """``sum_c x̂_i k̂_j 2^(G_i - G_j)`` (``j < i``, or ``j <= i`` when ``inclusive``) as
+    the chunk-32 kernel forms it: one product anchored at the boundary of its two
+    sub-chunks, ``bf16(x̂ 2^(G - anchor)) bf16(k̂ 2^(anchor - G))^T`` (every factor spans at
+    most one sub-chunk from the anchor). The upper triangle, where both factors may be
+    large, is selected away, never multiplied in."""
+    row = _r(xh * torch.exp2(G - anchor[:, None, :]), on)
+    col = _r(kh * torch.exp2(anchor[:, None, :] - G), on)
+    out = row @ col.transpose(1, 2)
+    BT = xh.shape[1]
+    keep = torch.ones(BT, BT, dtype=torch.bool).tril(0 if inclusive else -1)
+    return torch.where(keep[None], out, torch.zeros_like(out))
+
+
 def _prepare_chunk(qf, kf, a, beta, nvalid, on, qk_l2norm, fold_split, fault):
     """Steps 1-5 for one chunk of every head: inputs ``[H, 64, K]`` and ``beta [H, 64]``
     with zero rows past ``nvalid``. Returns the ring tiles ``qg, kd, t_fold [H, 64, K]``,
@@ -151,8 +169,13 @@ def _prepare_chunk(qf, kf, a, beta, nvalid, on, qk_l2norm, fold_split, fault):
     qf, kf = torch.where(valid, qf, torch.zeros_like(qf)), torch.where(valid, kf, torch.zeros_like(kf))
     qg, kd = qf * torch.exp2(G), kf * torch.exp2(G)
     kg = kf * torch.exp2(g_last[:, None] - G)
-    akk = _strips(kf, kf, a, G, bI, s, flagged, on, fault, inclusive=False) * beta[:, :, None]
-    aqk = _strips(qf, kf, a, G, bI, s, flagged, on, fault, inclusive=True)
+    if NB == 2 and not flagged:  # the chunk-32 kernel's one product
+        anchor = bI[:, 0] if fault == "anchor" else bI[:, 1]
+        akk = _boundary_anchored(kf, kf, G, anchor, on, inclusive=False) * beta[:, :, None]
+        aqk = _boundary_anchored(qf, kf, G, anchor, on, inclusive=True)
+    else:
+        akk = _strips(kf, kf, a, G, bI, s, flagged, on, fault, inclusive=False) * beta[:, :, None]
+        aqk = _strips(qf, kf, a, G, bI, s, flagged, on, fault, inclusive=True)
     M = _inverse(akk, fault) * beta[:, None, :]
     Mh = _r(M, on)
     Ml = _r(M - Mh, on) if (on and fold_split) else torch.zeros_like(M)
