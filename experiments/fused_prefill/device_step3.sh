@@ -2,7 +2,8 @@
 # One device call for step 3 of the fused Hopper prefill (issue 52): the peers' set-up, a
 # 60 s probe of the fused kernel on a small batch (a hang here is an mbarrier phase bug:
 # the rest of the fused steps are skipped), its GPU tests, the walk's GPU tests (the ring
-# decay refactor), then the timing beside the Hopper path and the peers. Logs under $OUT.
+# decay refactor), the timing beside the Hopper path and the peers, then the vLLM plugin's
+# bf16 run where .vllm_files was carried. Logs under $OUT.
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -32,9 +33,14 @@ rel = lambda a, r: ((a.float() - r.float()).norm() / r.float().norm()).item()
 print("probe: finite", bool(torch.isfinite(o.float()).all()), "o rel", rel(o, o2), "state rel", rel(s, s2))
 PY
 if grep -q "probe: finite" "$out/probe.txt"; then
-  timeout -s KILL 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py 2>&1 \
+  timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py 2>&1 \
     | tail -60 > "$out/tests_fused.txt"; tail -15 "$out/tests_fused.txt"
-  timeout -s KILL 200 python3 experiments/fused_prefill/step3_fused.py --cases "${CASES:-16x2k_H32,64x512_H32}" \
+  timeout -s KILL 170 python3 experiments/fused_prefill/step3_fused.py --cases "${CASES:-16x2k_H32,64x512_H32}" \
     --json "$out/step3.json" 2>&1 | tail -20
 fi
-timeout -s KILL 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kda/test_hopper_walk.py 2>&1 | tail -3
+timeout -s KILL 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kda/test_hopper_walk.py 2>&1 | tail -3
+# The vLLM plugin in bf16 (issue 53), where its prepared folder was carried.
+if [ -d .vllm_files ]; then
+  timeout -s KILL "${VLLM_S:-110}" python3 -m kda_engram.tools.benchmarks.bench_vllm_plugin --vllm-files .vllm_files \
+    --json "$out/vllm_plugin.json" 2>&1 | tail -25
+fi
