@@ -33,12 +33,12 @@ rel = lambda a, r: ((a.float() - r.float()).norm() / r.float().norm()).item()
 print("probe: finite", bool(torch.isfinite(o.float()).all()), "o rel", rel(o, o2), "state rel", rel(s, s2))
 PY
 if grep -q "probe: finite" "$out/probe.txt"; then
-  timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py 2>&1 \
+  timeout -s KILL 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py 2>&1 \
     | tail -60 > "$out/tests_fused.txt"; tail -15 "$out/tests_fused.txt"
-  timeout -s KILL 170 python3 experiments/fused_prefill/step3_fused.py --cases "${CASES:-16x2k_H32,64x512_H32}" \
+  timeout -s KILL 160 python3 experiments/fused_prefill/step3_fused.py --cases "${CASES:-16x2k_H32,64x512_H32}" \
     --json "$out/step3.json" 2>&1 | tail -20
 fi
-timeout -s KILL 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kda/test_hopper_walk.py 2>&1 | tail -3
+timeout -s KILL 70 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kda/test_hopper_walk.py 2>&1 | tail -3
 # The vLLM plugin in bf16 (issue 53), where its prepared folder was carried.
 if [ -d .vllm_files ]; then
   timeout -s KILL "${VLLM_S:-110}" python3 -m kda_engram.tools.benchmarks.bench_vllm_plugin --vllm-files .vllm_files \
