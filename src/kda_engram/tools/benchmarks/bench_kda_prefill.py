@@ -66,7 +66,7 @@ from ...kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda.prefill import chunk_kda_prefill, prefill_path
 from ...bundles import KDAInputs
 from ...launch_config import chunk_config
-from ...kda.prefill_paths import PrefillCall, verify
+from ...kda.prefill_paths import PrefillCall, path_names, verify
 from ...kda.prologue import kda_prefill_prologue
 from .common import bench_ms as _bench
 from .common import copy_bandwidth_gbs, cuda_graph_ms, default_check_bound_ms, no_gpu_exit, result_row, write_json
@@ -305,6 +305,12 @@ def _serving_rows(name, x, lengths, heads, device, quick) -> list[dict]:
     return rows
 
 
+def forced_paths() -> tuple[str, ...]:
+    """The registry's paths a case is also timed on by name: all but ``"auto"`` and the
+    portable path (which every row times)."""
+    return tuple(p for p in path_names() if p not in ("auto", "portable"))
+
+
 def _hopper_stages(x, out, offs, idx, quick):
     """``(folded prologue ms, Gluon walk ms)`` of the Hopper path on its own, or Nones
     where it cannot serve the inputs."""
@@ -351,18 +357,25 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
             o_ours, _ = _ours_call(x, check_inputs=True)()  # validates the inputs, compiles the kernels
             fns = {"default": _ours_call(x, out, check_inputs=True), "nocheck": _ours_call(x, out),
                    "portable": _ours_call(x, out, path="portable")}
-            picked_path = prefill_path(x["q"], x["v"], out, cu_seqlens=x["cu"])
-            hopper_reason = verify("hopper", PrefillCall(x["q"], x["v"], out, cu_seqlens=x["cu"]))[1]
-            if hopper_reason is None:
+            inputs = KDAInputs.pick({**x, "lower_bound": LOWER_BOUND})
+            picked_path = prefill_path(x["q"], x["v"], out, cu_seqlens=x["cu"], inputs=inputs)
+            # Every forced path besides the portable one (the registry's: "hopper", "fused"),
+            # with why it cannot serve the case, or its output's distance to the portable path's.
+            forced_notes = {}
+            for fp in forced_paths():
+                forced_notes[fp] = verify(fp, PrefillCall(x["q"], x["v"], out, cu_seqlens=x["cu"], inputs=inputs))[1]
+                if forced_notes[fp] is not None:
+                    continue
                 try:
-                    o_h, _ = _ours_call(x, path="hopper")()
+                    o_h, _ = _ours_call(x, path=fp)()
                     o_p, _ = _ours_call(x, path="portable")()
                     torch.cuda.synchronize()
-                    diffs["hopper_vs_portable"] = (o_h.float() - o_p.float()).abs().max().item()
-                    fns["hopper"] = _ours_call(x, out, path="hopper")
-                except Exception as exc:  # a Hopper path that fails to build: say why, time the rest
+                    diffs[f"{fp}_vs_portable"] = (o_h.float() - o_p.float()).abs().max().item()
+                    fns[fp] = _ours_call(x, out, path=fp)
+                except Exception as exc:  # a path that fails to build: say why, time the rest
                     torch.cuda.synchronize()
-                    hopper_reason = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+                    forced_notes[fp] = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+            hopper_reason = forced_notes.get("hopper")
             for p, (make, desc) in found.items():
                 if make is None:
                     notes[p] = desc
@@ -410,8 +423,10 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
                 **{f"{p}_ms": peer_times[p] for p in PEERS},
                 **{f"max_abs_diff_{p}": diffs.get(p) for p in PEERS},
                 peer_notes=notes, prologue_ms=prologue_ms, chunk_ms=chunk_ms,
-                path=picked_path, hopper_ms=times.get("hopper"), portable_ms=times.get("portable"),
-                hopper_note=hopper_reason, max_abs_diff_hopper_vs_portable=diffs.get("hopper_vs_portable"),
+                path=picked_path, portable_ms=times.get("portable"),
+                **{f"{fp}_ms": times.get(fp) for fp in forced_notes},
+                **{f"{fp}_note": why for fp, why in forced_notes.items()},
+                **{f"max_abs_diff_{fp}_vs_portable": diffs.get(f"{fp}_vs_portable") for fp in forced_notes},
                 folded_prologue_ms=folded_prologue_ms, folded_walk_ms=folded_walk_ms,
                 config=chunk_config(N, H, HEAD_DIM, device), copy_gbs=bw, groups=picked, tokens=T, heads=H,
                 fastgate=fastgate, target_ms=TARGET_MS.get(name), anchor_best_peer_ms=ANCHOR_BEST_PEER_MS.get(name),
@@ -512,6 +527,9 @@ def print_case_rows(rows: list[dict]) -> None:
               f"{f(r.get('portable_ms'))} ms, max|o_hopper - o_portable| "
               f"{f(r.get('max_abs_diff_hopper_vs_portable'), '.2e')}"
               + (f"; hopper cannot: {r['hopper_note']}" if r.get("hopper_note") else "")
+              + (f"; fused {f(r.get('fused_ms'))} ms, max|o_fused - o_portable| "
+                 f"{f(r.get('max_abs_diff_fused_vs_portable'), '.2e')}" if "fused_ms" in r else "")
+              + (f" (fused cannot: {r['fused_note']})" if r.get("fused_note") else "")
               + (f"; case took {r['case_seconds']:.0f} s" if r.get("case_seconds") is not None else ""))
 
 
