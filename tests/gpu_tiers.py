@@ -48,6 +48,8 @@ SMOKE_TESTS = (
     "tests/kda/test_hopper.py::test_gpu_hopper_cache_checkpoints_out_is_v[ckpt_rows-bf16]",
     # The Gluon folded prologue (sm_90) on a ragged batch.
     "tests/kda/test_hopper_prologue.py::test_gpu_gluon_prologue_ragged_matches_triton_fp64_and_model[-5.0]",
+    # The fused Hopper prefill (sm_90) with the state cache and checkpoints.
+    "tests/kda/test_hopper_fused.py::test_gpu_fused_state_cache_and_checkpoints",
     "tests/kda/test_prologue.py::test_gpu_small_bf16_strided",
     "tests/kda/test_prologue.py::test_gpu_small_bf16_conv",
     "tests/kda/test_groups.py::test_gpu_small_groups_cache_checkpoints",
