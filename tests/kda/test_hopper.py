@@ -68,8 +68,8 @@ def test_paths_are_registered_backends_that_answer_in_one_voice():
     from kda_engram.kda.prefill import prefill_verdict
     from kda_engram.kda.prefill_paths import BACKENDS, PrefillCall, refusal, verify
 
-    assert {"portable", "grouped", "hopper"} <= BACKENDS.keys()
-    assert {b.path for b in BACKENDS.values()} == {"portable", "hopper"}
+    assert {"portable", "grouped", "hopper", "fused"} <= BACKENDS.keys()
+    assert {b.path for b in BACKENDS.values()} == {"portable", "hopper", "fused"}
     raw, cu = make_raw([10], H=2, K=16, V=16)
     call = PrefillCall(raw["q"], raw["v"], cu_seqlens=cu)
     assert verify("portable", call) == (True, None) and prefill_verdict(call) == (True, None)
