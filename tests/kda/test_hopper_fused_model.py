@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.hopper.fused_model import FAULTS, MAX_ANCHOR_SPAN, log2_gate, model_fused_prefill
+from kda_engram.kda.hopper.fused_model import FAULTS, MAX_ANCHOR_SPAN, _prepare_chunk, log2_gate, model_fused_prefill
 from kda_engram.kda.reference import kda_gate, naive_recurrent_kda
 
 from ..helpers import rel_rmse
@@ -125,6 +125,24 @@ def test_each_planted_fault_is_caught(fault, chunk):
         if not (math.isfinite(e_o) and math.isfinite(e_s)) or max(e_o, e_s) > 100 * clean:
             caught.append(gate)
     assert caught, f"fault {fault!r} at chunk {chunk} was caught by no gate"
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("nvalid", [1, 17, 31])
+def test_ring_tiles_are_zero_past_the_sequence_end(nvalid, chunk):
+    """A chunk's rows past the sequence end belong to the next sequence and may hold NaN
+    or inf: the prepared tiles are finite, t_fold's rows and a_fold's columns there
+    exactly zero, so the fused walk (``PRODUCER_RING``) needs no tail masking of its ring."""
+    g = torch.Generator().manual_seed(nvalid)
+    H, K = 2, 32
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
+    qf, kf, a, beta = rnd(H, chunk, K), rnd(H, chunk, K), -torch.rand(H, chunk, K, generator=g), torch.rand(H, chunk)
+    for t, bad in ((qf, float("nan")), (kf, float("inf")), (a, float("nan")), (beta, float("nan"))):
+        t[:, nvalid:] = bad
+    tiles, decay, _ = _prepare_chunk(qf, kf, a, beta, nvalid, True, True, True, None)
+    assert all(torch.isfinite(t).all() for t in tiles.values()) and torch.isfinite(decay).all()
+    assert (tiles["t_fold"][:, nvalid:] == 0).all() and (tiles["a_fold"][:, :, nvalid:] == 0).all()
+    assert (tiles["t_fold"][:, :nvalid] != 0).any()
 
 
 def test_gate_forms_match_the_reference():

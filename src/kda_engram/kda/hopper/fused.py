@@ -75,6 +75,20 @@ def _beta(beta_ptr, sb_t, idx, Lc, BETA_SIGMOID: gl.constexpr):
 
 
 @gluon.jit
+def _store_row_inv_norms(x_s, nrm_s, Lc, BT: gl.constexpr, K: gl.constexpr, PW: gl.constexpr):
+    """``1 / sqrt(||x_i||^2 + eps)`` of the raw tile's rows into ``nrm_s [BT]`` (rows past
+    ``Lc`` count as zero, so the next sequence's rows cannot bring inf or NaN). A row
+    layout (thread = ``K / 16`` adjacent channels of ``BT / (2 PW)`` rows): a row's sum is
+    in-thread adds and four shuffles, where the channel layout needs five shuffles and a
+    cross-warp exchange per row."""
+    RL: gl.constexpr = gl.BlockedLayout([1, K // 16], [2, 16], [PW, 1], [1, 0])
+    x = x_s.load(RL).to(gl.float32)
+    r = gl.arange(0, BT, gl.SliceLayout(1, RL))
+    x = gl.where(gl.expand_dims(r < Lc, 1), x, gl.zeros_like(x))
+    nrm_s.store(gl.rsqrt(gl.sum(x * x, 1) + L2NORM_EPS_JIT))
+
+
+@gluon.jit
 def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, RING: gl.constexpr):
     """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k`` (one ``[2 BT, K]``
@@ -97,7 +111,7 @@ def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, 
 
 @gluon.jit
 def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
-              kg_s, x_s, col_s, mh_s, ml_s,
+              kg_s, x_s, col_s, mh_s, ml_s, nrm_s,
               raw_ready, ring_ready, ring_empty,
               b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
               h, bos, seqlen, NT,
@@ -123,10 +137,7 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
     bias = gl.load(dtb_ptr + h64 * sdtb_h + ch * sdtb_c).to(gl.float32)
     jx = gl.arange(0, BT, gl.SliceLayout(1, LX))
     cx = gl.arange(0, BT, gl.SliceLayout(0, LX))
-    zero_a = gl.zeros([BT, BT], gl.float32, MMA)
     WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
-    zero_w = gl.zeros([K, BT], gl.float32, WG)
-    zero_2 = gl.zeros([2 * BT, BT], gl.float32, WG)
 
     _issue_chunk(0, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K, V, BT, RING)
@@ -137,10 +148,21 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
                      ring_empty, K, V, BT, RING)
         Lc = gl.minimum(seqlen - c * BT, BT)
         valid = rows < Lc
-        vm = gl.expand_dims(valid, 1) & gl.expand_dims(ch < K, 0)
+        vm = gl.expand_dims(valid, 1)  # broadcast over the channels where used
         beta_ptr = b_ptr + (bos + c * BT).to(gl.int64) * sb_t + h64 * sb_h
 
         rs = c % 2
+        # A zero the compiler cannot prove (Lc >= 0). The scratch tiles are viewed, and
+        # the chunk-invariant masks and the identity built, through it: held across the
+        # loop, their swizzled addresses, wgmma descriptors and 32-register identity
+        # spilled the producer (248 B per thread); recomputed, nothing spills.
+        zs = Lc >> 31
+        x_v = x_s.index(zs)
+        col_v = col_s.index(zs)
+        kg_v = kg_s.index(zs)
+        mh_v = mh_s.index(zs)
+        ml_v = ml_s.index(zs)
+        aq_v = aq_s.index(zs)
         mbarrier.wait(raw_ready.index(rs), (c // 2) & 1)
         # 1. The gate in log2 units (0 past the sequence end) and its chunk-local cumsum.
         a = chunk_log2_gate(g_s.index(rs).load(CL).to(gl.float32), gl.expand_dims(bias, 0), a_scale, lower_bound,
@@ -163,35 +185,40 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             # x̂ f0 2^s0, kg = k̂ r0 2^(G_last - s0). The row operands [q̂ f0; k̂ f0] and the
             # column operand k̂ r0 go to swizzled tiles (wgmma takes no unswizzled
             # operand here): one m64n32k128 wgmma, q's rows then k's.
+            # Order: q, then k, then r0 once f0 is dead (three [BT]-row tiles live at
+            # most: u, f0 and the input, so the producer fits its registers).
             u = G - gl.expand_dims(s0, 0)
             f0 = gl.exp2(u)
-            r0 = gl.exp2(-u)
             e_g = gl.expand_dims(gl.exp2(s0), 0)
-            e_kg = gl.expand_dims(gl.exp2(g_last - s0), 0)
             dec_s.index(st).store(gl.exp2(g_last))
             raw = qk_s.index(rs)
-            kf = raw.slice(BT, BT).load(CL).to(gl.float32)
-            kf = gl.where(vm, kf, gl.zeros_like(kf))
             if QK_L2NORM:
-                kf = kf * gl.expand_dims(gl.rsqrt(gl.sum(kf * kf, 1) + L2NORM_EPS_JIT), 1)
-            kx = kf * f0
-            kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
-            x_s.slice(BT, BT).store(kx.to(gl.bfloat16))
-            kr = kf * r0
-            col_s.store(kr.to(gl.bfloat16))
-            kg_s.store((kr * e_kg).to(gl.bfloat16))
+                _store_row_inv_norms(raw.slice(0, BT), nrm_s.index(0), Lc, BT, K, PW)
+                _store_row_inv_norms(raw.slice(BT, BT), nrm_s.index(1), Lc, BT, K, PW)
+                gl.thread_barrier()
             qf = raw.slice(0, BT).load(CL).to(gl.float32)
             qf = gl.where(vm, qf, gl.zeros_like(qf))
             if QK_L2NORM:
-                qf = qf * gl.expand_dims(gl.rsqrt(gl.sum(qf * qf, 1) + L2NORM_EPS_JIT), 1)
+                qf = qf * gl.expand_dims(nrm_s.index(0).load(ROW), 1)
             qx = qf * f0
             qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
-            x_s.slice(0, BT).store(qx.to(gl.bfloat16))
+            x_v.slice(0, BT).store(qx.to(gl.bfloat16))
+            kf = raw.slice(BT, BT).load(CL).to(gl.float32)
+            kf = gl.where(vm, kf, gl.zeros_like(kf))
+            if QK_L2NORM:
+                kf = kf * gl.expand_dims(nrm_s.index(1).load(ROW), 1)
+            kx = kf * f0
+            kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
+            x_v.slice(BT, BT).store(kx.to(gl.bfloat16))
+            kr = kf * gl.exp2(-u)
+            col_v.store(kr.to(gl.bfloat16))
+            kg_v.store((kr * gl.expand_dims(gl.exp2(g_last - s0), 0)).to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            A2 = warpgroup_mma(x_s, col_s.permute((1, 0)), zero_2, use_acc=False)  # [A_qk; A_kk] unmasked
+            A2 = warpgroup_mma(x_v, col_v.permute((1, 0)), gl.zeros([2 * BT, BT], gl.float32, WG),
+                               use_acc=False)  # [A_qk; A_kk] unmasked
             r2 = gl.arange(0, 2 * BT, gl.SliceLayout(1, WG))
-            c2 = gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(0, WG)), 0)
+            c2 = gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(0, WG)) + zs, 0)
             is_k = r2 >= BT
             rr = gl.where(is_k, r2 - BT, r2)
             keep = gl.where(gl.expand_dims(is_k, 1), c2 < gl.expand_dims(rr, 1), c2 <= gl.expand_dims(rr, 1))
@@ -205,10 +232,10 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             # rows (the row-by-row form's 32-term sums are a 32-FMA chain per step).
             # A_kk is stored transposed, so its column j is one broadcast row read.
             a2_s.permute((1, 0)).store(A2)  # memory row j: column j of [A_qk; A_kk]
-            aq_s.store(A2.to(gl.bfloat16))
+            aq_v.store(A2.to(gl.bfloat16))
             gl.thread_barrier()
             a2_cols = a2_s._reinterpret(gl.float32, [BT, 2 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx, 0), 1.0, 0.0)
+            X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx + zs, 0), 1.0, 0.0)  # the identity
             for j in gl.static_range(BT):  # static: row j of X is a register pick
                 aj = a2_cols.index(j).slice(BT, BT).load(gl.SliceLayout(1, LX))  # A_kk[:, j]
                 xj = gl.sum(gl.where(gl.expand_dims(jx == j, 1), X, gl.zeros_like(X)), 0)
@@ -222,16 +249,16 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
         if PHASES >= 4:
             # 4. The fold, M split hi/lo: t_fold^T = kg^T M on wgmma (both operands in
             # shared memory), a_fold = A_qk M on mma_v2.
-            mh_s.store(Mh)
-            ml_s.store(Ml)
+            mh_v.store(Mh)
+            ml_v.store(Ml)
             fence_async_shared()
             gl.thread_barrier()
-            tfT = warpgroup_mma(kg_s.permute((1, 0)), mh_s, zero_w, use_acc=False)
-            tfT = warpgroup_mma(kg_s.permute((1, 0)), ml_s, tfT)
+            tfT = warpgroup_mma(kg_v.permute((1, 0)), mh_v, gl.zeros([K, BT], gl.float32, WG), use_acc=False)
+            tfT = warpgroup_mma(kg_v.permute((1, 0)), ml_v, tfT)
             tf_s.index(st).permute((1, 0)).store(tfT.to(gl.bfloat16))
-            aqA = aq_s.slice(0, BT).load(A_OP)
-            af = mma_v2(aqA, mh_s.load(B_OP), zero_a)
-            af = mma_v2(aqA, ml_s.load(B_OP), af)
+            aqA = aq_v.slice(0, BT).load(A_OP)
+            af = mma_v2(aqA, mh_v.load(B_OP), gl.zeros([BT, BT], gl.float32, MMA))
+            af = mma_v2(aqA, ml_v.load(B_OP), af)
             af_s.index(st).store(af.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
@@ -279,15 +306,15 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     v_s = gl.allocate_shared_memory(v_desc.dtype, [RING, BT, V], v_desc.layout)
     dec_s = gl.allocate_shared_memory(gl.float32, [RING, K], ROWS)
     a2_s = gl.allocate_shared_memory(gl.float32, [BT, 2 * BT], FLAT)  # [A_qk; A_kk] transposed
-    aq_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BT, BT], gl.NVMMASharedLayout.get_default_for([2 * BT, BT],
-                                                                                                   gl.bfloat16))
+    aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, BT], gl.NVMMASharedLayout.get_default_for([2 * BT, BT], gl.bfloat16))
     o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, V], o_desc.layout)
-    kg_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the producer's: kg for the fold,
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [2 * BT, K],  # the row operands [q̂ f0; k̂ f0]
+    kg_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, K], OPK)  # the producer's: kg for the fold,
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, K],  # the row operands [q̂ f0; k̂ f0]
                                     gl.NVMMASharedLayout.get_default_for([2 * BT, K], gl.bfloat16))
-    col_s = gl.allocate_shared_memory(gl.bfloat16, [BT, K], OPK)  # the column operand k̂ r0
-    mh_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)  # M = T diag(beta), hi and lo
-    ml_s = gl.allocate_shared_memory(gl.bfloat16, [BT, BT], OPC)
+    col_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, K], OPK)  # the column operand k̂ r0
+    mh_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], OPC)  # M = T diag(beta), hi and lo
+    ml_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], OPC)
+    nrm_s = gl.allocate_shared_memory(gl.float32, [2, BT], ROWS)  # the rows' inverse norms, q's and k's
     raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ring_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     ring_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -309,7 +336,7 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
                           K, V, V, BT, RING, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
                           True, True, True, num_warps)),
         (_producer, (q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
-                     kg_s, x_s, col_s, mh_s, ml_s,
+                     kg_s, x_s, col_s, mh_s, ml_s, nrm_s,
                      raw_ready, ring_ready, ring_empty,
                      b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
                      h, bos, seqlen, NT, K, V, BT, BS, RING, GATE, QK_L2NORM, BETA_SIGMOID, PHASES, PW)),

@@ -151,12 +151,15 @@ def _boundary_anchored(xh, kh, G, anchor, on, inclusive):
 
 def _prepare_chunk(qf, kf, a, beta, nvalid, on, qk_l2norm, fold_split, fault):
     """Steps 1-5 for one chunk of every head: inputs ``[H, 64, K]`` and ``beta [H, 64]``
-    with zero rows past ``nvalid``. Returns the ring tiles ``qg, kd, t_fold [H, 64, K]``,
+    (rows past ``nvalid`` are another sequence's and may hold anything). Returns the ring tiles ``qg, kd, t_fold [H, 64, K]``,
     ``a_fold [H, 64, 64]``, ``decay [H, K]`` and whether the chunk was flagged."""
     Hh, BT, K = qf.shape
     NB = BT // SUB_CHUNK
     valid = (torch.arange(BT) < nvalid)[None, :, None]
     a = torch.where(valid, a, torch.zeros_like(a))
+    # The kernel's producer reads beta masked (0 past the end), so the ring's t_fold rows
+    # and a_fold columns there are zero: the walk reading its ring masks no tile.
+    beta = torch.where(valid[..., 0], beta, torch.zeros_like(beta))
     a4 = _blocks(a, NB)
     lc = torch.cumsum(a4, 2)
     s = a4.sum(2)  # [H, NB, K]

@@ -95,12 +95,13 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
                 qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty,
                 o_ptr, s_ot, s_oh, dec_src, dec_row, s_dc,
                 K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
-                TAIL: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr, DECAY_IN_RING: gl.constexpr,
+                TAIL: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr, PRODUCER_RING: gl.constexpr,
                 num_warps: gl.constexpr):
     """One chunk: returns ``S_next``. ``Lc`` valid rows (``BT`` unless ``TAIL``). The
-    chunk's per-channel decay is ``dec_src + dec_row * s_dc`` (a ``[K]`` pointer vector),
-    or with ``DECAY_IN_RING`` the ring's fp32 ``[STAGES, K]`` shared buffer ``dec_src``
-    (the fused prefill's producer writes it beside the other tiles)."""
+    chunk's per-channel decay is ``dec_src + dec_row * s_dc`` (a ``[K]`` pointer vector).
+    ``PRODUCER_RING``: the ring is the fused prefill's producer's, which writes the decay
+    into the fp32 ``[STAGES, K]`` shared buffer ``dec_src``, and zero ``t_fold`` rows and
+    ``a_fold`` columns past the sequence end (the tail needs no masking of its tiles)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, K, 16])
     C_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -117,9 +118,10 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
     as_ = af_s.index(st)
     vs = v_s.index(st)
 
-    if TAIL:
+    if TAIL and not PRODUCER_RING:
         # The rows past the sequence end are the next sequence's: zero t_fold's rows
-        # and a_fold's columns there, so 0 * inf/NaN cannot reach S_next or o.
+        # and a_fold's columns there, so 0 * inf/NaN cannot reach S_next or o. (The
+        # fused producer writes them zero: its k rows and beta are zero past the end.)
         T_BL: gl.constexpr = _row_tile_layout(K, num_warps)
         A_BL: gl.constexpr = _row_tile_layout(BT, num_warps)
         tr = gl.arange(0, BT, gl.SliceLayout(1, T_BL))
@@ -143,7 +145,7 @@ def _walk_chunk(c, Lc, S, NT, bos, h, v0, scale,
         rT = gl.where((tok < Lc)[None, :], rT, gl.zeros_like(rT))
     r16 = rT.to(op_dt)
     oT = warpgroup_mma(gl.convert_layout(r16, A_FOR_C), as_.permute((1, 0)), -oqn, is_async=ASYNC)
-    if DECAY_IN_RING:
+    if PRODUCER_RING:
         d = dec_src.index(st).load(gl.SliceLayout(0, S_L))
     else:
         d = gl.load(dec_src + dec_row * s_dc).to(gl.float32)
@@ -204,10 +206,10 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
                    K: gl.constexpr, V: gl.constexpr, VB: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
                    LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
                    CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr, ASYNC: gl.constexpr, WS: gl.constexpr,
-                   DECAY_IN_RING: gl.constexpr, num_warps: gl.constexpr):
+                   PRODUCER_RING: gl.constexpr, num_warps: gl.constexpr):
     """The walk of one (sequence, head, V-block): the start state, every chunk, the
     checkpoint and the final state (the consumer partition when ``WS``). ``decay_ptr``:
-    the ``decay [chunks, H, K]`` rows, or with ``DECAY_IN_RING`` the ring's shared
+    the ``decay [chunks, H, K]`` rows, or with ``PRODUCER_RING`` the ring's shared
     decay buffer (``crow0``, ``s_dc``, ``s_dh``, ``s_dk`` then unused)."""
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                   instr_shape=[16, K, 16])
@@ -239,25 +241,27 @@ def _walk_sequence(qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc, qg_s, kd_
         # sequence with a real destination row (it then falls on a full chunk).
         ck_on = (ck_off > 0) & (ck_off % BT == 0) & (ck_off <= seqlen) & (ck_row >= 0)
         ck_base = ck_ptr + gl.where(ck_on, ck_row, 0) * s_ck_n + h.to(gl.int64) * s_ck_h
-    tile_ck = (v0 + rv)[:, None] * s_ck_v + ck[None, :] * s_ck_k
 
-    if DECAY_IN_RING:
+    if PRODUCER_RING:
         dec_base = decay_ptr
     else:
         dec_base = decay_ptr + h.to(gl.int64) * s_dh + ck * s_dk
     for c in range(NF):
         S = _walk_chunk(c, BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc, o_desc,
                         qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
-                        dec_base, crow0 + c, s_dc, K, V, VB, BT, STAGES, False, ASYNC, WS, DECAY_IN_RING, num_warps)
+                        dec_base, crow0 + c, s_dc, K, V, VB, BT, STAGES, False, ASYNC, WS, PRODUCER_RING, num_warps)
         if HAS_CKPT:
             if ck_on & (ck_off == (c + 1) * BT):
                 if CKPT_BF16:
                     S = S.to(gl.bfloat16).to(gl.float32)  # walk on from the stored value
-                gl.store(ck_base + tile_ck, S.to(ck_ptr.dtype.element_ty))
+                # The tile's offsets from a loop-variant zero ((c + 1) BT - ck_off): a
+                # loop-invariant [VB, K] offset tile would stay in registers across the loop.
+                rz = v0 + rv + ((c + 1) * BT - ck_off)
+                gl.store(ck_base + rz[:, None] * s_ck_v + ck[None, :] * s_ck_k, S.to(ck_ptr.dtype.element_ty))
     if NF < NT:
         S = _walk_chunk(NF, seqlen - NF * BT, S, NT, bos, h, v0, scale, qg_desc, kd_desc, tf_desc, af_desc, v_desc,
                         o_desc, qg_s, kd_s, tf_s, af_s, v_s, o_s, ready, empty, o_ptr, s_ot, s_oh,
-                        dec_base, crow0 + NF, s_dc, K, V, VB, BT, STAGES, True, ASYNC, WS, DECAY_IN_RING,
+                        dec_base, crow0 + NF, s_dc, K, V, VB, BT, STAGES, True, ASYNC, WS, PRODUCER_RING,
                         num_warps)
 
     tma.store_wait(0)
