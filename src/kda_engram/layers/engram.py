@@ -57,13 +57,13 @@ from ..validation.common import (
     INDEX_DTYPES,
     DeviceChecks,
     can_read_back,
+    check_instance,
     check_parameters_forward_only,
     check_tensor,
 )
 from ..validation.entry import EntryChecks
 from ..validation.engram import (check_engram_batch, check_history_cache_values, check_history_scatter,
                                  check_ngram_hash_arguments)
-from ..engram.hashing import check_layout
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
 from ..engram.module import Engram, GateKernels
@@ -232,7 +232,7 @@ def engram_hash_step(
         if isinstance(layout, int) and not isinstance(layout, bool):
             lay = None if torch.compiler.is_compiling() else ops.resolve(layout, EngramLayout)
         else:
-            lay = check_layout(layout)
+            lay = check_instance("layout", layout, EngramLayout)
         known = lay is not None
         check_tensor("history_cache", history_cache, shape=[None, lay.max_ngram - 1 if known else None],
                      dtypes=INDEX_DTYPES, device=token_ids.device)
@@ -335,9 +335,7 @@ class EngramLayer(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if not isinstance(layout, EngramLayout):
-            raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-        self.layout = layout
+        self.layout = check_instance("layout", layout, EngramLayout)
         self.layer_id = int(layer_id)
         self.layer_index = layout.layer_index(layer_id)
         self.tp = tp if tp is not None else TensorParallelGroup.single()
