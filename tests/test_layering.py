@@ -203,6 +203,13 @@ def test_kernels_do_not_import_the_references(graph):
     assert reference_imports(graph) == []
 
 
+def test_what_every_op_module_shares_is_generic(graph):
+    """ops/common.py defines the ops of every family and imports none: the kinds of
+    object that cross as a handle come from the op modules' ``EntryOp(handles=)``."""
+    families = dict(LAYERS)["kernels"]
+    assert [m for m in sorted(graph[f"{PACKAGE}.ops.common"]) if layer_of(m) == layer_of(families[0])] == []
+
+
 def test_the_checker_reports_a_cycle_an_upward_import_and_a_kernel_importing_a_reference():
     synthetic = {
         f"{PACKAGE}.tools.cli": {f"{PACKAGE}.tools.demo"},
