@@ -3,6 +3,7 @@
 ``torch.compile(fullgraph=True)``-able."""
 
 from .engram import EngramBatch, EngramLayer, engram_hash_step
-from .kda import KDABatch, KimiDeltaAttention
+from .kda import KimiDeltaAttention
+from .kda_batch import KDABatch
 
 __all__ = ["EngramBatch", "EngramLayer", "KDABatch", "KimiDeltaAttention", "engram_hash_step"]

@@ -149,7 +149,7 @@ class EngramBatch:
         dead_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
     ) -> EngramBatch:
-        """The same step as a :class:`~kda_engram.layers.kda.KDABatch` (decode rows
+        """The same step as a :class:`~kda_engram.layers.kda_batch.KDABatch` (decode rows
         first, then the prefill sequences): decode rows become length-1 sequences
         that continue their history; slots default to the KDA state slots (one
         numbering for every per-sequence cache); checkpoints carry over."""
