@@ -6,7 +6,7 @@ One Engram layer of DeepSeek-V4.1 is four steps, each a kernel of this package:
    Engram layers in one launch per model step);
 2. gather and dequantise this layer's table rows (:class:`~kda_engram.engram.table.EngramTable`);
 3. project them with ``wkv`` to ``hc`` keys and a value, and 4. gate them into the
-   ``hc`` streams (fused or dim-sharded gate: :class:`~kda_engram.engram.module.Engram`).
+   ``hc`` streams (fused or dim-sharded gate: :class:`~kda_engram.layers.engram_gate.Engram`).
 
 Serving adds the one piece of state Engram has: the **hash history**, the last
 ``max_ngram - 1`` token ids of every sequence, which the n-grams of a chunk's
@@ -66,9 +66,9 @@ from ..validation.engram import (check_engram_batch, check_history_cache_values,
                                  check_ngram_hash_arguments)
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
-from ..engram.module import Engram, GateKernels
 from ..engram.table import EngramTable
 from ..parallel import TensorParallelGroup
+from .engram_gate import Engram, GateKernels
 
 __all__ = [
     "EngramBatch",
@@ -304,7 +304,7 @@ class EngramLayer(nn.Module):
         eps, clamp_value: the gate's RMS epsilon and ``|dot|`` floor.
         tp: tensor-parallel group (``None``: one process). The table is sharded by
             hash columns (each rank gathers its columns, then one all-gather), the
-            projection and gate as :class:`~kda_engram.engram.module.Engram` decides.
+            projection and gate as :class:`~kda_engram.layers.engram_gate.Engram` decides.
         shard_gate: force the dim-sharded gate on/off (``None``: the policy).
         storage: table storage, ``"bf16"``, ``"fp16"``, ``"fp32"`` or ``"fp8"`` (e4m3 +
             ue8m0 scales, V4.1's checkpoint format: 101 GB instead of 196 GB per layer).

@@ -38,7 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ...engram.module import Engram
+from ...layers.engram_gate import Engram
 from ...engram.sharded_gate import send_width
 from ...layers.kda import KDABatch, KimiDeltaAttention
 from ...parallel import TensorParallelGroup
