@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import kda_engram.platform as platform
-from kda_engram.engram.module import SHARD_GATE_ENV, shards_engram_gate
+from kda_engram.layers.engram_gate import SHARD_GATE_ENV, shards_engram_gate
 from kda_engram.kda.groups import MAX_GROUPS, MIN_GROUP_CHUNKS, chunk_groups
 from kda_engram.launch_config import arch_facts, chunk_launch
 
@@ -84,7 +84,7 @@ def test_cdna3_and_cdna4_shard_the_gate(device_facts, monkeypatch, arch):
 
 def test_nvidia_shards_the_gate_too(device_facts, monkeypatch):
     # Where the package departs from the specification (which shards on CDNA3/4
-    # only): on every vendor, from the H200 measurement (engram/module.py,
+    # only): on every vendor, from the H200 measurement (layers/engram_gate.py,
     # src/kda_engram/tools/benchmarks/bench_engram_gate.py); KDA_ENGRAM_SHARD_GATE=0 restores the
     # specification's choice on NVIDIA.
     monkeypatch.delenv(SHARD_GATE_ENV, raising=False)

@@ -3,8 +3,11 @@
 
 Subpackages: :mod:`kda_engram.kda` (decode, two-launch chunked prefill),
 :mod:`kda_engram.engram` (hashing, tables, the gate and its dim-sharded
-tensor-parallel form), :mod:`kda_engram.parallel` (a tensor-parallel group on
-``torch.distributed``), :mod:`kda_engram.platform` (device facts).
+tensor-parallel form), :mod:`kda_engram.ops` (the kernels as ``torch.ops``),
+:mod:`kda_engram.layers` (the serving ``nn.Module``s: the KDA layer, the Engram layer
+and its gate module), :mod:`kda_engram.validation` (the argument rules),
+:mod:`kda_engram.parallel` (a tensor-parallel group on ``torch.distributed``),
+:mod:`kda_engram.platform` (device facts). ``docs/design/README.md`` maps the rooms.
 """
 
 __version__ = "0.1.0"

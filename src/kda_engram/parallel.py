@@ -175,7 +175,7 @@ class ColumnParallelLinear(nn.Module):
 
     ``weight`` is this rank's ``[sum(output_sizes)/P, in_features]`` shard; ``forward``
     returns the local output ``x @ weight.T``. Gathering it (plain layout) is the
-    caller's choice: see :class:`kda_engram.engram.module.Engram`.
+    caller's choice: see :class:`kda_engram.layers.engram_gate.Engram`.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 
 The all-gather is replaced by ``torch.cat`` of the per-rank send buffers (rank
 major), which is what TensorParallelGroup.all_gather returns; the real multi-process
-runs are in tests/engram/test_module.py.
+runs are in tests/layers/test_engram_gate.py.
 """
 
 import pytest

@@ -150,7 +150,7 @@ def test_history_checkpoint_resume_equals_one_shot():
 def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
     """One gate branch: the layer calls Engram.gate with the torch.ops entry points."""
     from kda_engram import ops
-    from kda_engram.engram.module import Engram
+    from kda_engram.layers.engram_gate import Engram
 
     layer, w = make_layer()
     seen = []

@@ -521,3 +521,14 @@ def test_default_checks_add_no_more_than_kda_decodes():
             ops, launches = extra(calls[name])
             assert ops <= decode_ops, (name, ops, decode_ops)
             assert launches <= decode_launches, (name, launches, decode_launches)
+
+
+def test_the_layer_module_names_its_batch():
+    """``KDABatch`` lives in layers/kda_batch.py, the checkpoint side in
+    layers/kda_weights.py; the layer's module keeps both import paths."""
+    from kda_engram import layers
+    from kda_engram.layers import kda, kda_batch, kda_weights
+
+    assert kda.KDABatch is kda_batch.KDABatch is layers.KDABatch
+    assert issubclass(KimiDeltaAttention, kda_weights.KDAWeights)
+    assert KimiDeltaAttention.load_weights is kda_weights.KDAWeights.load_weights

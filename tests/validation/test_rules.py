@@ -8,7 +8,7 @@ import torch
 
 from kda_engram import constants, platform
 from kda_engram.validation import common
-from kda_engram.validation.common import DeviceChecks, check_index_values, check_int, check_real
+from kda_engram.validation.common import DeviceChecks, check_index_values, check_instance, check_int, check_real
 from kda_engram.validation.engram import check_column_sizes, check_gate_scalars
 from kda_engram.bundles import StateArgs
 from kda_engram.validation.kda_decode import check_decode_multi_indices
@@ -63,6 +63,21 @@ def test_check_int():
         check_int("n", True)
     with pytest.raises(ValueError, match="n"):
         check_int("n", 4, high=3)
+
+
+def test_check_instance():
+    class EngramThing:
+        pass
+
+    class KDAThing:
+        pass
+
+    thing = EngramThing()
+    assert check_instance("layout", thing, EngramThing) is thing
+    with pytest.raises(TypeError, match="^layout: expected an EngramThing, got str$"):
+        check_instance("layout", "x", EngramThing)
+    with pytest.raises(TypeError, match="^batch: expected a KDAThing, got EngramThing$"):
+        check_instance("batch", thing, KDAThing)
 
 
 def test_column_sizes():

@@ -1,4 +1,8 @@
-"""DeepSeek Engram: hashed n-gram memory, its tables, and the (dim-sharded) gate.
+"""DeepSeek Engram's kernels: hashed n-gram memory, its tables, and the (dim-sharded)
+gate. The ``nn.Module``s are in :mod:`kda_engram.layers` (``Engram``, the gate module,
+and ``shards_engram_gate``, its policy: :mod:`kda_engram.layers.engram_gate`); this
+package still answers for those two names, importing them only when asked (importing
+the family imports no layer).
 
 Importing this package compiles nothing: Triton kernels are built on first use.
 On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing.
@@ -7,7 +11,6 @@ On a machine without a GPU set ``TRITON_INTERPRET=1`` before importing.
 from .gate import engram_post_wkv
 from .hashing import CompressedTokenMap, build_compressed_token_map, ngram_hash, next_history
 from .layout import EngramLayout
-from .module import Engram, shards_engram_gate
 from .reference import naive_engram_gate_sharded, naive_engram_post_wkv
 from .sharded_gate import engram_gate_finish, engram_gate_partials
 from .table import EngramTable, quantize_fp8_ue8m0
@@ -28,3 +31,13 @@ __all__ = [
     "quantize_fp8_ue8m0",
     "shards_engram_gate",
 ]
+
+
+def __getattr__(name):
+    # The names that moved up to the layers keep this import path (tests/test_layering.py
+    # allows this one upward import, lazy).
+    if name in ("Engram", "shards_engram_gate"):
+        from ..layers import engram_gate
+
+        return getattr(engram_gate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

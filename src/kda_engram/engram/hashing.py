@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..validation.common import check_instance
 from ..validation.entry import EntryChecks
 from ..validation.engram import check_next_history_arguments, check_ngram_hash_arguments
 from .layout import EngramLayout
@@ -189,13 +190,6 @@ def _dead_view(dead_mask):
     return dead_mask.view(torch.uint8) if dead_mask.dtype == torch.bool else dead_mask
 
 
-def check_layout(layout) -> EngramLayout:
-    """``layout`` is an :class:`EngramLayout` (``TypeError`` naming it otherwise)."""
-    if not isinstance(layout, EngramLayout):
-        raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-    return layout
-
-
 def ngram_hash(
     token_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -239,8 +233,8 @@ def ngram_hash(
     """
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        check_ngram_hash_arguments(token_ids, cu_seqlens, check_layout(layout), token_map, history, dead_mask,
-                                   global_rows, out, checks)
+        check_ngram_hash_arguments(token_ids, cu_seqlens, check_instance("layout", layout, EngramLayout), token_map,
+                                   history, dead_mask, global_rows, out, checks)
     # Launch, then read back: a broken rule makes every sequence empty (every
     # token's rows -1), every id 0 and the history "none", so no id reaches a
     # gather out of its range.
@@ -337,7 +331,8 @@ def next_history(
     """
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        check_next_history_arguments(token_ids, cu_seqlens, check_layout(layout), history, dead_mask, out, checks)
+        check_next_history_arguments(token_ids, cu_seqlens, check_instance("layout", layout, EngramLayout), history,
+                                     dead_mask, out, checks)
     # Launch, then read back: a broken rule makes every sequence empty, whose next
     # history is its history unchanged (so ``out`` = ``history`` keeps its bits).
     out = run_next_history(token_ids, checks.guard(cu_seqlens, 0), layout, history=history, dead_mask=dead_mask,

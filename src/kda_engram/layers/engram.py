@@ -6,7 +6,7 @@ One Engram layer of DeepSeek-V4.1 is four steps, each a kernel of this package:
    Engram layers in one launch per model step);
 2. gather and dequantise this layer's table rows (:class:`~kda_engram.engram.table.EngramTable`);
 3. project them with ``wkv`` to ``hc`` keys and a value, and 4. gate them into the
-   ``hc`` streams (fused or dim-sharded gate: :class:`~kda_engram.engram.module.Engram`).
+   ``hc`` streams (fused or dim-sharded gate: :class:`~kda_engram.layers.engram_gate.Engram`).
 
 Serving adds the one piece of state Engram has: the **hash history**, the last
 ``max_ngram - 1`` token ids of every sequence, which the n-grams of a chunk's
@@ -57,18 +57,18 @@ from ..validation.common import (
     INDEX_DTYPES,
     DeviceChecks,
     can_read_back,
+    check_instance,
     check_parameters_forward_only,
     check_tensor,
 )
 from ..validation.entry import EntryChecks
 from ..validation.engram import (check_engram_batch, check_history_cache_values, check_history_scatter,
                                  check_ngram_hash_arguments)
-from ..engram.hashing import check_layout
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
-from ..engram.module import Engram, GateKernels
 from ..engram.table import EngramTable
 from ..parallel import TensorParallelGroup
+from .engram_gate import Engram, GateKernels
 
 __all__ = [
     "EngramBatch",
@@ -149,7 +149,7 @@ class EngramBatch:
         dead_mask: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
     ) -> EngramBatch:
-        """The same step as a :class:`~kda_engram.layers.kda.KDABatch` (decode rows
+        """The same step as a :class:`~kda_engram.layers.kda_batch.KDABatch` (decode rows
         first, then the prefill sequences): decode rows become length-1 sequences
         that continue their history; slots default to the KDA state slots (one
         numbering for every per-sequence cache); checkpoints carry over."""
@@ -232,7 +232,7 @@ def engram_hash_step(
         if isinstance(layout, int) and not isinstance(layout, bool):
             lay = None if torch.compiler.is_compiling() else ops.resolve(layout, EngramLayout)
         else:
-            lay = check_layout(layout)
+            lay = check_instance("layout", layout, EngramLayout)
         known = lay is not None
         check_tensor("history_cache", history_cache, shape=[None, lay.max_ngram - 1 if known else None],
                      dtypes=INDEX_DTYPES, device=token_ids.device)
@@ -304,7 +304,7 @@ class EngramLayer(nn.Module):
         eps, clamp_value: the gate's RMS epsilon and ``|dot|`` floor.
         tp: tensor-parallel group (``None``: one process). The table is sharded by
             hash columns (each rank gathers its columns, then one all-gather), the
-            projection and gate as :class:`~kda_engram.engram.module.Engram` decides.
+            projection and gate as :class:`~kda_engram.layers.engram_gate.Engram` decides.
         shard_gate: force the dim-sharded gate on/off (``None``: the policy).
         storage: table storage, ``"bf16"``, ``"fp16"``, ``"fp32"`` or ``"fp8"`` (e4m3 +
             ue8m0 scales, V4.1's checkpoint format: 101 GB instead of 196 GB per layer).
@@ -335,9 +335,7 @@ class EngramLayer(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if not isinstance(layout, EngramLayout):
-            raise TypeError(f"layout: expected an EngramLayout, got {type(layout).__name__}")
-        self.layout = layout
+        self.layout = check_instance("layout", layout, EngramLayout)
         self.layer_id = int(layer_id)
         self.layer_index = layout.layer_index(layer_id)
         self.tp = tp if tp is not None else TensorParallelGroup.single()

@@ -17,8 +17,8 @@ Per token (hidden ``x``), per head ``h`` of this rank:
 
 Batches follow the engines' order: the ``num_decode`` decode rows first (one token
 each), then the prefill tokens (``prefill_cu_seqlens`` over them alone).
-:class:`KDABatch` says which rows are which, their state-cache and conv-cache
-rows, ``has_initial_state`` and the prefix-cache checkpoints, all as device
+:class:`KDABatch` (``layers/kda_batch.py``) says which rows are which, their
+state-cache and conv-cache rows, ``has_initial_state`` and the prefix-cache checkpoints, all as device
 tensors built without host syncs, so a step is CUDA-graph capturable and
 ``torch.compile(fullgraph=True)``-able (every kernel is a ``torch.ops.kda_engram``
 custom op, :mod:`kda_engram.ops`).
@@ -36,13 +36,13 @@ fp32 or bf16 state); the projection is read through strided band views, never co
 
 Tensor parallelism: rank ``r`` of ``P`` owns heads ``[r H/P, (r+1) H/P)`` (their bands,
 conv channels, ``A_log``, ``dt_bias``, up projections; ``o_proj`` row-parallel);
-:meth:`KimiDeltaAttention.load_weights` takes the full checkpoint and keeps the shard.
+:meth:`KimiDeltaAttention.load_weights` takes the full checkpoint and keeps the shard
+(the checkpoint names and loading: :class:`~kda_engram.layers.kda_weights.KDAWeights`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -50,126 +50,16 @@ from torch import nn
 from .. import ops
 from ..constants import CONV_WIDTH, KDA_HEAD_DIMS, STATE_DTYPES
 from ..parallel import TensorParallelGroup
-from ..validation.common import (
-    FLOAT_DTYPES,
-    DeviceChecks,
-    can_read_back,
-    check_int,
-    check_parameters_forward_only,
-    check_tensor,
-)
+from ..validation.common import FLOAT_DTYPES, can_read_back, check_int, check_parameters_forward_only
 from ..validation.entry import EntryChecks
-from ..validation.kda_batch import check_kda_batch, check_kda_layer_inputs, check_kda_requests
+from ..validation.kda_batch import check_kda_batch, check_kda_layer_inputs
+from .kda_batch import KDABatch
+from .kda_weights import KDAWeights
 
 __all__ = ["KDABatch", "KimiDeltaAttention"]
 
 
-# --------------------------------------------------------------------------- batch
-
-
-@dataclasses.dataclass(frozen=True)
-class KDABatch:
-    """The rows of one mixed decode + prefill step, as the KDA layer needs them.
-
-    Tokens are ordered decode rows first (``num_decode`` of them, one token each),
-    then the prefill tokens. Fields (device tensors, int32/int64 unless noted):
-
-    * ``num_decode``: Python int, static for a captured graph.
-    * ``decode_state_indices [B_d]``: state-cache row of each decode row (negative:
-      padding row -- nothing read or written, output zero).
-    * ``decode_conv_indices [B_d]``: conv-cache row (defaults to the state rows).
-    * ``prefill_cu_seqlens [N_p+1]``: offsets over the prefill tokens only.
-    * ``prefill_state_indices [N_p]`` / ``prefill_conv_indices [N_p]``: cache rows.
-    * ``prefill_has_initial_state`` bool ``[N_p]``: continue from the rows (chunked
-      prefill, resumption from a prefix checkpoint) or start from zeros (the rows
-      are then not read).
-    * ``checkpoint_offsets [N_p]`` / ``checkpoint_indices [N_p]`` (optional, both or
-      neither): snapshot the state and conv window after ``checkpoint_offsets[n]``
-      tokens (0 = none, else a multiple of 64, at most the length) into row
-      ``checkpoint_indices[n]`` of the checkpoint buffers (by default the caches).
-    * ``decode_query_lens [B_d]`` (optional; :meth:`from_query_lens` keeps the
-      engine's query lengths of the decode rows here): checked to be 1, so a
-      multi-token request counted as a decode row is refused by its own name.
-
-    Build it with :meth:`from_query_lens` (device ops, no sync) or directly;
-    :meth:`validate` checks it against the host (syncs: eager only).
-    """
-
-    num_decode: int
-    decode_state_indices: torch.Tensor
-    decode_conv_indices: torch.Tensor
-    prefill_cu_seqlens: torch.Tensor
-    prefill_state_indices: torch.Tensor
-    prefill_conv_indices: torch.Tensor
-    prefill_has_initial_state: torch.Tensor
-    checkpoint_offsets: torch.Tensor | None = None
-    checkpoint_indices: torch.Tensor | None = None
-    decode_query_lens: torch.Tensor | None = None
-
-    @property
-    def num_prefill(self) -> int:
-        """Number of prefill sequences (static: a shape)."""
-        return self.prefill_state_indices.shape[0]
-
-    @classmethod
-    def from_query_lens(
-        cls,
-        query_lens: torch.Tensor,
-        state_indices: torch.Tensor,
-        has_initial_state: torch.Tensor | None = None,
-        *,
-        num_decode: int,
-        conv_state_indices: torch.Tensor | None = None,
-        checkpoint_offsets: torch.Tensor | None = None,
-        checkpoint_indices: torch.Tensor | None = None,
-    ) -> KDABatch:
-        """From per-request device tensors in engine order (decode requests first).
-
-        ``query_lens [N]`` (the first ``num_decode`` must be 1), ``state_indices [N]``,
-        ``has_initial_state`` bool ``[N]`` (decode entries ignored: decode always
-        continues; default all false for the prefill requests), ``conv_state_indices
-        [N]`` (default ``state_indices``), ``checkpoint_offsets`` / ``checkpoint_indices
-        [N]`` (decode entries ignored). Device ops only (a cumsum and slices)."""
-        num_decode = check_kda_requests(query_lens, state_indices, has_initial_state, num_decode, conv_state_indices,
-                                        checkpoint_offsets, checkpoint_indices)
-        N, dev = query_lens.shape[0], query_lens.device
-        conv = state_indices if conv_state_indices is None else conv_state_indices
-        B = num_decode
-        cu = torch.zeros(N - B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(query_lens[B:].to(torch.int64), 0, out=cu[1:])
-        has = torch.zeros(N - B, dtype=torch.bool, device=dev) if has_initial_state is None else has_initial_state[B:]
-        ck_off = ck_idx = None
-        if checkpoint_offsets is not None:
-            ck_off, ck_idx = checkpoint_offsets[B:], checkpoint_indices[B:]
-        return cls(B, state_indices[:B], conv[:B], cu, state_indices[B:], conv[B:], has, ck_off, ck_idx,
-                   query_lens[:B])
-
-    def validate(self, num_tokens: int, state_slots: int | None = None, conv_slots: int | None = None,
-                 checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None) -> None:
-        """Every field against the host (one read-back of the device values: a
-        sync; eager only).
-
-        ``num_tokens`` is the step's token count (``num_decode`` + prefill tokens).
-        With the cache sizes, index ranges and distinctness are checked too: all
-        state rows written in the step (decode, prefill, checkpoints) must differ,
-        and so must the conv rows. The rules are
-        :func:`kda_engram.validation.kda_batch.check_kda_batch`, the ones the layer's
-        forward runs by default."""
-        checks = DeviceChecks()
-        check_kda_batch(self, num_tokens, None, checks, state_slots=state_slots, conv_slots=conv_slots,
-                        checkpoint_rows=checkpoint_rows, conv_checkpoint_rows=conv_checkpoint_rows)
-        checks.run()
-
-
-# --------------------------------------------------------------------------- layer
-
-
-def _sharded(x: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
-    size = x.shape[dim] // parts
-    return x.narrow(dim, rank * size, size)
-
-
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(KDAWeights, nn.Module):
     """The KDA token mixer for serving (one layer, this rank's heads).
 
     Args:
@@ -289,112 +179,6 @@ class KimiDeltaAttention(nn.Module):
                            device=device)
         return state, conv
 
-    # -- weights ----------------------------------------------------------------------
-
-    def weight_names(self) -> list[str]:
-        """The full-checkpoint tensor names :meth:`load_weights` takes (Kimi-Linear's)."""
-        names = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
-                 "v_conv1d.weight", "b_proj.weight", "A_log", "dt_bias", "o_norm.weight", "o_proj.weight"]
-        names += ["f_a_proj.weight", "f_b_proj.weight"] if self.gate_low_rank_dim else ["f_proj.weight"]
-        names += ["g_a_proj.weight", "g_b_proj.weight"] if self.output_gate_low_rank_dim else ["g_proj.weight"]
-        return names
-
-    @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     prefix: str = "") -> set[str]:
-        """Load the full (unsharded) checkpoint tensors, Kimi-Linear names under ``prefix``:
-
-        ``q_proj / k_proj / v_proj.weight [H*K or H*V, hidden]``,
-        ``q_conv1d / k_conv1d / v_conv1d.weight [*, 1, 4]`` (or ``[*, 4]``),
-        ``f_a_proj.weight [r, hidden]`` + ``f_b_proj.weight [H*K, r]`` (low-rank gate) or
-        ``f_proj.weight [H*K, hidden]``, ``b_proj.weight [H, hidden]``,
-        ``g_a_proj.weight [r_o, hidden]`` + ``g_b_proj.weight [H*V, r_o]`` or
-        ``g_proj.weight [H*V, hidden]``, ``A_log [H]`` (or ``[1, 1, H, 1]``),
-        ``dt_bias [H*K]`` (or ``[H, K]``), ``o_norm.weight [V]``, ``o_proj.weight [hidden, H*V]``.
-
-        This rank keeps its heads; the fused projection is assembled from the bands.
-        Missing or unknown names under ``prefix`` raise ``ValueError``. Returns the
-        names loaded."""
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        w = {name[len(prefix):]: t for name, t in items if name.startswith(prefix)}
-        need = set(self.weight_names())
-        if need != set(w):
-            raise ValueError(f"weights: under prefix {prefix!r} missing {sorted(need - set(w))}, "
-                             f"unknown {sorted(set(w) - need)}")
-        P, r = self.tp.world_size, self.tp.rank
-        Hf, K, hid = self.num_heads, self.head_dim, self.hidden_size
-
-        def get(name, shape):
-            t = w[name]
-            return check_tensor(prefix + name, t, shape=shape)
-
-        def heads(name, shape, dim=0):
-            return _sharded(get(name, shape), dim, r, P)
-
-        q = heads("q_proj.weight", [Hf * K, hid])
-        k = heads("k_proj.weight", [Hf * K, hid])
-        v = heads("v_proj.weight", [Hf * K, hid])
-        if self.gate_low_rank_dim:
-            gate = get("f_a_proj.weight", [self.gate_low_rank_dim, hid])  # replicated
-            self.f_b_proj.weight.copy_(heads("f_b_proj.weight", [Hf * K, self.gate_low_rank_dim]))
-        else:
-            gate = heads("f_proj.weight", [Hf * K, hid])
-        beta = heads("b_proj.weight", [Hf, hid])
-        if self.output_gate_low_rank_dim:
-            gout = get("g_a_proj.weight", [self.output_gate_low_rank_dim, hid])
-            self.g_b_proj.weight.copy_(heads("g_b_proj.weight", [Hf * K, self.output_gate_low_rank_dim]))
-        else:
-            gout = heads("g_proj.weight", [Hf * K, hid])
-        self.in_proj.weight.copy_(torch.cat([x.to(self.in_proj.weight.dtype) for x in (q, k, v, gate, beta, gout)]))
-
-        def conv(name):
-            t = w[name]
-            t = t.reshape(t.shape[0], t.shape[-1]) if t.dim() == 3 else t
-            return _sharded(check_tensor(prefix + name, t, shape=[Hf * K, self.conv_size]), 0, r, P)
-
-        self.conv_weight.copy_(torch.cat([conv("q_conv1d.weight"), conv("k_conv1d.weight"), conv("v_conv1d.weight")]))
-        a_log = w["A_log"].reshape(-1)
-        self.A_log.copy_(_sharded(check_tensor(prefix + "A_log", a_log, shape=[Hf]), 0, r, P))
-        dtb = w["dt_bias"].reshape(-1)
-        self.dt_bias.copy_(_sharded(check_tensor(prefix + "dt_bias", dtb, shape=[Hf * K]), 0, r, P))
-        self.o_norm_weight.copy_(get("o_norm.weight", [K]))
-        self.o_proj.weight.copy_(heads("o_proj.weight", [hid, Hf * K], dim=1))
-        return {prefix + n for n in w}
-
-    def random_weights(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Random full checkpoint tensors (CPU fp32, Kimi-Linear names) of a plausible
-        scale: unit-variance projections, ``A_log`` in ``log[1, 16]``, a conv that
-        keeps the signal, for tests and benchmarks."""
-        g = generator
-        Hf, K, hid = self.num_heads, self.head_dim, self.hidden_size
-        lin = lambda o, i: torch.randn(o, i, generator=g) * i**-0.5  # noqa: E731
-        out = {
-            "q_proj.weight": lin(Hf * K, hid), "k_proj.weight": lin(Hf * K, hid), "v_proj.weight": lin(Hf * K, hid),
-            "b_proj.weight": lin(Hf, hid), "o_proj.weight": lin(hid, Hf * K),
-            "A_log": torch.log(torch.rand(Hf, generator=g) * 15 + 1),
-            "dt_bias": torch.randn(Hf * K, generator=g) * 0.5,
-            "o_norm.weight": 1.0 + 0.1 * torch.randn(K, generator=g),
-        }
-        for name in ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"):
-            out[name] = (torch.randn(Hf * K, 1, self.conv_size, generator=g) * 0.5)
-        if self.gate_low_rank_dim:
-            out["f_a_proj.weight"] = lin(self.gate_low_rank_dim, hid)
-            out["f_b_proj.weight"] = lin(Hf * K, self.gate_low_rank_dim)
-        else:
-            out["f_proj.weight"] = lin(Hf * K, hid)
-        if self.output_gate_low_rank_dim:
-            out["g_a_proj.weight"] = lin(self.output_gate_low_rank_dim, hid)
-            out["g_b_proj.weight"] = lin(Hf * K, self.output_gate_low_rank_dim)
-        else:
-            out["g_proj.weight"] = lin(Hf * K, hid)
-        return out
-
-    def reset_parameters(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """Load :meth:`random_weights`; returns the full tensors (the reference needs them)."""
-        w = self.random_weights(generator)
-        self.load_weights(w)
-        return w
-
     # -- forward ----------------------------------------------------------------------
 
     def forward(
@@ -491,7 +275,7 @@ class KimiDeltaAttention(nn.Module):
                                  state_cache, batch.decode_state_indices, scale=self.scale,
                                  lower_bound=self.lower_bound)
             parts.append(self._output_gate(o_d.to(hidden_states.dtype), g_out[:B].view(B, H, V)).reshape(B, H * V))
-        if batch.num_prefill > 0:
+        if batch.prefill_state_indices.shape[0] > 0:  # batch.num_prefill: prefill sequences
             Tp = T - B
             xp = proj[B:]
             q = xp[:, 0 : H * K].view(1, Tp, H, K)

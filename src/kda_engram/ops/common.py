@@ -10,8 +10,6 @@ import weakref
 
 import torch
 
-from ..engram.layout import EngramLayout
-from ..engram.table import EngramTable
 from ..validation.entry import check_mode, settle_pending
 
 Tensor = torch.Tensor
@@ -24,17 +22,22 @@ __all__ = ["NAMESPACE", "EntryOp", "entry_checks", "handle", "opt_float", "resol
 _counter = itertools.count(1)
 _handle_of: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 _object_of: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+#: The classes some op takes as a handle (:class:`EntryOp`'s ``handles``), in the
+#: order the op modules define them.
+_handle_kinds: list[type] = []
 
 
 def handle(obj) -> int:
-    """A stable integer handle for ``obj`` (an ``EngramLayout`` or ``EngramTable``),
-    valid while ``obj`` lives; the registry holds it weakly. An ``int`` is returned
-    as it is (already a handle). Layers take their handles at construction: the
-    registry lookup is plain Python that ``torch.compile`` need not trace."""
+    """A stable integer handle for ``obj`` (an object of a class some op takes as a
+    handle: the Engram ops' ``EngramLayout`` and ``EngramTable``), valid while ``obj``
+    lives; the registry holds it weakly. An ``int`` is returned as it is (already a
+    handle). Layers take their handles at construction: the registry lookup is plain
+    Python that ``torch.compile`` need not trace."""
     if isinstance(obj, int):
         return obj
-    if not isinstance(obj, (EngramLayout, EngramTable)):
-        raise TypeError(f"obj: expected an EngramLayout or EngramTable, got {type(obj).__name__}")
+    if not isinstance(obj, tuple(_handle_kinds)):
+        kinds = " or ".join(k.__name__ for k in _handle_kinds)
+        raise TypeError(f"obj: expected an {kinds}, got {type(obj).__name__}")
     h = _handle_of.get(obj)
     if h is None:
         h = next(_counter)
@@ -147,6 +150,7 @@ class EntryOp:
         if unknown:
             raise ValueError(f"host_only: {sorted(unknown)} are not parameters of {entry.__name__}")
         self.handles = dict(handles or {})
+        _handle_kinds.extend(k for k in dict.fromkeys(self.handles.values()) if k not in _handle_kinds)
         params = [p for n, p in sig.parameters.items() if n not in host_only]
         self.signature = sig.replace(parameters=params)
         self.names = tuple(p.name for p in params)

@@ -36,6 +36,7 @@ __all__ = [
     "check_int",
     "check_real",
     "check_bool",
+    "check_instance",
     "check_index_range",
     "check_index_values",
     "index_rule_messages",
@@ -175,6 +176,16 @@ def check_real(name: str, x, *, sign: str | None = None, allow_none: bool = Fals
 def check_bool(name: str, x) -> None:
     if not isinstance(x, bool):
         raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+def check_instance(name: str, x, cls: type):
+    """``x`` is a ``cls`` (``TypeError`` naming it otherwise); returns ``x``. The
+    caller passes the class: the kernel families' types (``EngramLayout``) sit
+    above this module."""
+    if not isinstance(x, cls):
+        article = "an" if cls.__name__[:1] in "AEIOU" else "a"
+        raise TypeError(f"{name}: expected {article} {cls.__name__}, got {type(x).__name__}")
+    return x
 
 
 class DeviceChecks:

@@ -309,7 +309,7 @@ def kda_batch_rules(checks, batch, prefill_tokens: int, sets, *, query_lens_mess
                     cu_messages: tuple[str, str, str], offsets_message: str | None, alignment: int,
                     guard: bool) -> dict:
     """Queue, in one launch, every device rule of a layer step's ``batch`` (a
-    :class:`~kda_engram.layers.kda.KDABatch`, its host rules checked) on ``checks``,
+    :class:`~kda_engram.layers.kda_batch.KDABatch`, its host rules checked) on ``checks``,
     as one verdict, the same rules in the same order with the same messages as the
     PyTorch path of :func:`kda_engram.validation.kda_batch.check_kda_batch`:
 

@@ -1,4 +1,4 @@
-"""Rules of a KDA layer step: the :class:`~kda_engram.layers.kda.KDABatch` (its fields
+"""Rules of a KDA layer step: the :class:`~kda_engram.layers.kda_batch.KDABatch` (its fields
 and, queued in one launch, its device values) and the layer's inputs and caches."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def check_kda_batch(batch, num_tokens: int, device: torch.device | None, checks:
                     state_slots: int | None = None, conv_slots: int | None = None,
                     checkpoint_rows: int | None = None, conv_checkpoint_rows: int | None = None,
                     guard: bool = False) -> dict:
-    """A ``KDABatch`` (:mod:`kda_engram.layers.kda`) of a step of ``num_tokens``
+    """A ``KDABatch`` (:mod:`kda_engram.layers.kda_batch`) of a step of ``num_tokens``
     tokens: host rules (field types, dtypes, shapes, devices, the token count) at
     once; with ``checks``, the value rules queued: decode query lengths 1;
     ``prefill_cu_seqlens`` from 0, non-decreasing, to the prefill tokens;

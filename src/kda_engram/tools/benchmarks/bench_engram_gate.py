@@ -293,7 +293,7 @@ def _distributed_worker(rank, world_size, port, cases, in_dim, backend, results_
 
     import torch.distributed as dist
 
-    from ...engram.module import Engram
+    from ...layers.engram_gate import Engram
     from ...parallel import TensorParallelGroup
 
     if backend == "nccl":

@@ -7,7 +7,7 @@
 Every rank builds the layers from the same seeded full checkpoint, so each also runs
 the unsharded layer (P = 1) locally as the reference. Two parts:
 
-1. The Engram layer (``kda_engram.engram.Engram``: ``wkv`` projection, then the gate)
+1. The Engram layer (``kda_engram.layers.engram_gate.Engram``: ``wkv`` projection, then the gate)
    at dim 5120, hc 4, T in {64, 2048, 16384}, in both tensor-parallel layouts: the
    column-parallel projection followed by an all-gather of the whole ``kv`` ("gather",
    the baseline) and the dim-sharded gate ("sharded", which all-gathers a value slice
@@ -38,7 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ...engram.module import Engram
+from ...layers.engram_gate import Engram
 from ...engram.sharded_gate import send_width
 from ...layers.kda import KDABatch, KimiDeltaAttention
 from ...parallel import TensorParallelGroup

@@ -1,4 +1,4 @@
-"""The Engram layer: the shard policy, checkpoint loading, and the two TP paths.
+"""The Engram gate module (layers/engram_gate.py): the shard policy, checkpoint loading, and the two TP paths.
 
 The multi-process tests run P = 2 and 4 gloo ranks on the CPU (kernels under the
 interpreter) and check that the sharded layer equals the unsharded one within fp32
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kda_engram.engram.module import SHARD_GATE_ENV, Engram, shards_engram_gate
+from kda_engram.layers.engram_gate import SHARD_GATE_ENV, Engram, shards_engram_gate
 from kda_engram.engram.reference import naive_engram_post_wkv
 from kda_engram.parallel import TensorParallelGroup
 

@@ -1,4 +1,7 @@
-"""The Engram layer: ``wkv`` projection of the looked-up embeddings, then the gate.
+"""``Engram``, the ``nn.Module`` of the Engram branch: ``wkv`` projection of the
+looked-up embeddings, then the gate (its kernels: ``engram/gate.py``,
+``engram/sharded_gate.py``). :class:`~kda_engram.layers.engram.EngramLayer` holds one
+beside its table.
 
 ``Engram.forward(hidden_states [T, hc, dim], embeddings [T, in_dim])`` computes
 ``kv = embeddings @ wkv.T`` (``[T, (hc+1)*dim]`` = ``[key_0 | ... | value]``) and
@@ -28,10 +31,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..validation.common import FLOAT_DTYPES, check_tensor
-from .gate import engram_post_wkv
-from .sharded_gate import engram_gate_finish, engram_gate_partials
+from ..engram.gate import engram_post_wkv
+from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
 from ..parallel import ColumnParallelLinear, TensorParallelGroup
+from ..validation.common import FLOAT_DTYPES, check_tensor
 
 # "1"/"0" (also true/false, on/off, yes/no) overrides the vendor default of
 # shards_engram_gate. It never turns sharding on for tp_size 1 or sequence parallelism.
