@@ -25,6 +25,7 @@ Bottom layer: imports only torch and :mod:`kda_engram.platform`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -176,7 +177,7 @@ class ChunkConfig:
         """``config`` as a :class:`ChunkConfig`: ``None``, a ``ChunkConfig`` or a dict
         of its field names (an unknown key is a ``ValueError``)."""
         if config is None:
-            return cls()
+            return _NO_CHUNK_OVERRIDE
         if isinstance(config, cls):
             return config
         if not isinstance(config, dict):
@@ -186,6 +187,9 @@ class ChunkConfig:
         if unknown:
             raise ValueError(f"config: unknown keys {unknown}; expected some of {sorted(known)}")
         return cls(**config)
+
+
+_NO_CHUNK_OVERRIDE = ChunkConfig()  # every field the package's pick (frozen: one shared instance)
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,17 @@ def chunk_launch(config, *, num_seqs: int, n_groups: int, num_heads: int, head_k
     lanes per step, nothing to pipeline across steps). Pass one takes the walk's
     rule over its ``V + K`` rows, halved until the tile divides both ``V`` and ``K``.
     """
-    over = ChunkConfig.of(config)
+    return _resolved_chunk_launch(ChunkConfig.of(config), num_seqs, n_groups, num_heads, head_k, head_v,
+                                  bool(ieee_operands), arch, compute_units, bool(interpret))
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolved_chunk_launch(over: ChunkConfig, num_seqs: int, n_groups: int, num_heads: int, head_k: int,
+                           head_v: int, ieee_operands: bool, arch: str, compute_units: int,
+                           interpret: bool) -> ChunkLaunch:
+    """:func:`chunk_launch`, memoised: a pure function of hashable arguments (the
+    override is a frozen :class:`ChunkConfig`), so a serving step's repeated batch
+    shapes resolve and validate their launch once, not on every call."""
     nh = max(num_seqs * n_groups * num_heads, 1)
     walk = walk_tile(lambda bv: nh * (head_v // bv), head_v, arch, compute_units)
     nh1 = max(num_seqs * (n_groups - 1) * num_heads, 1)
@@ -436,6 +450,7 @@ class PrologueWarps:
                 raise ValueError(f"num_warps: expected powers of two in [1, 16], got {name}={w!r}")
 
 
+@functools.lru_cache(maxsize=64)
 def prologue_warps_for(arch: str, head_k: int, head_v: int) -> PrologueWarps:
     """The prologue's warps (the sweep: docs/design/kda_prefill.md, "Prologue warps").
 

@@ -270,7 +270,7 @@ class EngramLayout:
     @property
     def num_embeddings(self) -> tuple[int, ...]:
         """Rows of each layer's table (DeepSeek-V4.1's ``engram_num_embeddings``)."""
-        return tuple(int(x) for x in self.primes.reshape(self.n_layers, -1).sum(axis=1))
+        return tuple(self.primes.reshape(self.n_layers, -1).sum(axis=1).tolist())  # Python ints
 
     def layer_index(self, layer_id: int) -> int:
         """Position of model layer ``layer_id`` in :attr:`layer_ids` (dim 1 of the hash output)."""

@@ -25,7 +25,8 @@ from ..validation.common import can_read_back, check_int
 from ..validation.entry import EntryChecks, check_mode
 from ..validation.kda_inputs import check_cu_seqlens, check_cu_seqlens_on_host, chunk_offsets_of, chunk_rows
 
-__all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata"]
+__all__ = ["max_chunks", "prepare_chunk_offsets", "prepare_chunk_indices", "prepare_chunk_metadata",
+           "trusted_chunk_metadata"]
 
 _NO_TOKEN_BOUND = 2**62  # prepare_chunk_offsets knows no token count: no bound on cu_seqlens[-1]
 
@@ -185,20 +186,23 @@ def prepare_chunk_metadata(
     entry points, which have checked it) trusts the caller.
     """
     checks = _metadata_rules(cu_seqlens, total_tokens, chunk_size, check_inputs)
-    offsets, indices = _chunk_metadata(cu_seqlens, total_tokens, chunk_size)
+    offsets, indices = trusted_chunk_metadata(cu_seqlens, total_tokens, chunk_size)
     if checks is not None:
         checks.run()
     return offsets, indices
 
 
-def _chunk_metadata(cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int):
+def trusted_chunk_metadata(cu_seqlens: torch.Tensor, total_tokens: int, chunk_size: int = CHUNK_SIZE):
+    """:func:`prepare_chunk_metadata` with no rule at all, host or device: for the entry
+    points, whose own checks have covered ``cu_seqlens`` and ``total_tokens`` (one
+    validation per call, not one per helper)."""
     num_seqs = cu_seqlens.numel() - 1
     device = cu_seqlens.device
     if device.type != "cuda" and not interpreting():
         offsets = _chunk_offsets(cu_seqlens, chunk_size)
         return offsets, prepare_chunk_indices(cu_seqlens, chunk_size, total_tokens=total_tokens,
                                               chunk_offsets=offsets, check_inputs=False)
-    rows = max_chunks(total_tokens, num_seqs, chunk_size)
+    rows = total_tokens // chunk_size + num_seqs  # max_chunks, its arguments already checked
     offsets = torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
     indices = torch.empty(rows, 2, dtype=torch.int32, device=device)
     grid = (max(triton.cdiv(rows, _META_ROWS), 1),)

@@ -35,7 +35,7 @@ from ..validation.kda_prefill import check_prologue_arguments, check_state_argum
 from . import portable_prefill as _portable_prefill  # noqa: F401 ("portable", "grouped")
 from .hopper import prefill as _hopper_prefill  # noqa: F401 ("hopper")
 from .hopper import fused_prefill as _fused_prefill  # noqa: F401 ("fused")
-from .metadata import prepare_chunk_metadata
+from .metadata import trusted_chunk_metadata
 from .prefill_paths import PrefillBackend, PrefillCall, Verdict, path_names, serving
 from .state import guarded_state
 
@@ -242,7 +242,7 @@ def run_prefill(x: KDAInputs, cu_seqlens, state: StateArgs, conv: ConvArgs, *, o
     T, H, V = x.q.shape[1], x.q.shape[2], x.v.shape[3]
     if x.scale is None:
         x = x.replace(scale=x.q.shape[3] ** -0.5)
-    chunk_offsets, chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)
+    chunk_offsets, chunk_indices = trusted_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)
     if out is None:
         out = torch.empty(1, T, H, V, dtype=x.v.dtype, device=x.v.device)
     return backend.run(x, cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, chunk_indices=chunk_indices, out=out,

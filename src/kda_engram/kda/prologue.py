@@ -53,7 +53,7 @@ from ..validation.kda_inputs import check_input_forms, check_log_decay_values, c
 from ..validation.kda_prefill import check_prologue_arguments
 from .conv import conv_prefill_bands
 from .gate import gate_form, gate_pointers
-from .metadata import prepare_chunk_metadata
+from .metadata import trusted_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
 # Largest diagonal-block shift s (log2 units) the factored path accepts: its
@@ -148,7 +148,7 @@ def prepare_kda_prologue(x: KDAInputs, cu_seqlens, conv: ConvArgs = ConvArgs(), 
     V = v.shape[3]
     dev = q.device
     if chunk_indices is None:
-        chunk_indices = prepare_chunk_metadata(cu_seqlens, T, CHUNK_SIZE, check_inputs=False)[1]
+        chunk_indices = trusted_chunk_metadata(cu_seqlens, T, CHUNK_SIZE)[1]
     num_chunks = chunk_indices.shape[0]
     intra_warps, solve_warps = launch_warps(num_warps, dev, K, V)
     out = dict(

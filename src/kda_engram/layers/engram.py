@@ -253,10 +253,12 @@ def engram_hash_step(
     # the batch, the tokens, the layout; the histories are made from the checked
     # cache), so the ops run unchecked, each rule once per step. Unchecked step
     # (check_inputs=False): the ops run their host rules.
-    gather, hash_, advance, checkpoint, scatter = (
-        op.unchecked if check_inputs else functools.partial(op, check_inputs=False)
-        for op in (ops.engram_history_gather, ops.ngram_hash, ops.next_history, ops.engram_history_checkpoint,
-                   ops.engram_history_scatter))
+    step_ops = (ops.engram_history_gather, ops.ngram_hash, ops.next_history, ops.engram_history_checkpoint,
+                ops.engram_history_scatter)
+    if check_inputs:
+        gather, hash_, advance, checkpoint, scatter = [op.unchecked for op in step_ops]
+    else:
+        gather, hash_, advance, checkpoint, scatter = [functools.partial(op, check_inputs=False) for op in step_ops]
     hist = gather(history_cache, batch.slot_indices, batch.has_initial_state)
     rows = hash_(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask, token_map=token_map,
                  global_rows=global_rows)

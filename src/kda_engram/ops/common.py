@@ -154,6 +154,7 @@ class EntryOp:
         params = [p for n, p in sig.parameters.items() if n not in host_only]
         self.signature = sig.replace(parameters=params)
         self.names = tuple(p.name for p in params)
+        self._handle_positions = tuple((i, n) for i, n in enumerate(self.names) if n in self.handles)
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
         aliases = iter("abcdefgh")
@@ -195,17 +196,29 @@ class EntryOp:
             if name in call:
                 raise TypeError(f"got multiple values for argument {name!r}")
             call[name] = value
-        missing = [n for n in self.names if n not in call and n not in self.defaults]
+        bound, missing, defaults = {}, [], self.defaults
+        for n in self.names:  # loops, not comprehensions: no call per step on the serving path
+            if n in call:
+                bound[n] = call[n]
+            elif n in defaults:
+                bound[n] = defaults[n]
+            else:
+                missing.append(n)
         if missing:
             raise TypeError(f"missing required arguments: {', '.join(missing)}")
-        return {n: call[n] if n in call else self.defaults[n] for n in self.names}
+        return bound
 
     def cross(self, a: dict):
         """Run the op on a :meth:`bind` result (objects become their handles) and
         give the entry point's kind of value."""
         if self.prepare is not None:
             self.prepare(a)
-        value = self.op(*(handle(a[n]) if n in self.handles else a[n] for n in self.names))
+        args = []
+        for n in self.names:
+            args.append(a[n])
+        for i, n in self._handle_positions:
+            args[i] = handle(args[i])
+        value = self.op(*args)
         return self.result(a, value)
 
     def _wrapper(self, name: str, doc: str):

@@ -70,9 +70,15 @@ def check_tensor(
     """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    check_forward_only(name, x)
+    if x.requires_grad:  # the common case costs one attribute read, not a call
+        check_forward_only(name, x)
     if shape is not None:
-        ok = x.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, x.shape))
+        ok = x.dim() == len(shape)
+        if ok:
+            for s, d in zip(shape, x.shape):
+                if s is not None and s != d:
+                    ok = False
+                    break
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
@@ -230,10 +236,12 @@ class DeviceChecks:
         ``(flag position, message, detail positions)`` in ``verdict``. Costs no
         device op of its own."""
         self._open()
-        flags = 1 + max(f for f, _, _ in rules)
-        self._packed.append((verdict, flags))
+        self._packed.append((verdict, 0))
+        j, flags = len(self._packed) - 1, 0
         for flag, message, details in rules:
-            self._rules.append(("packed", len(self._packed) - 1, flag, message, tuple(details)))
+            self._rules.append(("packed", j, flag, message, tuple(details)))
+            flags = max(flags, flag + 1)
+        self._packed[j] = (verdict, flags)
 
     def _open(self) -> None:
         if self._values is not None:
@@ -248,8 +256,11 @@ class DeviceChecks:
         mark the point the read-back waits for."""
         if self._values is not None or not self._rules:
             return
-        plain = [r for r in self._rules if r[0] == "flag"]
-        plain_details = [d for r in plain for d in r[3]]
+        plain, plain_details = [], []
+        for r in self._rules:
+            if r[0] == "flag":
+                plain.append(r)
+                plain_details.extend(r[3])
         if not plain and len(self._packed) == 1:
             values = self._packed[0][0]  # already flags then details: no op
         else:
@@ -280,7 +291,10 @@ class DeviceChecks:
                 plain_d += len(r[3])
             else:
                 _, j, flag, _, details = r
-                positions.append((flag_base[j] + flag, tuple(detail_base[j] + d for d in details)))
+                placed = []
+                for d in details:
+                    placed.append(detail_base[j] + d)
+                positions.append((flag_base[j] + flag, tuple(placed)))
         self._values, self._positions, self._n_flags = values, positions, n_flags
         if values.is_cuda:
             self._ready = side_slot(values.device).mark_ready()

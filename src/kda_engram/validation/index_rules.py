@@ -342,20 +342,21 @@ def kda_batch_rules(checks, batch, prefill_tokens: int, sets, *, query_lens_mess
     if guard and N and ckpt:
         parts += [("checkpoint_offsets", N), ("checkpoint_indices", N)]
     cu = batch.prefill_cu_seqlens
-    out = torch.empty(_BATCH_WORDS + sum(n for _, n in parts), dtype=torch.int64, device=cu.device)
+    sizes = [_BATCH_WORDS]
+    for _, n in parts:
+        sizes.append(n)
+    out = torch.empty(sum(sizes), dtype=torch.int64, device=cu.device)
     width = _width(max(B + N * (2 if ckpt else 1), N + 1))
-
-    def ptr(t):
-        return (t, t.stride(0)) if t is not None and t.numel() else (out, 1)  # absent or empty: never read
-
-    kinds = [_SET_KINDS[kind] for _, kind, _, _ in sets] + [0] * (MAX_BATCH_SETS - len(sets))
-    with_ck = [bool(w) for _, _, w, _ in sets] + [False] * (MAX_BATCH_SETS - len(sets))
-    uppers = [upper for _, _, _, upper in sets] + [0] * (MAX_BATCH_SETS - len(sets))
+    pointers = []  # (tensor, stride) per index field; absent or empty: ``out``, never read
+    for t in (batch.decode_state_indices, batch.decode_conv_indices, batch.prefill_state_indices,
+              batch.prefill_conv_indices, cu, lens, batch.checkpoint_offsets if ckpt else None,
+              batch.checkpoint_indices if ckpt else None):
+        pointers += (t, t.stride(0)) if t is not None and t.numel() else (out, 1)
+    kinds, with_ck, uppers = [0] * MAX_BATCH_SETS, [False] * MAX_BATCH_SETS, [0] * MAX_BATCH_SETS
+    for i, (_, kind, w, upper) in enumerate(sets):
+        kinds[i], with_ck[i], uppers[i] = _SET_KINDS[kind], bool(w), upper
     _kda_batch_rules_kernel[(1,)](
-        out, B, N, prefill_tokens,
-        *ptr(batch.decode_state_indices), *ptr(batch.decode_conv_indices), *ptr(batch.prefill_state_indices),
-        *ptr(batch.prefill_conv_indices), *ptr(cu), *ptr(lens),
-        *ptr(batch.checkpoint_offsets if ckpt else None), *ptr(batch.checkpoint_indices if ckpt else None),
+        out, B, N, prefill_tokens, *pointers,
         *uppers, HAS_LENS=lens is not None, HAS_CKPT=ckpt,
         SET0=kinds[0], SET1=kinds[1], SET2=kinds[2], SET3=kinds[3],
         CK0=with_ck[0], CK1=with_ck[1], CK2=with_ck[2], CK3=with_ck[3],
@@ -372,6 +373,9 @@ def kda_batch_rules(checks, batch, prefill_tokens: int, sets, *, query_lens_mess
     if not parts:
         checks.add_packed(out, rules)
         return {}
-    views = out.split([_BATCH_WORDS] + [n for _, n in parts])
+    views = out.split(sizes)
     checks.add_packed(views[0], rules)
-    return {field: view for (field, _), view in zip(parts, views[1:])}
+    copies = {}
+    for (field_name, _), view in zip(parts, views[1:]):
+        copies[field_name] = view
+    return copies
