@@ -257,7 +257,9 @@ def drive_hopper_variants() -> None:
 def drive_fused_variants() -> None:
     """The fused Hopper prefill (kda/hopper/fused.py) through its backend at the
     production shapes: no state, dense fp32 state in and out with an fp32 raw gate and
-    q / k / beta as given, a bf16 cache with indexed bf16 checkpoints."""
+    q / k / beta as given, a bf16 cache with indexed bf16 checkpoints; with the exact
+    diagonal blocks (``EXACT_DIAG``): the softplus gate on the cache, a precomputed log
+    decay in fp32 with dense state, a bounded gate past the anchored span."""
     import torch
 
     from kda_engram.bundles import ConvArgs, KDAInputs, StateArgs
@@ -279,9 +281,14 @@ def drive_fused_variants() -> None:
         run(StateArgs(initial_state=torch.zeros(2, H, D, D), output_final_state=True),
             raw_g=torch.zeros(1, T, H, D), qk_l2norm=False, beta_sigmoid=False)
         cache = torch.zeros(6, H, D, D, dtype=dt)
-        run(StateArgs(state_cache=cache, state_indices=torch.tensor([0, 1]),
-                      has_initial_state=torch.ones(2, dtype=torch.bool), checkpoint_state=cache,
-                      checkpoint_offsets=torch.tensor([512, 1024]), checkpoint_state_indices=torch.tensor([2, 3])))
+        cached = StateArgs(state_cache=cache, state_indices=torch.tensor([0, 1]),
+                           has_initial_state=torch.ones(2, dtype=torch.bool), checkpoint_state=cache,
+                           checkpoint_offsets=torch.tensor([512, 1024]), checkpoint_state_indices=torch.tensor([2, 3]))
+        run(cached)
+        run(cached, lower_bound=None)
+        run(StateArgs(initial_state=torch.zeros(2, H, D, D), output_final_state=True), raw_g=torch.zeros(1, T, H, D),
+            gate="log_decay", lower_bound=None, A_log=None, dt_bias=None)
+        run(lower_bound=-8.0)
 
 
 def drive_gluon_prologue_variants() -> None:

@@ -83,13 +83,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     big = [(r["kernel"], compile_support.shape_label(r), r["shared_bytes"]) for r in rows
            if r["shared_bytes"] > MAX_SHARED_BYTES]
     assert not big, f"kernels needing more than {MAX_SHARED_BYTES} B of shared memory per CTA: {big}"
-    # The Hopper path: every variant reached, none spilling at all.
+    # The Hopper path: every variant reached, none spilling (the fused kernel's exact
+    # diagonal blocks within their own bound, below).
     hopper = [r for r in rows if r["kernel"] in compile_support.HOPPER_KERNELS]
     walk = {(r["constexprs"]["LOAD_STATE"], r["constexprs"]["STORE_STATE"], r["constexprs"]["HAS_CKPT"])
             for r in hopper if r["kernel"] == "_folded_walk_kernel"}
     assert {(0, 0, False), (1, 1, False), (2, 2, True)} <= walk, walk
     spilling = [(r["kernel"], compile_support.shape_label(r), r["spill_stack_bytes"]) for r in hopper
-                if r["spill_stack_bytes"] > 0]
+                if r["spill_stack_bytes"] > (FUSED_EXACT_DIAG_MAX_SPILL_BYTES if r["constexprs"].get("EXACT_DIAG")
+                                             else 0)]
     assert not spilling, f"the Hopper path spills: {spilling}"
 
 
@@ -118,10 +120,17 @@ def test_gluon_prologue_compiles_for_sm90(tmp_path):
         assert r["shared_bytes"] <= GLUON_PROLOGUE_MAX_SHARED_BYTES, r
 
 
+#: The fused prefill with the exact diagonal blocks (unbounded gates): its producer holds
+#: the exact blocks' addresses beside the chunk's tiles and spills 24-88 B per thread at
+#: 168 registers (docs/design/kda_fused_prefill.md); the bounded gate's kernel spills
+#: nothing. A bound, so that a lost register budget still fails.
+FUSED_EXACT_DIAG_MAX_SPILL_BYTES = 128
+
+
 def test_fused_prefill_compiles_for_sm90(tmp_path):
     """The fused Hopper prefill alone (quick: ``-k fused_prefill``): every state and
-    input form compiles for sm_90a with no spill and within the shared memory a CTA may
-    take; the producer and consumer register counts (``setmaxnreg``) are the launch's
+    input form compiles for sm_90a with no spill (the exact-diagonal kernels of the
+    unbounded gates within their bound) and within the shared memory a CTA may take; the producer and consumer register counts (``setmaxnreg``) are the launch's
     split of the register file, the consumers (the walk) keeping the 168 its state
     tiles need (at 160 the checkpointing walk spills)."""
     if not (NVIDIA_BIN / "ptxas").exists():
@@ -134,8 +143,10 @@ def test_fused_prefill_compiles_for_sm90(tmp_path):
     assert {r["kernel"] for r in rows} == {"_fused_prefill_kernel"}
     forms = {(r["constexprs"]["LOAD_STATE"], r["constexprs"]["HAS_CKPT"], r["constexprs"]["QK_L2NORM"]) for r in rows}
     assert {(0, False, True), (1, False, False), (2, True, True)} <= forms, forms
+    gates = {(r["constexprs"]["GATE"], r["constexprs"]["EXACT_DIAG"]) for r in rows}
+    assert {(1, False), (0, True), (2, True), (1, True)} <= gates, gates
     for r in rows:
-        assert r["spill_stack_bytes"] == 0, r
+        assert r["spill_stack_bytes"] <= (FUSED_EXACT_DIAG_MAX_SPILL_BYTES if r["constexprs"]["EXACT_DIAG"] else 0), r
         assert r["shared_bytes"] <= MAX_SHARED_BYTES, r
         producer, consumers = r["setmaxnreg"]["producer"], r["setmaxnreg"]["consumers"]
         assert producer == r["constexprs"]["PRODUCER_REGS"], r

@@ -13,7 +13,7 @@ NaN in the rows past the only sequence's end changing no bit.
 import pytest
 import torch
 
-from kda_engram.kda.hopper.fused import FUSED_CHUNK, fused_prefill, fused_unsupported
+from kda_engram.kda.hopper.fused import FUSED_CHUNK, fused_prefill, fused_unsupported, needs_exact_diagonal
 from kda_engram.kda.hopper.fused_model import model_fused_prefill
 from kda_engram.kda.reference import naive_recurrent_kda
 
@@ -22,7 +22,20 @@ from ..helpers import sm90_or_skip
 LENGTHS = [1000, 0, 1, 31, 32, 33, 63, 64, 65, 700, 0]
 TOL_REF = 5e-3
 TOL_MODEL = 2e-3
-LOWER_BOUND = -5.0
+#: name: (A_log, dt_bias samplers at H heads of K channels, lower_bound, gate). The
+#: bounded gate within the anchored span (no exact blocks compiled in); a bounded gate
+#: past it, the softplus gate with fast decays and a precomputed log decay: flagged
+#: chunks (a sub-chunk spanning more than 126 in log2 units) take the exact diagonal
+#: blocks, the others the anchored product.
+GATES = {
+    "bounded": (lambda g, H: torch.log(1 + 15 * torch.rand(H, generator=g, dtype=torch.float64)),
+                lambda g, H, K: torch.randn(H * K, generator=g, dtype=torch.float64), -5.0, "raw"),
+    "bounded, wide": (lambda g, H: torch.log(1 + 15 * torch.rand(H, generator=g, dtype=torch.float64)),
+                      lambda g, H, K: torch.randn(H * K, generator=g, dtype=torch.float64), -12.0, "raw"),
+    "softplus, fast": (lambda g, H: 1 + 2 * torch.rand(H, generator=g, dtype=torch.float64),
+                       lambda g, H, K: 1 + torch.randn(H * K, generator=g, dtype=torch.float64), None, "raw"),
+    "log decay": (None, None, None, "log_decay"),
+}
 
 
 def _bf16(x):
@@ -37,10 +50,10 @@ def _rel(x, ref) -> float:
 _CASES = {}
 
 
-def _case(lengths, device, H=4, K=128, seed=0):
+def _case(lengths, device, gate="bounded", H=4, K=128, seed=0):
     """bf16 inputs (held as float64 for the references), the fp64 recurrence and the
-    model, built once per ``lengths``."""
-    key = (tuple(lengths), str(device))
+    model, built once per ``lengths`` and gate."""
+    key = (tuple(lengths), str(device), gate)
     if key in _CASES:
         return _CASES[key]
     g = torch.Generator().manual_seed(seed)
@@ -50,21 +63,25 @@ def _case(lengths, device, H=4, K=128, seed=0):
         return _bf16(torch.randn(*shape, generator=g, dtype=torch.float64)).to(torch.float64)
 
     q, k, v, raw_g, raw_beta = r(1, T, H, K), r(1, T, H, K), r(1, T, H, K), r(1, T, H, K), r(1, T, H)
-    A_log = torch.log(1 + 15 * torch.rand(H, generator=g, dtype=torch.float64))
-    dt_bias = torch.randn(H * K, generator=g, dtype=torch.float64)
+    alog, dtb, lower_bound, form = GATES[gate]
+    A_log, dt_bias = (alog(g, H), dtb(g, H, K)) if alog else (None, None)
+    if form == "log_decay":  # a natural-log decay per token, some channels fast
+        raw_g = _bf16(-torch.rand(1, T, H, K, generator=g, dtype=torch.float64) * 12).to(torch.float64)
     init = (0.3 * torch.randn(len(lengths), H, K, K, generator=g, dtype=torch.float64)).to(torch.float32)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int64)
     scale = K ** -0.5
-    ref = naive_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, lower_bound=LOWER_BOUND,
-                              cu_seqlens=cu, initial_state=init.double(), output_final_state=True)[:2]
-    model = model_fused_prefill(q.float(), k.float(), v.float(), raw_g.float(), raw_beta.float(), A_log.float(),
-                                dt_bias.float(), scale=scale, cu_seqlens=cu, lower_bound=LOWER_BOUND,
-                                initial_state=init, chunk_size=FUSED_CHUNK)[:2]
+    forms = dict(lower_bound=lower_bound, gate=form)
+    ref = naive_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, scale=scale, cu_seqlens=cu,
+                              initial_state=init.double(), output_final_state=True, **forms)[:2]
+    f32 = lambda t: None if t is None else t.float()  # noqa: E731
+    model = model_fused_prefill(q.float(), k.float(), v.float(), raw_g.float(), raw_beta.float(), f32(A_log),
+                                f32(dt_bias), scale=scale, cu_seqlens=cu, initial_state=init, chunk_size=FUSED_CHUNK,
+                                **forms)
     dev = {n: t.to(device, torch.bfloat16).contiguous() for n, t in
            dict(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta).items()}
-    dev.update(A_log=A_log.to(device, torch.float32), dt_bias=dt_bias.to(device, torch.float32),
-               cu=cu.to(device, torch.int32), init=init.to(device))
-    case = dict(dev=dev, ref=ref, model=model, scale=scale, cu=cu)
+    on = lambda t: None if t is None else t.to(device, torch.float32)  # noqa: E731
+    dev.update(A_log=on(A_log), dt_bias=on(dt_bias), cu=cu.to(device, torch.int32), init=init.to(device))
+    case = dict(dev=dev, ref=ref, model=model[:2], flagged=model[2], forms=forms, scale=scale, cu=cu)
     _CASES[key] = case
     return case
 
@@ -73,15 +90,18 @@ def _run(d, **state):
     x = d["dev"]
     o = torch.full_like(x["v"], float("nan"))
     fused_prefill(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], o, d["scale"], x["cu"],
-                  lower_bound=LOWER_BOUND, **state)
+                  **d["forms"], **state)
     torch.cuda.synchronize()
     return o
 
 
 @pytest.mark.gpu
-def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu):
+@pytest.mark.parametrize("gate", list(GATES))
+def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu, gate):
     sm90_or_skip(gpu, "the fused Hopper prefill")
-    d = _case(LENGTHS, gpu)
+    d = _case(LENGTHS, gpu, gate)
+    if gate != "bounded":
+        assert d["flagged"] > 0, "no chunk of the case takes the exact diagonal blocks"
     x = d["dev"]
     N, H, K = len(LENGTHS), x["q"].shape[2], x["q"].shape[3]
     final = torch.full((N, H, K, K), float("nan"), device=gpu)
@@ -93,7 +113,7 @@ def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu):
               "o vs model": (_rel(o, o_mod), TOL_MODEL), "state vs model": (_rel(final, s_mod), TOL_MODEL),
               "worst sequence o vs fp64": (max(_rel(o[0, cu[n]:cu[n + 1]], o_ref[0, cu[n]:cu[n + 1]])
                                                for n, length in enumerate(LENGTHS) if length > 0), 2 * TOL_REF)}
-    assert all(err < tol for err, tol in errors.values()), errors
+    assert all(err < tol for err, tol in errors.values()), (gate, errors)
     for n, length in enumerate(LENGTHS):
         if length == 0:
             assert torch.equal(final[n], x["init"][n]), f"empty sequence {n}: its state changed"
@@ -138,11 +158,13 @@ def test_gpu_fused_state_cache_and_checkpoints(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_masks_rows_past_the_sequence_end(gpu):
+@pytest.mark.parametrize("gate", ["bounded", "softplus, fast"])
+def test_gpu_fused_masks_rows_past_the_sequence_end(gpu, gate):
     """NaN in q, k, v, raw_g and raw_beta past the only sequence's end (65 of 192 rows)
-    change no bit of ``o`` or the state, and no ``o`` row past the end is written."""
+    change no bit of ``o`` or the state, and no ``o`` row past the end is written (with
+    the exact diagonal blocks too: their raw rows past the end are the next sequence's)."""
     sm90_or_skip(gpu, "the fused Hopper prefill")
-    d = _case([65, 127], gpu)
+    d = _case([65, 127], gpu, gate)
     x = dict(d["dev"], cu=d["dev"]["cu"][:2].contiguous())
     H, K = x["q"].shape[2], x["q"].shape[3]
     s_clean = torch.empty(1, H, K, K, device=gpu)
@@ -157,19 +179,20 @@ def test_gpu_fused_masks_rows_past_the_sequence_end(gpu):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_through_the_entry_point(gpu):
+@pytest.mark.parametrize("gate", ["bounded", "log decay"])
+def test_gpu_fused_through_the_entry_point(gpu, gate):
     """``chunk_kda_prefill(path="fused")`` (the registered backend, the default checks on)
     gives the direct launch's ``o`` and final state bit for bit."""
     sm90_or_skip(gpu, "the fused Hopper prefill")
     from kda_engram.kda.prefill import chunk_kda_prefill
 
-    d = _case(LENGTHS, gpu)
+    d = _case(LENGTHS, gpu, gate)
     x = d["dev"]
     N, H, K = len(LENGTHS), x["q"].shape[2], x["q"].shape[3]
     final = torch.empty(N, H, K, K, device=gpu)
     o = _run(d, initial_state=x["init"], final_state=final)
     o_e, s_e = chunk_kda_prefill(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"],
-                                 lower_bound=LOWER_BOUND, cu_seqlens=x["cu"], initial_state=x["init"],
+                                 **d["forms"], cu_seqlens=x["cu"], initial_state=x["init"],
                                  output_final_state=True, path="fused")
     assert torch.equal(o_e, o) and torch.equal(s_e, final)
 
@@ -191,16 +214,21 @@ def _cpu_inputs(T=64, H=2, K=128, dtype=torch.bfloat16, g_dtype=torch.bfloat16):
     return q, q.clone(), q.clone(), torch.zeros(1, T, H, K, dtype=g_dtype), torch.zeros(1, T, H, dtype=dtype)
 
 
-def test_fused_serves_the_bounded_gate_in_bf16():
+@pytest.mark.parametrize("gate, lower_bound, exact", [("raw", -5.0, False), ("raw", -5.45, False),
+                                                      ("raw", -5.5, True), ("raw", None, True),
+                                                      ("log_decay", None, True)])
+def test_fused_serves_every_gate_form_in_bf16(gate, lower_bound, exact):
+    """Every gate form, raw gate bf16 or fp32; the exact diagonal blocks are compiled in
+    where a sub-chunk may span past the anchored range (16 |lower_bound| log2 e > 126, or
+    an unbounded gate), and only there."""
     q, k, v, g, b = _cpu_inputs()
-    assert fused_unsupported(q, k, v, g, b, None, lower_bound=-5.0) is None
-    assert fused_unsupported(q, k, v, _cpu_inputs(g_dtype=torch.float32)[3], b, None, lower_bound=-5.0) is None
+    for raw_g in (g, _cpu_inputs(g_dtype=torch.float32)[3]):
+        assert fused_unsupported(q, k, v, raw_g, b, None, gate=gate, lower_bound=lower_bound) is None
+    assert needs_exact_diagonal(gate, lower_bound) is exact
 
 
 @pytest.mark.parametrize("case, words", [
-    (dict(lower_bound=None), "bounded gate"),
-    (dict(lower_bound=-5.0, gate="log_decay"), "bounded gate"),
-    (dict(lower_bound=-6.0), "|lower_bound|"),
+    (dict(gate="softplus"), "gate="),
     (dict(dtype=torch.float16), "bf16"),
     (dict(K=64), "K = V = 128"),
     (dict(strided_v=True), "v must"),

@@ -23,13 +23,16 @@ warpgroup, and the producer needs the gate cumsum and both normalised inputs at 
 (docs/design/kda_fused_prefill.md, "The register budget does not close at chunk 64").
 
 The order of operations is :func:`kda_engram.kda.hopper.fused_model.model_fused_prefill`
-with ``chunk_size=32``. Served: bf16 ``q, k, v``, K = V = 128, the bounded gate with
-``|lower_bound| <= MAX_ANCHOR_SPAN / (16 log2 e)`` (the strips' anchored diagonal blocks
-stay normal numbers; the unbounded gates need the exact diagonal path, not built yet),
-raw ``g`` bf16 or fp32, ``qk_l2norm`` and ``beta_sigmoid`` either way, the state
-contract of the walk (initial / final state, the state cache with negative rows and
-``has_initial_state``, checkpoints). :func:`fused_unsupported` says why a call is
-not served. The record of experiments is docs/design/kda_fused_prefill.md.
+with ``chunk_size=32``. Served: bf16 ``q, k, v``, K = V = 128, every gate form (bounded,
+softplus, a precomputed log decay), raw ``g`` bf16 or fp32, ``qk_l2norm`` and
+``beta_sigmoid`` either way, the state contract of the walk (initial / final state, the
+state cache with negative rows and ``has_initial_state``, checkpoints). Where a
+sub-chunk can span more than ``MAX_ANCHOR_SPAN`` (the unbounded gates, or a bounded one
+past ``|lower_bound| = MAX_ANCHOR_SPAN / (16 log2 e)``: :func:`needs_exact_diagonal`),
+the kernel flags such chunks at run time and forms their two diagonal blocks exactly
+(:func:`_exact_diagonal_block`); below the diagonal the boundary-anchored product is exact
+for any decay. :func:`fused_unsupported` says why a call is not served. The record of
+experiments is docs/design/kda_fused_prefill.md.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from ...constants import LOG2E, SUB_CHUNK
-from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides, gate_form
+from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers
 from .prologue import MAX_ANCHOR_SPAN
 from .walk import _walk_sequence, tma_compatible, tma_descriptor
 
-__all__ = ["FUSED_CHUNK", "FUSED_PRODUCER_REGS", "fused_prefill", "fused_prefill_launch", "fused_unsupported"]
+__all__ = ["FUSED_CHUNK", "FUSED_PRODUCER_REGS", "fused_prefill", "fused_prefill_launch", "fused_unsupported",
+           "needs_exact_diagonal"]
 
 FUSED_CHUNK = 32
 #: Ring stages: the producer writes chunk c + 1 while the consumers walk chunk c, and
@@ -55,6 +59,11 @@ FUSED_RING = 3
 #: the register file ((65,536 - 128 x this) / 256).
 FUSED_PRODUCER_REGS = 168
 FUSED_PRODUCER_WARPS = 4
+#: The largest sub-chunk decay span (log2 units) whose anchored factors stay normal
+#: numbers; an unbounded gate's chunk past it takes the exact diagonal blocks.
+_MAX_SPAN = gl.constexpr(MAX_ANCHOR_SPAN)
+#: Channels per step of the exact diagonal blocks (a [16, 16, 8] tile: 16 per thread).
+_DIAG_KC = gl.constexpr(8)
 
 
 @gluon.jit
@@ -89,6 +98,56 @@ def _store_row_inv_norms(x_s, nrm_s, Lc, BT: gl.constexpr, K: gl.constexpr, PW: 
 
 
 @gluon.jit
+def _exact_diagonal_block(raw_t, nrm_s, u_s, a2_t, beta_ptr, sb_t, Lc, zs, b: gl.constexpr, BT: gl.constexpr,
+                          BS: gl.constexpr, K: gl.constexpr, KC: gl.constexpr, PW: gl.constexpr,
+                          QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr):
+    """Sub-chunk ``b``'s diagonal blocks of ``A_qk`` (``j <= i``) and ``A_kk`` (``j < i``,
+    rows times beta), exactly for any decay: ``sum_c x̂_ic k̂_jc 2^(u_ic - u_jc)``, the
+    exponent at most 0 on and below the diagonal, so no factor leaves the fp32 range
+    (the anchored product's factors do once a sub-chunk's span passes 126). Written over
+    ``a2_t`` (``[A_qk; A_kk]``, ``[2 BT, BT]`` fp32). ``raw_t``: the raw ``[q; k]`` rows
+    (``[2 BT, K]`` bf16, plain row-major), ``u_s``: ``G - s0`` (``[BT, K]`` fp32). A
+    ``[BS i, BS j, KC c]`` tile per step, the channel sum inside a thread; rows and
+    columns past ``Lc`` are zero (the raw rows there are the next sequence's). ``zs``: the
+    producer's loop-variant zero (its row indices are built from it, not hoisted)."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 2, KC], [4, 8, 1], [PW, 1, 1], [2, 1, 0])
+    LI: gl.constexpr = gl.SliceLayout(1, L3)
+    LJ: gl.constexpr = gl.SliceLayout(0, L3)
+    LA: gl.constexpr = gl.SliceLayout(2, L3)
+    i_in = gl.expand_dims(b * BS + zs + gl.arange(0, BS, gl.SliceLayout(1, LI)) < Lc, 1)
+    j_in = gl.expand_dims(b * BS + zs + gl.arange(0, BS, gl.SliceLayout(1, LJ)) < Lc, 1)
+    acc_q = gl.zeros([BS, BS], gl.float32, LA)
+    acc_k = gl.zeros([BS, BS], gl.float32, LA)
+    for c0 in gl.static_range(0, K, KC):
+        ui = u_s.slice(b * BS, BS).slice(c0, KC, dim=1).load(LI)
+        uj = u_s.slice(b * BS, BS).slice(c0, KC, dim=1).load(LJ)
+        qi = raw_t.slice(b * BS, BS).slice(c0, KC, dim=1).load(LI).to(gl.float32)
+        ki = raw_t.slice(BT + b * BS, BS).slice(c0, KC, dim=1).load(LI).to(gl.float32)
+        kj = raw_t.slice(BT + b * BS, BS).slice(c0, KC, dim=1).load(LJ).to(gl.float32)
+        qi = gl.where(i_in, qi, gl.zeros_like(qi))
+        ki = gl.where(i_in, ki, gl.zeros_like(ki))
+        kj = gl.where(j_in, kj, gl.zeros_like(kj))
+        d = gl.minimum(gl.expand_dims(ui, 1) - gl.expand_dims(uj, 0), 0.0)  # above the diagonal: masked below
+        e = gl.exp2(d) * gl.expand_dims(kj, 0)
+        acc_q += gl.sum(gl.expand_dims(qi, 1) * e, 2)
+        acc_k += gl.sum(gl.expand_dims(ki, 1) * e, 2)
+    ri = gl.arange(0, BS, gl.SliceLayout(1, LA)) + zs
+    rj = gl.arange(0, BS, gl.SliceLayout(0, LA)) + zs
+    row_scale = _beta(beta_ptr, sb_t, b * BS + ri, Lc, BETA_SIGMOID)
+    if QK_L2NORM:  # x̂ = x / ||x||: the rows' and the columns' inverse norms
+        nq = nrm_s.index(zs).slice(b * BS, BS)
+        nk = nrm_s.index(1 + zs).slice(b * BS, BS)
+        nk_j = gl.expand_dims(nk.load(gl.SliceLayout(0, LA)), 0)
+        acc_q = acc_q * gl.expand_dims(nq.load(gl.SliceLayout(1, LA)), 1) * nk_j
+        acc_k = acc_k * gl.expand_dims(nk.load(gl.SliceLayout(1, LA)), 1) * nk_j
+    lower = gl.expand_dims(rj, 0) <= gl.expand_dims(ri, 1)
+    strict = gl.expand_dims(rj, 0) < gl.expand_dims(ri, 1)
+    a2_t.slice(b * BS, BS).slice(b * BS, BS, dim=1).store(gl.where(lower, acc_q, gl.zeros_like(acc_q)))
+    a2_t.slice(BT + b * BS, BS).slice(b * BS, BS, dim=1).store(
+        gl.where(strict, acc_k, gl.zeros_like(acc_k)) * gl.expand_dims(row_scale, 1))
+
+
+@gluon.jit
 def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, RING: gl.constexpr):
     """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k`` (one ``[2 BT, K]``
@@ -111,13 +170,13 @@ def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, 
 
 @gluon.jit
 def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
-              kg_s, x_s, col_s, mh_s, ml_s, nrm_s,
+              kg_s, x_s, col_s, mh_s, ml_s, nrm_s, u_s,
               raw_ready, ring_ready, ring_empty,
               b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
               h, bos, seqlen, NT,
               K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BS: gl.constexpr, RING: gl.constexpr,
-              GATE: gl.constexpr, QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, PHASES: gl.constexpr,
-              PW: gl.constexpr):
+              GATE: gl.constexpr, EXACT_DIAG: gl.constexpr, QK_L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr,
+              PHASES: gl.constexpr, PW: gl.constexpr):
     """The producer partition (module docstring): every chunk's ring tiles, in order."""
     # Thread = one channel, the chunk's BT rows in its registers: the gate cumsum and the
     # picks of G at the sub-chunk ends stay inside a thread.
@@ -138,6 +197,8 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
     jx = gl.arange(0, BT, gl.SliceLayout(1, LX))
     cx = gl.arange(0, BT, gl.SliceLayout(0, LX))
     WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # row-major, as the raw TMA tiles land
+    AQ_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [PW, 1], [1, 0])
 
     _issue_chunk(0, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K, V, BT, RING)
@@ -163,6 +224,12 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
         mh_v = mh_s.index(zs)
         ml_v = ml_s.index(zs)
         aq_v = aq_s.index(zs)
+        a2_v = a2_s.index(zs)
+        if EXACT_DIAG:
+            if g_desc.dtype == gl.float32:  # u in the raw fp32 gate's stage, read by then
+                u_v = g_s.index(rs)._reinterpret(gl.float32, [BT, K], PLAIN)
+            else:
+                u_v = u_s.index(zs)
         mbarrier.wait(raw_ready.index(rs), (c // 2) & 1)
         # 1. The gate in log2 units (0 past the sequence end) and its chunk-local cumsum.
         a = chunk_log2_gate(g_s.index(rs).load(CL).to(gl.float32), gl.expand_dims(bias, 0), a_scale, lower_bound,
@@ -188,6 +255,13 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             # Order: q, then k, then r0 once f0 is dead (three [BT]-row tiles live at
             # most: u, f0 and the input, so the producer fits its registers).
             u = G - gl.expand_dims(s0, 0)
+            if EXACT_DIAG:
+                # A sub-chunk spanning more than 126 (any channel): the anchored diagonal
+                # blocks are not normal numbers there and are replaced in step 3, from u.
+                flagged = gl.max(gl.maximum(-s0, s0 - g_last), 0) > _MAX_SPAN
+                if flagged:
+                    gl.thread_barrier()  # every warp has read the raw gate (its stage may hold u)
+                    u_v.store(u)
             f0 = gl.exp2(u)
             e_g = gl.expand_dims(gl.exp2(s0), 0)
             dec_s.index(st).store(gl.exp2(g_last))
@@ -201,18 +275,27 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             if QK_L2NORM:
                 qf = qf * gl.expand_dims(nrm_s.index(0).load(ROW), 1)
             qx = qf * f0
-            qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
+            if not EXACT_DIAG:
+                qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
+            else:  # f0 may overflow past a 126 span: the walk operands from their own exp2
+                qg_s.index(st).store((qf * gl.exp2(u + gl.expand_dims(s0, 0))).to(gl.bfloat16))
             x_v.slice(0, BT).store(qx.to(gl.bfloat16))
             kf = raw.slice(BT, BT).load(CL).to(gl.float32)
             kf = gl.where(vm, kf, gl.zeros_like(kf))
             if QK_L2NORM:
                 kf = kf * gl.expand_dims(nrm_s.index(1).load(ROW), 1)
             kx = kf * f0
-            kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
+            if not EXACT_DIAG:
+                kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
+            else:
+                kd_s.index(st).store((kf * gl.exp2(u + gl.expand_dims(s0, 0))).to(gl.bfloat16))
             x_v.slice(BT, BT).store(kx.to(gl.bfloat16))
             kr = kf * gl.exp2(-u)
             col_v.store(kr.to(gl.bfloat16))
-            kg_v.store((kr * gl.expand_dims(gl.exp2(g_last - s0), 0)).to(gl.bfloat16))
+            if not EXACT_DIAG:
+                kg_v.store((kr * gl.expand_dims(gl.exp2(g_last - s0), 0)).to(gl.bfloat16))
+            else:
+                kg_v.store((kf * gl.exp2(gl.expand_dims(g_last - s0, 0) - u)).to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
             A2 = warpgroup_mma(x_v, col_v.permute((1, 0)), gl.zeros([2 * BT, BT], gl.float32, WG),
@@ -231,10 +314,20 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             # and every row i > j takes -A_ij T_j, an FMA per row with no dependence between
             # rows (the row-by-row form's 32-term sums are a 32-FMA chain per step).
             # A_kk is stored transposed, so its column j is one broadcast row read.
-            a2_s.permute((1, 0)).store(A2)  # memory row j: column j of [A_qk; A_kk]
+            a2_v.permute((1, 0)).store(A2)  # memory row j: column j of [A_qk; A_kk]
             aq_v.store(A2.to(gl.bfloat16))
+            if EXACT_DIAG:
+                if flagged:
+                    gl.thread_barrier()  # a2_s and u complete
+                    a2_t = a2_v.permute((1, 0))
+                    for b in gl.static_range(2):
+                        _exact_diagonal_block(qk_s.index(rs)._reinterpret(gl.bfloat16, [2 * BT, K], PLAIN), nrm_s,
+                                              u_v, a2_t, beta_ptr, sb_t,
+                                              Lc, zs, b, BT, BS, K, _DIAG_KC, PW, QK_L2NORM, BETA_SIGMOID)
+                    gl.thread_barrier()
+                    aq_v.slice(0, BT).store(a2_t.slice(0, BT).load(AQ_L).to(gl.bfloat16))
             gl.thread_barrier()
-            a2_cols = a2_s._reinterpret(gl.float32, [BT, 2 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            a2_cols = a2_v._reinterpret(gl.float32, [BT, 2 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx + zs, 0), 1.0, 0.0)  # the identity
             for j in gl.static_range(BT):  # static: row j of X is a register pick
                 aj = a2_cols.index(j).slice(BT, BT).load(gl.SliceLayout(1, LX))  # A_kk[:, j]
@@ -274,7 +367,7 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
                           s_out_n, s_out_h, s_out_v, s_out_k,
                           s_ck_n, s_ck_h, s_ck_v, s_ck_k,
                           K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BS: gl.constexpr,
-                          RING: gl.constexpr, GATE: gl.constexpr, QK_L2NORM: gl.constexpr,
+                          RING: gl.constexpr, GATE: gl.constexpr, EXACT_DIAG: gl.constexpr, QK_L2NORM: gl.constexpr,
                           BETA_SIGMOID: gl.constexpr,
                           LOAD_STATE: gl.constexpr, STORE_STATE: gl.constexpr, HAS_CKPT: gl.constexpr,
                           CKPT_INDEXED: gl.constexpr, CKPT_BF16: gl.constexpr,
@@ -305,7 +398,7 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     af_s = gl.allocate_shared_memory(gl.bfloat16, [RING, BT, BT], OPC)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [RING, BT, V], v_desc.layout)
     dec_s = gl.allocate_shared_memory(gl.float32, [RING, K], ROWS)
-    a2_s = gl.allocate_shared_memory(gl.float32, [BT, 2 * BT], FLAT)  # [A_qk; A_kk] transposed
+    a2_s = gl.allocate_shared_memory(gl.float32, [1, BT, 2 * BT], FLAT)  # [A_qk; A_kk] transposed
     aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, BT], gl.NVMMASharedLayout.get_default_for([2 * BT, BT], gl.bfloat16))
     o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, V], o_desc.layout)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, K], OPK)  # the producer's: kg for the fold,
@@ -315,6 +408,12 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     mh_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], OPC)  # M = T diag(beta), hi and lo
     ml_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, BT], OPC)
     nrm_s = gl.allocate_shared_memory(gl.float32, [2, BT], ROWS)  # the rows' inverse norms, q's and k's
+    if EXACT_DIAG and g_desc.dtype != gl.float32:
+        # u = G - s0 of a flagged chunk for the exact diagonal blocks (a bf16 raw gate's
+        # stage is too small to hold it; an fp32 one holds it in place).
+        u_s = gl.allocate_shared_memory(gl.float32, [1, BT, K], FLAT)
+    else:
+        u_s = nrm_s  # unused
     raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ring_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
     ring_empty = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
@@ -336,10 +435,11 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
                           K, V, V, BT, RING, LOAD_STATE, STORE_STATE, HAS_CKPT, CKPT_INDEXED, CKPT_BF16,
                           True, True, True, num_warps)),
         (_producer, (q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, af_s, dec_s, a2_s, aq_s,
-                     kg_s, x_s, col_s, mh_s, ml_s, nrm_s,
+                     kg_s, x_s, col_s, mh_s, ml_s, nrm_s, u_s,
                      raw_ready, ring_ready, ring_empty,
                      b_ptr, sb_t, sb_h, alog_ptr, salog, dtb_ptr, sdtb_h, sdtb_c, lower_bound,
-                     h, bos, seqlen, NT, K, V, BT, BS, RING, GATE, QK_L2NORM, BETA_SIGMOID, PHASES, PW)),
+                     h, bos, seqlen, NT, K, V, BT, BS, RING, GATE, EXACT_DIAG, QK_L2NORM, BETA_SIGMOID, PHASES,
+                     PW)),
     ], [PW], [PRODUCER_REGS])
     for s in gl.static_range(2):
         mbarrier.invalidate(raw_ready.index(s))
@@ -354,11 +454,8 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
 def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=None) -> str | None:
     """``None`` when the fused kernel serves these tensors and gate, else why (one line).
     Device and architecture are the caller's (the backend verifier's) to check."""
-    if gate != "raw" or lower_bound is None:
-        return "serves the bounded gate only (the unbounded gates need the exact diagonal path)"
-    if abs(float(lower_bound)) > MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E):
-        return (f"|lower_bound| must be at most {MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E):.4f} "
-                f"(the anchored diagonal blocks), got {lower_bound}")
+    if gate not in ("raw", "log_decay"):
+        return f"serves gate='raw' or 'log_decay', got {gate!r}"
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         return f"needs bf16 q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}"
     if q.shape[3] != 128 or v.shape[3] != 128:
@@ -371,6 +468,16 @@ def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=
     return None
 
 
+def needs_exact_diagonal(gate: str, lower_bound) -> bool:
+    """Whether a chunk's sub-chunk may span more than ``MAX_ANCHOR_SPAN`` (log2 units):
+    the unbounded gates (softplus, a precomputed log decay) and a bounded gate with
+    ``16 |lower_bound| log2(e)`` past it. Such a kernel flags those chunks at run time and
+    forms their diagonal blocks exactly."""
+    if gate == "log_decay" or lower_bound is None:
+        return True
+    return abs(float(lower_bound)) > MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E)
+
+
 def _strides(x):
     return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
 
@@ -378,7 +485,7 @@ def _strides(x):
 def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, cu_seqlens, *, lower_bound,
                          qk_l2norm=True, beta_sigmoid=True, initial_state=None, final_state=None, state_cache=None,
                          state_indices=None, has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
-                         checkpoint_state_indices=None, producer_regs=FUSED_PRODUCER_REGS, phases=4):
+                         checkpoint_state_indices=None, gate="raw", producer_regs=FUSED_PRODUCER_REGS, phases=4):
     """``(kernel, grid, args, kwargs)`` of one fused launch. Arguments are assumed valid
     and served (:func:`fused_unsupported` says ``None``); CPU tensors compile too.
 
@@ -403,9 +510,9 @@ def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, c
         s_in, s_out = initial_state, final_state
     dummy = out  # never dereferenced where a pointer is unused (constexpr branches)
     ck_indexed = checkpoint_state_indices is not None
-    sdtb_h, sdtb_c = dt_bias_strides(dt_bias, K)
-    args = (*descs, out, raw_beta, raw_beta.stride(1), raw_beta.stride(2), A_log, A_log.stride(0), dt_bias,
-            sdtb_h, sdtb_c, float(lower_bound),
+    alog, salog, dtb, sdtb_h, sdtb_c = gate_pointers(raw_g, A_log, dt_bias, K, gate)
+    args = (*descs, out, raw_beta, raw_beta.stride(1), raw_beta.stride(2), alog, salog, dtb,
+            sdtb_h, sdtb_c, float(lower_bound) if lower_bound is not None else 0.0,
             s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
             state_indices if state_indices is not None else cu_seqlens,
             has_initial_state if has_initial_state is not None else cu_seqlens,
@@ -414,7 +521,8 @@ def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, c
             checkpoint_state_indices if ck_indexed else cu_seqlens,
             cu_seqlens, float(scale), H, out.stride(1), out.stride(2),
             *_strides(s_in), *_strides(s_out), *_strides(checkpoint_state))
-    kwargs = dict(K=K, V=V, BT=BT, BS=SUB_CHUNK, RING=FUSED_RING, GATE=gate_form("raw", lower_bound),
+    kwargs = dict(K=K, V=V, BT=BT, BS=SUB_CHUNK, RING=FUSED_RING, GATE=gate_form(gate, lower_bound),
+                  EXACT_DIAG=needs_exact_diagonal(gate, lower_bound),
                   QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
                   LOAD_STATE=load_state, STORE_STATE=store_state, HAS_CKPT=checkpoint_state is not None,
                   CKPT_INDEXED=ck_indexed,

@@ -48,7 +48,7 @@ def fused_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices,
         final_state = allocate_final_state(state, (N, H, V, K), x.q.device)
     has = state.has_initial_state.view(torch.uint8) if state.has_initial_state is not None else None
     fused_prefill(x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, out, x.scale, cu_seqlens,
-                  lower_bound=x.lower_bound, qk_l2norm=x.qk_l2norm, beta_sigmoid=x.beta_sigmoid,
+                  lower_bound=x.lower_bound, gate=x.gate, qk_l2norm=x.qk_l2norm, beta_sigmoid=x.beta_sigmoid,
                   initial_state=state.initial_state, final_state=final_state, state_cache=state.state_cache,
                   state_indices=state.state_indices, has_initial_state=has,
                   checkpoint_state=state.snapshots if state.checkpoint_offsets is not None else None,
