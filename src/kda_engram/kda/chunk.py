@@ -50,6 +50,7 @@ from ..validation.kda_prefill import (
 )
 from .chunk_kernels import _kda_chunk_walk_kernel, _kda_group_pass_one_kernel, _kda_group_scan_kernel
 from .groups import group_workspace_layout, resolve_groups
+from .state import state_launch_modes
 from .metadata import prepare_chunk_metadata, prepare_chunk_offsets
 from .state import allocate_final_state, guarded_state
 
@@ -288,12 +289,7 @@ def walk_chunks(qg, w, u, kg_t, aqk, decay, out, scale, cu_seqlens, chunk_offset
                           ieee_operands=qg.dtype == torch.float32, arch=arch(device),
                           compute_units=num_compute_units(device), interpret=interp)
 
-    if state_cache is not None:
-        load_mode, store_mode, s_in, s_out = 2, 2, state_cache, state_cache
-    else:
-        load_mode = 1 if initial_state is not None else 0
-        store_mode = 1 if final_state is not None else 0
-        s_in, s_out = initial_state, final_state
+    load_mode, store_mode, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
     dummy = u  # stands in for absent pointers; never dereferenced (constexpr-disabled paths)
     s_in_t = s_in if s_in is not None else dummy
     s_out_t = s_out if s_out is not None else dummy

@@ -11,7 +11,7 @@ import torch
 from ..bundles import StateArgs
 from ..validation.kda_prefill import final_state_dtype
 
-__all__ = ["allocate_final_state", "guarded_state"]
+__all__ = ["allocate_final_state", "guarded_state", "state_launch_modes"]
 
 
 def allocate_final_state(state: StateArgs, shape, device) -> torch.Tensor:
@@ -29,3 +29,14 @@ def guarded_state(checks, state: StateArgs, *others: tuple) -> tuple:
     *got, rows, offsets, ck_rows = checks.guard_many(
         *others, (state.state_indices, -1), (state.checkpoint_offsets, 0), (state.checkpoint_state_indices, -1))
     return (*got, state.replace(state_indices=rows, checkpoint_offsets=offsets, checkpoint_state_indices=ck_rows))
+
+
+def state_launch_modes(initial_state, final_state, state_cache) -> tuple[int, int, object, object]:
+    """``(LOAD_STATE, STORE_STATE, state read, state written)`` of a walk launch (the
+    chunk walk, the Gluon walk, the fused prefill): 2 and 2 with the state cache (read
+    and written in place), else 1 where a dense initial / final state is given and 0
+    where it is not (``None`` then for the tensor)."""
+    if state_cache is not None:
+        return 2, 2, state_cache, state_cache
+    return (1 if initial_state is not None else 0, 1 if final_state is not None else 0, initial_state,
+            final_state)

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...constants import LOG2E, SUB_CHUNK
 from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers
+from ..state import state_launch_modes
 from .prologue import MAX_ANCHOR_SPAN
 from .walk import _walk_sequence, tma_compatible, tma_descriptor
 
@@ -501,13 +502,7 @@ def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, c
     descs = (tma_descriptor(q, [BT, K], False), tma_descriptor(k, [BT, K], False),
              tma_descriptor(raw_g, [BT, K], False),
              tma_descriptor(v, [BT, V]), tma_descriptor(out, [BT, V]))
-    if state_cache is not None:
-        load_state, store_state = 2, 2
-        s_in = s_out = state_cache
-    else:
-        load_state = 1 if initial_state is not None else 0
-        store_state = 1 if final_state is not None else 0
-        s_in, s_out = initial_state, final_state
+    load_state, store_state, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
     dummy = out  # never dereferenced where a pointer is unused (constexpr branches)
     ck_indexed = checkpoint_state_indices is not None
     alog, salog, dtb, sdtb_h, sdtb_c = gate_pointers(raw_g, A_log, dt_bias, K, gate)

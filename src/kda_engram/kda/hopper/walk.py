@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.runtime.jit import constexpr_function
 
 from ...constants import CHUNK_SIZE
+from ..state import state_launch_modes
 
 __all__ = ["WALK_STAGES", "folded_walk", "tma_compatible"]
 
@@ -414,13 +415,7 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     BT = int(chunk_size)
     descs = (tma_descriptor(qg, [BT, K]), tma_descriptor(kd, [BT, K]), tma_descriptor(t_fold, [BT, K]),
              tma_descriptor(a_fold, [BT, BT]), tma_descriptor(v, [BT, vb]), tma_descriptor(out, [BT, vb]))
-    if state_cache is not None:
-        load_state, store_state = 2, 2
-        s_in = s_out = state_cache
-    else:
-        load_state = 1 if initial_state is not None else 0
-        store_state = 1 if final_state is not None else 0
-        s_in, s_out = initial_state, final_state
+    load_state, store_state, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
     dummy = decay  # never dereferenced where a pointer is unused (constexpr branches)
     ck_indexed = checkpoint_state_indices is not None
     args = (*descs, out, decay,
