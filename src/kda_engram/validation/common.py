@@ -236,12 +236,11 @@ class DeviceChecks:
         ``(flag position, message, detail positions)`` in ``verdict``. Costs no
         device op of its own."""
         self._open()
-        self._packed.append((verdict, 0))
-        j, flags = len(self._packed) - 1, 0
+        j, flags = len(self._packed), 0
         for flag, message, details in rules:
             self._rules.append(("packed", j, flag, message, tuple(details)))
             flags = max(flags, flag + 1)
-        self._packed[j] = (verdict, flags)
+        self._packed.append((verdict, flags))
 
     def _open(self) -> None:
         if self._values is not None:

@@ -149,10 +149,32 @@ def _exact_diagonal_block(raw_t, nrm_s, u_s, a2_t, beta_ptr, sb_t, Lc, zs, b: gl
 
 
 @gluon.jit
+def _row_operands(raw_rows, inv_norms, vm, u, f0, s0, e_g, walk_op, row_op, CL: gl.constexpr, ROW: gl.constexpr,
+                  QK_L2NORM: gl.constexpr, EXACT_DIAG: gl.constexpr):
+    """One input's rows of a chunk (q's or k's, thread = channel): ``x̂`` (zero past the
+    end, normalised), its walk operand ``x̂ 2^G`` into ``walk_op`` (``qg`` or ``kd``) and
+    its row operand ``x̂ f0`` of the ``A`` product into ``row_op``; returns ``x̂``. The
+    walk operand is ``x̂ f0 2^s0`` unless ``EXACT_DIAG``, where ``f0`` may overflow past a
+    126 span and it takes its own ``exp2``."""
+    xf = raw_rows.load(CL).to(gl.float32)
+    xf = gl.where(vm, xf, gl.zeros_like(xf))
+    if QK_L2NORM:
+        xf = xf * gl.expand_dims(inv_norms.load(ROW), 1)
+    xx = xf * f0
+    if EXACT_DIAG:
+        walk_op.store((xf * gl.exp2(u + gl.expand_dims(s0, 0))).to(gl.bfloat16))
+    else:
+        walk_op.store((xx * e_g).to(gl.bfloat16))
+    row_op.store(xx.to(gl.bfloat16))
+    return xf
+
+
+@gluon.jit
 def _issue_chunk(c, NT, bos, h, q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, raw_ready, ring_ready,
                  ring_empty, K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, RING: gl.constexpr):
     """Chunk ``c``'s TMA loads (none past the last chunk): raw ``q, k`` (one ``[2 BT, K]``
-    tile, q's rows first) and ``g`` into raw stage ``c % 2``, ``v`` into ring stage ``c % RING`` once the consumers released it."""
+    tile, q's rows first) and ``g`` into raw stage ``c % 2``, ``v`` into ring stage
+    ``c % RING`` once the consumers released it."""
     pred = c < NT
     r = bos + c * BT
     rs = c % 2
@@ -271,26 +293,10 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
                 _store_row_inv_norms(raw.slice(0, BT), nrm_s.index(0), Lc, BT, K, PW)
                 _store_row_inv_norms(raw.slice(BT, BT), nrm_s.index(1), Lc, BT, K, PW)
                 gl.thread_barrier()
-            qf = raw.slice(0, BT).load(CL).to(gl.float32)
-            qf = gl.where(vm, qf, gl.zeros_like(qf))
-            if QK_L2NORM:
-                qf = qf * gl.expand_dims(nrm_s.index(0).load(ROW), 1)
-            qx = qf * f0
-            if not EXACT_DIAG:
-                qg_s.index(st).store((qx * e_g).to(gl.bfloat16))
-            else:  # f0 may overflow past a 126 span: the walk operands from their own exp2
-                qg_s.index(st).store((qf * gl.exp2(u + gl.expand_dims(s0, 0))).to(gl.bfloat16))
-            x_v.slice(0, BT).store(qx.to(gl.bfloat16))
-            kf = raw.slice(BT, BT).load(CL).to(gl.float32)
-            kf = gl.where(vm, kf, gl.zeros_like(kf))
-            if QK_L2NORM:
-                kf = kf * gl.expand_dims(nrm_s.index(1).load(ROW), 1)
-            kx = kf * f0
-            if not EXACT_DIAG:
-                kd_s.index(st).store((kx * e_g).to(gl.bfloat16))
-            else:
-                kd_s.index(st).store((kf * gl.exp2(u + gl.expand_dims(s0, 0))).to(gl.bfloat16))
-            x_v.slice(BT, BT).store(kx.to(gl.bfloat16))
+            _row_operands(raw.slice(0, BT), nrm_s.index(0), vm, u, f0, s0, e_g, qg_s.index(st), x_v.slice(0, BT),
+                          CL, ROW, QK_L2NORM, EXACT_DIAG)
+            kf = _row_operands(raw.slice(BT, BT), nrm_s.index(1), vm, u, f0, s0, e_g, kd_s.index(st),
+                               x_v.slice(BT, BT), CL, ROW, QK_L2NORM, EXACT_DIAG)
             kr = kf * gl.exp2(-u)
             col_v.store(kr.to(gl.bfloat16))
             if not EXACT_DIAG:
@@ -400,7 +406,8 @@ def _fused_prefill_kernel(q_desc, k_desc, g_desc, v_desc, o_desc,
     v_s = gl.allocate_shared_memory(v_desc.dtype, [RING, BT, V], v_desc.layout)
     dec_s = gl.allocate_shared_memory(gl.float32, [RING, K], ROWS)
     a2_s = gl.allocate_shared_memory(gl.float32, [1, BT, 2 * BT], FLAT)  # [A_qk; A_kk] transposed
-    aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, BT], gl.NVMMASharedLayout.get_default_for([2 * BT, BT], gl.bfloat16))
+    aq_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, BT],
+                                     gl.NVMMASharedLayout.get_default_for([2 * BT, BT], gl.bfloat16))
     o_s = gl.allocate_shared_memory(o_desc.dtype, [BT, V], o_desc.layout)
     kg_s = gl.allocate_shared_memory(gl.bfloat16, [1, BT, K], OPK)  # the producer's: kg for the fold,
     x_s = gl.allocate_shared_memory(gl.bfloat16, [1, 2 * BT, K],  # the row operands [q̂ f0; k̂ f0]

@@ -1,17 +1,15 @@
 """A torch model of the fused Hopper prefill's order of operations (issue 52,
 ``FUSED_PREFILL.md``): the CPU proof of the one-launch kernel, which Gluon cannot
-run on a CPU. The kernel is built step by step to this model; its GPU tests compare
-against it, and the model is checked here against the fp64 recurrence.
+run on a CPU. Its GPU tests compare the kernel against it; its CPU tests, it against fp64.
 
-Per (sequence, head) the fp32 state ``S [V, K]`` stays on chip; per 64-token chunk
-(four 16-token sub-chunks ``I``; ``a`` the per-token log2 gate, ``lc`` its
-sub-chunk-local inclusive cumsum, ``s_I`` the sub-chunk totals, ``b_I`` the sum of
-the totals before ``I``, ``G = b_I + lc`` the chunk-local cumsum):
+Per (sequence, head) the fp32 state ``S [V, K]`` stays on chip; per 64-token chunk (four
+16-token sub-chunks ``I``; ``a`` the per-token log2 gate, ``lc`` its sub-chunk-local
+inclusive cumsum, ``s_I`` the sub-chunk totals, ``b_I`` the totals before ``I``, ``G =
+b_I + lc``):
 
-1. **Gate and norms** (:func:`log2_gate`): the bounded sigmoid gate, the softplus gate
-   or a precomputed log decay, in log2 units; L2 norms of q and k; ``beta``. A chunk
-   is *flagged* when some channel's gate spans more than :data:`MAX_ANCHOR_SPAN`
-   inside one sub-chunk (never for ``lower_bound >= -5.45``).
+1. **Gate and norms** (:func:`log2_gate`): the bounded, softplus or precomputed gate in
+   log2 units; L2 norms of q and k; ``beta``. A chunk is *flagged* when some channel's
+   gate spans more than :data:`MAX_ANCHOR_SPAN` in a sub-chunk (never for ``lower_bound >= -5.45``).
 2. **Walk operands**: ``qg = q̂ 2^G``, ``kd = k̂ 2^G``, ``kg = k̂ 2^(G_last - G)``,
    ``decay = 2^G_last``: every factor at most 1, exact for any gate.
 3. **A_kk, A_qk** by 16-column strips ``J``. Below the diagonal (``I > J``) the row
@@ -21,13 +19,11 @@ the totals before ``I``, ``G = b_I + lc`` the chunk-local cumsum):
    row factor is then in ``[1, 2^span]``, a normal number); a flagged chunk's diagonal
    blocks take an FMA recurrence instead, ``P_(j+d) = P_(j+d-1) 2^(a_(j+d))``, which
    only ever multiplies numbers at most 1 (the softplus gate stays exact).
-   At chunk 32 (two sub-chunks, the kernel's chunk) the strips collapse into one product
-   anchored at the sub-chunks' boundary ``b_1`` (:func:`_boundary_anchored`): every
-   factor then spans at most one sub-chunk from the anchor, so unflagged chunks need no
-   per-strip operands.
+   At chunk 32 (the kernel's) the strips collapse into one product anchored at the
+   sub-chunks' boundary ``b_1`` (:func:`_boundary_anchored`): every factor spans at
+   most one sub-chunk from the anchor.
 4. **Inverse**: each 16x16 diagonal block of ``I + A_kk`` by forward substitution in
-   fp32, joined by block forward substitution
-   ``T_IJ = -T_II sum_(J <= L < I) A_IL T_LJ``; ``M = T diag(beta)``.
+   fp32, joined by ``T_IJ = -T_II sum_(J <= L < I) A_IL T_LJ``; ``M = T diag(beta)``.
 5. **Fold**: ``t_fold = M^T kg``, ``a_fold = A_qk M`` (``M`` a bf16 operand split hi/lo
    when ``fold_split``, else rounded once).
 6. **Walk** (the consumers, :func:`kda_engram.kda.reference.naive_folded_chunk_step`
@@ -37,10 +33,10 @@ the totals before ``I``, ``G = b_I + lc`` the chunk-local cumsum):
 ``round_bf16=True`` rounds at the kernel's points (the wgmma operands, the bf16 ring
 tiles; accumulation in fp32); ``False`` keeps everything in the input's float dtype
 (fp64 in: the model is then exact up to fp64 rounding, the check of the algebra).
-``fault`` plants a known error (each must fail the model's tests): ``"anchor"``
-anchors the strips' row operand at the strip start, ``"flag"`` never takes the exact
-diagonal path, ``"substitution"`` drops the ``L > J`` terms of the block substitution,
-``"decay"`` skips the state's decay.
+``fault`` plants a known error (each must fail the model's tests): ``"anchor"`` anchors
+the strips' row operand at the strip start, ``"flag"`` never takes the exact diagonal
+path, ``"substitution"`` drops the block substitution's ``L > J`` terms, ``"decay"``
+skips the state's decay.
 """
 
 from __future__ import annotations
@@ -151,7 +147,8 @@ def _boundary_anchored(xh, kh, G, anchor, on, inclusive):
 
 def _prepare_chunk(qf, kf, a, beta, nvalid, on, qk_l2norm, fold_split, fault):
     """Steps 1-5 for one chunk of every head: inputs ``[H, 64, K]`` and ``beta [H, 64]``
-    (rows past ``nvalid`` are another sequence's and may hold anything). Returns the ring tiles ``qg, kd, t_fold [H, 64, K]``,
+    (rows past ``nvalid`` are another sequence's and may hold anything). Returns the
+    ring tiles ``qg, kd, t_fold [H, 64, K]``,
     ``a_fold [H, 64, 64]``, ``decay [H, K]`` and whether the chunk was flagged."""
     Hh, BT, K = qf.shape
     NB = BT // SUB_CHUNK
