@@ -53,7 +53,7 @@ def num_compute_units(device: torch.device | str | int | None = None) -> int:
     :data:`CPU_COMPUTE_UNITS` so heuristics still take their multi-program
     branches in tests.
     """
-    dev = _as_device(device)
+    dev = device if isinstance(device, torch.device) else _as_device(device)
     if dev.type != "cuda" or interpreting():
         return CPU_COMPUTE_UNITS
     return int(_cuda_properties(_cuda_index(dev)).multi_processor_count)

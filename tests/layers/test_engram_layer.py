@@ -148,12 +148,15 @@ def test_history_checkpoint_resume_equals_one_shot():
 
 
 def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
-    """One gate branch: the layer calls Engram.gate with the torch.ops entry points."""
+    """One gate branch: the layer calls Engram.gate with the torch.ops entry points;
+    a checked layer has run their host rules (issue 55: once a step), so it calls
+    them unchecked; ``check_inputs=False`` leaves the host rules to the ops."""
     from kda_engram import ops
     from kda_engram.layers.engram_gate import Engram
+    import kda_engram.ops.engram as op_module
 
     layer, w = make_layer()
-    seen = []
+    seen, calls = [], []
     gate = Engram.gate
 
     def recording_gate(self, *args, **kwargs):
@@ -161,16 +164,48 @@ def test_layer_runs_the_module_gate_branch_through_the_ops(monkeypatch):
         return gate(self, *args, **kwargs)
 
     monkeypatch.setattr(Engram, "gate", recording_gate)
+    for name in ("check_post_wkv_arguments", "check_table_lookup"):
+        rule = getattr(op_module, name)
+        monkeypatch.setattr(op_module, name, lambda *a, _rule=rule, _name=name: (calls.append(_name), _rule(*a)))
     ids, hidden = ids_for(9, 1), hidden_for(9, 2)
     batch = EngramBatch.from_query_lens(torch.tensor([9]), torch.tensor([0]))
-    cache = torch.full((1, 2), -1, dtype=torch.int64)
-    out = layer(hidden, batch, token_ids=ids, history_cache=cache)
-    assert len(seen) == 1
-    # The ops, with their device rules off: the layer ran its own checks before the hash.
-    for kernel, op in ((seen[0].post_wkv, ops.engram_post_wkv), (seen[0].partials, ops.engram_gate_partials),
-                       (seen[0].finish, ops.engram_gate_finish)):
-        assert kernel.func is op and kernel.keywords == {"check_inputs": False}
-    torch.testing.assert_close(out, ref_out(layer, w, hidden, ids, [0, 9]).float(), atol=5e-5, rtol=0)
+    want = ref_out(layer, w, hidden, ids, [0, 9]).float()
+    gate_ops = (ops.engram_post_wkv, ops.engram_gate_partials, ops.engram_gate_finish)
+    for check_inputs in (True, False):
+        seen.clear()
+        calls.clear()
+        cache = torch.full((1, 2), -1, dtype=torch.int64)
+        out = layer(hidden, batch, token_ids=ids, history_cache=cache, check_inputs=check_inputs)
+        assert len(seen) == 1
+        kernels = (seen[0].post_wkv, seen[0].partials, seen[0].finish)
+        for kernel, op in zip(kernels, gate_ops):
+            if check_inputs:
+                assert kernel is op.unchecked
+            else:
+                assert kernel.func is op and kernel.keywords == {"check_inputs": False}
+        assert calls == ([] if check_inputs else ["check_table_lookup", "check_post_wkv_arguments"])
+        torch.testing.assert_close(out, want, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spoil, error, match", [
+    (lambda e: setattr(e, "eps", -1.0), ValueError, "^eps: expected a finite number"),
+    (lambda e: setattr(e, "clamp_value", float("inf")), ValueError, "^clamp_value: expected a finite number"),
+    (lambda e: setattr(e, "q_weight", torch.nn.Parameter(torch.ones(HC, DIM + 1), requires_grad=False)), ValueError,
+     r"^q_weight: expected shape \[2, 32\]"),
+    (lambda e: setattr(e, "k_weight", torch.nn.Parameter(torch.ones(HC, DIM, dtype=torch.float16),
+                                                         requires_grad=False)), TypeError,
+     "^k_weight: expected dtype float32, got float16"),
+])
+def test_a_checked_layer_refuses_a_spoiled_gate_before_the_hash(spoil, error, match):
+    """The gate's host rules the layer answers for its ops (they then run unchecked)
+    raise as the ops' did, and before the hash writes the history."""
+    layer, _ = make_layer()
+    spoil(layer.engram)
+    hist = torch.tensor([[1, 42]], dtype=torch.int64)
+    batch = EngramBatch.from_query_lens(torch.tensor([5]), torch.tensor([0]))
+    with pytest.raises(error, match=match):
+        layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
+    assert hist.tolist() == [[1, 42]]
 
 
 def test_the_hash_step_runs_each_ops_host_rules_once(monkeypatch):
@@ -375,6 +410,24 @@ def test_a_parameter_that_requires_grad_is_refused_before_the_hash():
         layer(hidden_for(5, 2), batch, token_ids=ids_for(5, 1), history_cache=hist)
     assert str(info.value).startswith("engram.wkv.weight: expected a parameter that does not require grad")
     assert hist.tolist() == [[1, 42]]
+
+
+def test_a_layer_step_runs_its_verdict_after_its_gate():
+    """The hash's device rules are the layer step's verdict, run after the gate: no
+    op of the step settles it mid-step (on a GPU that was a wait for the hash's
+    read-back between the hash and the lookup). A broken step returns, writes no
+    history, and its error is raised by the next call into the library."""
+    from kda_engram import raise_pending_errors
+
+    layer, _ = make_layer()
+    cache = torch.full((3, 2), 5, dtype=torch.int64)
+    cache[1, 1] = 99  # outside the vocabulary, in a row the step reads
+    before = cache.clone()
+    batch = EngramBatch.from_query_lens(torch.tensor([2, 3]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    out = layer(hidden_for(5, 1), batch, token_ids=ids_for(5, 2), history_cache=cache)
+    assert out.shape == (5, HC, DIM) and torch.equal(cache, before)
+    with pytest.raises(ValueError, match=r"^history_cache: expected ids in .*\(from an earlier .* call"):
+        raise_pending_errors()
 
 
 @pytest.mark.parametrize("bad", [99, -3])

@@ -34,6 +34,8 @@ limit.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -125,7 +127,13 @@ def tokens_per_program(num_rows: int, device: torch.device, tokens: int | None =
 def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
                     max_row_dim: int = SINGLE_PASS_MAX_DIM) -> dict:
     """Constexprs of a gate kernel that must keep a ``dim`` row (single pass, up to
-    ``max_row_dim``) or stream it in ``chunk``-wide blocks (two passes)."""
+    ``max_row_dim``) or stream it in ``chunk``-wide blocks (two passes). A new dict
+    each call (callers add keys); worked out once per argument set."""
+    return dict(_launch_geometry(dim, chunk, num_warps, max_row_dim))
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: a chunk of 32.0 is refused, not 32's
+def _launch_geometry(dim: int, chunk: int | None, num_warps: int | None, max_row_dim: int) -> tuple:
     if chunk is None and dim <= max_row_dim:
         head, tail = row_pieces(dim)
         geom = dict(HEAD=head, TAIL=tail, CHUNK=16, LOOP=False)
@@ -138,7 +146,24 @@ def launch_geometry(dim: int, chunk: int | None, num_warps: int | None,
         lanes = chunk
     check_num_warps(num_warps)
     geom["num_warps"] = num_warps if num_warps is not None else warps_for(lanes)
-    return GateGeometry(**geom).as_dict()  # validated
+    return tuple(validated_geometry(geom).items())
+
+
+@functools.lru_cache(maxsize=256)
+def _validated_geometry(key: tuple) -> tuple:
+    geom = {}
+    for name, _, value in key:
+        geom[name] = value
+    return tuple(GateGeometry(**geom).as_dict().items())
+
+
+def validated_geometry(geom: dict) -> dict:
+    """``GateGeometry(**geom).as_dict()`` (its checks raise), worked out once per
+    geometry (the key holds each value's type: 4.0 and True are not 4 and 1)."""
+    key = []
+    for name, value in geom.items():
+        key.append((name, type(value), value))
+    return dict(_validated_geometry(tuple(key)))
 
 
 def check_num_warps(num_warps: int | None) -> None:
@@ -416,7 +441,7 @@ def post_wkv_launch(T: int, hc: int, dim: int, device, chunk=None, num_warps=Non
         tokens = 1 if tokens is None else tokens
     if persistent:
         tokens = 1
-    return GateGeometry(**geom).as_dict(), tokens_per_program(T * hc, device, tokens)  # validated
+    return validated_geometry(geom), tokens_per_program(T * hc, device, tokens)
 
 
 _RESIDENT_PROGRAMS: dict = {}

@@ -63,7 +63,7 @@ from ..validation.common import (
 )
 from ..validation.entry import EntryChecks
 from ..validation.engram import (check_engram_batch, check_history_cache_values, check_history_scatter,
-                                 check_ngram_hash_arguments)
+                                 check_layer_gate, check_ngram_hash_arguments, check_rows_device, lookup_devices)
 from ..engram.history import checkpoint_history, gather_history, scatter_history
 from ..engram.layout import EngramLayout, config_value
 from ..engram.table import EngramTable
@@ -178,6 +178,10 @@ class EngramBatch:
         checks.run()
 
 
+def _host_rules_only(op):
+    return functools.partial(op, check_inputs=False)
+
+
 def engram_hash_step(
     token_ids: torch.Tensor,
     batch: EngramBatch,
@@ -220,8 +224,19 @@ def engram_hash_step(
     # Raises an earlier call's pending error first. While a CUDA graph is captured
     # or torch.compile traces (no read-back there): host rules only, and the
     # kernels' entry points raise a pending error when they run.
-    eager = can_read_back()
-    checks = EntryChecks(check_inputs) if eager else None
+    checks = EntryChecks(check_inputs) if can_read_back() else None
+    rows = _hash_step(token_ids, batch, layout, history_cache, checks, token_map=token_map, global_rows=global_rows,
+                      check_inputs=check_inputs)
+    if checks is not None:
+        checks.run()  # the verdict, after the guarded launches (deferred by default)
+    return rows
+
+
+def _hash_step(token_ids, batch, layout, history_cache, checks: EntryChecks | None, *, token_map, global_rows,
+               check_inputs):
+    """:func:`engram_hash_step` on the caller's ``checks`` (their verdict is the
+    caller's to run: the layer runs it after its gate, so that no op of its step
+    waits for the hash's verdict)."""
     known = True
     if check_inputs:
         check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
@@ -243,22 +258,25 @@ def engram_hash_step(
         if checks is not None and known:  # the history the hash reads, as ngram_hash checks a given one
             check_history_cache_values(checks, history_cache, batch.slot_indices, batch.has_initial_state,
                                        lay.compressed_vocab_size, token_map)
-        if checks is not None:
-            g = checks.guard
-            token_ids = g(token_ids, 0)
-            batch = dataclasses.replace(
-                batch, cu_seqlens=g(batch.cu_seqlens, 0), slot_indices=g(batch.slot_indices, -1),
-                checkpoint_offsets=g(batch.checkpoint_offsets, 0), checkpoint_indices=g(batch.checkpoint_indices, -1))
+        if checks is not None:  # one guard launch for the five
+            token_ids, cu, slots, ck_offsets, ck_rows = checks.guard_many(
+                (token_ids, 0), (batch.cu_seqlens, 0), (batch.slot_indices, -1), (batch.checkpoint_offsets, 0),
+                (batch.checkpoint_indices, -1))
+            batch = dataclasses.replace(batch, cu_seqlens=cu, slot_indices=slots, checkpoint_offsets=ck_offsets,
+                                        checkpoint_indices=ck_rows)
     # Checked above: the step's rules cover every host rule of these ops (the cache,
     # the batch, the tokens, the layout; the histories are made from the checked
     # cache), so the ops run unchecked, each rule once per step. Unchecked step
     # (check_inputs=False): the ops run their host rules.
     step_ops = (ops.engram_history_gather, ops.ngram_hash, ops.next_history, ops.engram_history_checkpoint,
                 ops.engram_history_scatter)
+    gather, hash_, advance, checkpoint, scatter = step_ops  # (unpacked, not mapped: Dynamo traces it)
     if check_inputs:
-        gather, hash_, advance, checkpoint, scatter = [op.unchecked for op in step_ops]
+        gather, hash_, advance = gather.unchecked, hash_.unchecked, advance.unchecked
+        checkpoint, scatter = checkpoint.unchecked, scatter.unchecked
     else:
-        gather, hash_, advance, checkpoint, scatter = [functools.partial(op, check_inputs=False) for op in step_ops]
+        gather, hash_, advance = _host_rules_only(gather), _host_rules_only(hash_), _host_rules_only(advance)
+        checkpoint, scatter = _host_rules_only(checkpoint), _host_rules_only(scatter)
     hist = gather(history_cache, batch.slot_indices, batch.has_initial_state)
     rows = hash_(token_ids, batch.cu_seqlens, layout, history=hist, dead_mask=batch.dead_mask, token_map=token_map,
                  global_rows=global_rows)
@@ -271,8 +289,6 @@ def engram_hash_step(
         checkpoint(token_ids, batch.cu_seqlens, hist, batch.dead_mask, batch.checkpoint_offsets,
                    batch.checkpoint_indices, history_cache)
     scatter(history_cache, batch.slot_indices, new)
-    if checks is not None:
-        checks.run()  # the verdict, after the guarded launches (deferred by default)
     return rows
 
 
@@ -355,6 +371,7 @@ class EngramLayer(nn.Module):
         # Op handles, taken once: the forward passes plain ints to the ops.
         self._layout_handle = ops.handle(layout)
         self._table_handle = ops.handle(self.table)
+        self._lookup_devices = lookup_devices(self.table)  # where its lookups take rows (fixed with the table)
 
     # -- construction ---------------------------------------------------------------
 
@@ -434,15 +451,17 @@ class EngramLayer(nn.Module):
         return engram_hash_step(token_ids, batch, self._layout_handle, history_cache, token_map=token_map,
                                 check_inputs=check_inputs)
 
-    def embeddings(self, rows: torch.Tensor) -> torch.Tensor:
+    def embeddings(self, rows: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
         """``rows [T, n_layers, n_hash_cols]`` (all layers, from :func:`engram_hash_step`)
-        -> this layer's looked-up rows ``[T, n_hash_cols * head_dim]``, replicated."""
+        -> this layer's looked-up rows ``[T, n_hash_cols * head_dim]``, replicated.
+        ``checked``: the caller ran the lookup's host rules (:meth:`forward` does), so
+        the op runs unchecked; otherwise it runs its host rules."""
         mine = rows[:, self.layer_index]
+        lookup = ops.engram_lookup.unchecked if checked else functools.partial(ops.engram_lookup, check_inputs=False)
         if self.tp.world_size == 1:
-            emb = ops.engram_lookup(mine, self._table_handle, check_inputs=False)
+            emb = lookup(mine, self._table_handle)
         else:
-            emb = self.tp.all_gather(ops.engram_lookup(mine, self._table_handle, local=True, check_inputs=False),
-                                     dim=1)
+            emb = self.tp.all_gather(lookup(mine, self._table_handle, local=True), dim=1)
         return emb.flatten(1)  # [T, cols * head_dim]; T = 0 too (reshape(0, -1) is ambiguous)
 
     def forward(
@@ -467,6 +486,9 @@ class EngramLayer(nn.Module):
         hash writes the history cache, then the hash step's own rules
         (:func:`engram_hash_step`): a refused call leaves the cache as it was.
         """
+        # An earlier call's broken verdict first, as every entry point does; the
+        # step's own verdict (the hash's device rules) is run after the gate.
+        checks = EntryChecks(check_inputs) if can_read_back() else None
         eng = self.engram
         hashing = rows is None
         if hashing and (token_ids is None or batch is None or history_cache is None):
@@ -474,8 +496,15 @@ class EngramLayer(nn.Module):
         token_mask = batch.token_mask if batch is not None else None
         if check_inputs:
             check_parameters_forward_only(self)
+            w = eng.wkv.weight
             check_tensor("hidden_states", hidden_states, shape=[None, eng.hc_mult, eng.dim],
-                         dtypes=(eng.wkv.weight.dtype,), device=eng.wkv.weight.device)
+                         dtypes=(w.dtype,) if w.dtype in FLOAT_DTYPES else FLOAT_DTYPES, device=w.device)
+            # The lookup's and the gate's host rules, once: their other operands are
+            # this layer's own (the rows' form is checked below or made by the hash,
+            # kv is wkv's output), so both ops then run unchecked.
+            check_rows_device(hidden_states.device, self._lookup_devices)
+            check_layer_gate(hidden_states, eng.q_weight, eng.k_weight, eng.eps, eng.clamp_value,
+                             eng.tp.world_size if eng.shard_gate else None)
             T = hidden_states.shape[0]
             if hashing:
                 check_tensor("token_ids", token_ids, shape=[T], dtypes=INDEX_DTYPES, device=hidden_states.device)
@@ -486,14 +515,23 @@ class EngramLayer(nn.Module):
                 check_tensor("batch.token_mask", token_mask, shape=[T], dtypes=(torch.bool,),
                              device=hidden_states.device)
         if hashing:
-            rows = self.hash_step(token_ids, batch, history_cache, token_map=token_map, check_inputs=check_inputs)
-        emb = self.embeddings(rows)
-        # The module's gate branch, through the torch.ops wrappers (capturable, compilable;
-        # the host rules above are the layer's, the ops run theirs, host only).
-        kernels = GateKernels(functools.partial(ops.engram_post_wkv, check_inputs=False),
-                              functools.partial(ops.engram_gate_partials, check_inputs=False),
-                              functools.partial(ops.engram_gate_finish, check_inputs=False))
-        return eng.gate(hidden_states, eng.wkv(emb), token_mask, num_kv_tokens=emb.shape[0], kernels=kernels)
+            rows = _hash_step(token_ids, batch, self._layout_handle, history_cache, checks, token_map=token_map,
+                              global_rows=False, check_inputs=check_inputs)
+        emb = self.embeddings(rows, checked=check_inputs)
+        # The module's gate branch, through the torch.ops wrappers (capturable,
+        # compilable): unchecked after the layer's rules above; with check_inputs=False
+        # the ops run their own host rules.
+        if check_inputs:
+            kernels = GateKernels(ops.engram_post_wkv.unchecked, ops.engram_gate_partials.unchecked,
+                                  ops.engram_gate_finish.unchecked)
+        else:
+            kernels = GateKernels(functools.partial(ops.engram_post_wkv, check_inputs=False),
+                                  functools.partial(ops.engram_gate_partials, check_inputs=False),
+                                  functools.partial(ops.engram_gate_finish, check_inputs=False))
+        out = eng.gate(hidden_states, eng.wkv(emb), token_mask, num_kv_tokens=emb.shape[0], kernels=kernels)
+        if checks is not None:
+            checks.run()
+        return out
 
     def extra_repr(self) -> str:
         return (f"layer_id={self.layer_id}, n_hash_cols={self.layout.n_hash_cols}, head_dim={self.layout.head_dim}, "

@@ -158,12 +158,7 @@ def check_int(name: str, x, *, low: int | None = None, high: int | None = None, 
         raise ValueError(f"{name}: expected an int {lo}{name}{hi}, got {x}")
 
 
-_SIGNS = {
-    None: (lambda v: True, ""),
-    "positive": (lambda v: v > 0, " > 0"),
-    "non-negative": (lambda v: v >= 0, " >= 0"),
-    "non-positive": (lambda v: v <= 0, " <= 0"),
-}
+_SIGNS = {None: "", "positive": " > 0", "non-negative": " >= 0", "non-positive": " <= 0"}
 
 
 def check_real(name: str, x, *, sign: str | None = None, allow_none: bool = False) -> None:
@@ -174,8 +169,10 @@ def check_real(name: str, x, *, sign: str | None = None, allow_none: bool = Fals
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name}: expected a real number{' or None' if allow_none else ''}, got {type(x).__name__}")
     value = float(x)
-    ok, want = _SIGNS[sign]
-    if not math.isfinite(value) or not ok(value):
+    want = _SIGNS[sign]
+    ok = (sign is None or (sign == "positive" and value > 0) or (sign == "non-negative" and value >= 0)
+          or (sign == "non-positive" and value <= 0))
+    if not math.isfinite(value) or not ok:
         raise ValueError(f"{name}: expected a finite number{want}, got {x}")
 
 
@@ -227,7 +224,8 @@ class DeviceChecks:
         self._bad: torch.Tensor | None = None
 
     def add(self, bad: torch.Tensor, message: str, *details: torch.Tensor) -> None:
-        self._open()
+        if self._values is not None:
+            self._open()  # raises
         self._rules.append(("flag", bad, message, details))
 
     def add_packed(self, verdict: torch.Tensor, rules) -> None:
@@ -235,7 +233,8 @@ class DeviceChecks:
         entries are the flags, then the details; ``rules`` lists
         ``(flag position, message, detail positions)`` in ``verdict``. Costs no
         device op of its own."""
-        self._open()
+        if self._values is not None:
+            self._open()  # raises
         j, flags = len(self._packed), 0
         for flag, message, details in rules:
             self._rules.append(("packed", j, flag, message, tuple(details)))
@@ -255,22 +254,24 @@ class DeviceChecks:
         mark the point the read-back waits for."""
         if self._values is not None or not self._rules:
             return
-        plain, plain_details = [], []
+        plain, plain_flags, plain_details = [], [], []  # (loops: no call per comprehension)
         for r in self._rules:
             if r[0] == "flag":
                 plain.append(r)
-                plain_details.extend(r[3])
+                plain_flags.append(r[1])
+                for d in r[3]:
+                    plain_details.append(d if d.dtype == torch.int64 else d.to(torch.int64))
         if not plain and len(self._packed) == 1:
             values = self._packed[0][0]  # already flags then details: no op
         else:
             flag_parts, detail_parts = [], []
             if plain:
-                flag_parts.append(torch.stack([r[1] for r in plain]).to(torch.int64))
-            flag_parts += [v[:f] for v, f in self._packed]
+                flag_parts.append(torch.stack(plain_flags).to(torch.int64))
+            for v, f in self._packed:
+                flag_parts.append(v[:f])
+                detail_parts.append(v[f:])
             if plain_details:
-                detail_parts.append(torch.stack([d if d.dtype == torch.int64 else d.to(torch.int64)
-                                                 for d in plain_details]))
-            detail_parts += [v[f:] for v, f in self._packed]
+                detail_parts.insert(0, torch.stack(plain_details))
             values = torch.cat(flag_parts + detail_parts)
         # Absolute positions: flags [plain..., packed_0 flags, ...], then details likewise.
         flag_base, pos = {}, len(plain)
@@ -330,15 +331,21 @@ class DeviceChecks:
         by all of the call's rules. Tensors the launch does not take (more than
         :data:`~kda_engram.validation.index_rules.MAX_GUARDED`, or neither 1-d nor
         contiguous) get :meth:`guard`."""
+        out = []
         if not self._rules:
-            return [x for x, _ in pairs]
+            for x, _ in pairs:
+                out.append(x)
+            return out
         self._finish()
-        taken = [i for i, (x, _) in enumerate(pairs) if x is not None and (x.dim() == 1 or x.is_contiguous())]
-        taken = taken[:MAX_GUARDED]
-        out = [None if x is None else (None if i in taken else self.guard(x, none))
-               for i, (x, none) in enumerate(pairs)]
-        if taken:  # (1-d tensors as they are: no view op each way)
-            flat = [(x if x.dim() == 1 else x.reshape(-1), none) for x, none in (pairs[i] for i in taken)]
+        taken, flat = [], []  # (loops, not comprehensions: no call each on the serving path)
+        for i, (x, none) in enumerate(pairs):
+            out.append(x)
+            if x is not None and len(taken) < MAX_GUARDED and (x.dim() == 1 or x.is_contiguous()):
+                taken.append(i)
+                flat.append((x if x.dim() == 1 else x.reshape(-1), none))  # (1-d as they are: no view op)
+            elif x is not None:
+                out[i] = self.guard(x, none)
+        if taken:
             for i, y in zip(taken, guard_tensors(self._values, flat, n_flags=self._n_flags)):
                 x = pairs[i][0]
                 out[i] = y if x.dim() == 1 else y.view(x.shape)

@@ -40,6 +40,7 @@ __all__ = [
     "check_tp_slice",
     "check_gate_partials_arguments",
     "check_gate_finish_arguments",
+    "check_layer_gate",
     "pair_elems",
     "send_width",
     "check_column_sizes",
@@ -49,6 +50,8 @@ __all__ = [
     "check_next_history_arguments",
     "check_table_rows",
     "check_table_lookup",
+    "check_rows_device",
+    "lookup_devices",
     "check_history_cache",
     "check_history_cache_values",
     "check_history_values",
@@ -174,6 +177,22 @@ def check_gate_finish_arguments(hidden_states, gathered, tp_size, eps, clamp_val
             f"gathered: expected shape [tp_size*T, dim/tp_size + pair_elems*hc] = {list(want)}, got {list(gathered.shape)}"
         )
     check_tensor("gathered", gathered, last_dim_contiguous=True)
+
+
+def check_layer_gate(hidden_states, q_weight, k_weight, eps, clamp_value, tp_size: int | None) -> None:
+    """The gate kernels' host rules that a serving layer answers once per step, its
+    ``kv`` being its own ``wkv`` output (so ``kv``, ``kv_local`` and the gathered
+    partials are not checked): ``hidden_states`` on a kernel device (the layer has
+    checked its shape and its float dtype against the weights), ``q_weight`` and
+    ``k_weight [hc, dim]`` in its dtype on its device, the scalars, and with
+    ``tp_size`` (the dim-sharded gate) the slice ``dim / tp_size``."""
+    check_kernel_device("hidden_states", hidden_states)
+    _, hc, dim = hidden_states.shape
+    check_tensor("q_weight", q_weight, shape=(hc, dim), dtypes=(hidden_states.dtype,), device=hidden_states.device)
+    check_tensor("k_weight", k_weight, shape=(hc, dim), dtypes=(hidden_states.dtype,), device=hidden_states.device)
+    check_gate_scalars(eps, clamp_value)
+    if tp_size is not None:
+        check_tp_slice(dim, tp_size, hidden_states.dtype)
 
 
 def check_column_sizes(column_sizes: Sequence[int]) -> list[int]:
@@ -342,9 +361,8 @@ def check_table_rows(rows, n_cols: int | None, allowed_devices, bounds, checks: 
     if rows.dim() != 2 or (n_cols is not None and rows.shape[1] != n_cols):
         raise ValueError(f"rows: expected shape [T, {'*' if n_cols is None else n_cols}] (all hash columns), "
                          f"got {list(rows.shape)}")
-    if allowed_devices is not None and rows.device not in allowed_devices:
-        want = " or ".join(sorted(str(d) for d in allowed_devices))
-        raise ValueError(f"rows: expected a tensor on {want}, got one on {rows.device}")
+    if allowed_devices is not None:
+        check_rows_device(rows.device, allowed_devices)
     if checks is None or rows.numel() == 0:
         return
     starts, ends = bounds(rows.device)
@@ -356,6 +374,20 @@ def check_table_rows(rows, n_cols: int | None, allowed_devices, bounds, checks: 
                value_at(ends.reshape(-1), c))
 
 
+def check_rows_device(device: torch.device, allowed_devices) -> None:
+    """Table rows on ``device`` are read by a table on one of ``allowed_devices``
+    (:meth:`lookup_devices`)."""
+    if device not in allowed_devices:
+        want = " or ".join(sorted(str(d) for d in allowed_devices))
+        raise ValueError(f"rows: expected a tensor on {want}, got one on {device}")
+
+
+def lookup_devices(table) -> set:
+    """Where ``table``'s lookups take their rows: its device, and the host too for a
+    staged host-resident table."""
+    return {table.device, torch.device("cpu")} if table.host_mode == "staged" else {table.device}
+
+
 def check_table_lookup(table, rows, out, local: bool, checks: DeviceChecks | None) -> None:
     """:func:`~kda_engram.engram.table.engram_lookup`'s rules (the table's ``lookup``
     and ``lookup_local``): :func:`check_table_rows` (rows on the table's device, or
@@ -365,8 +397,7 @@ def check_table_lookup(table, rows, out, local: bool, checks: DeviceChecks | Non
     if table is None:
         check_table_rows(rows, None, None, None, None)
         return
-    allowed = {table.device, torch.device("cpu")} if table.host_mode == "staged" else {table.device}
-    check_table_rows(rows, table.n_cols, allowed, table.column_bounds, checks)
+    check_table_rows(rows, table.n_cols, lookup_devices(table), table.column_bounds, checks)
     if out is not None:
         width = table.n_local_cols if local else table.n_cols
         check_tensor("out", out, shape=[rows.shape[0], width, table.head_dim], dtypes=(table.out_dtype,),

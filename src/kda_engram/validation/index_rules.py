@@ -166,14 +166,15 @@ def guard_tensors(flags: torch.Tensor, pairs, n_flags: int | None = None) -> lis
     (nonzero = a broken rule: read in place, no slice op), ``pairs`` at most
     :data:`MAX_GUARDED` 1-d tensors with their "none" values. No host sync."""
     n_flags = flags.numel() if n_flags is None else n_flags
-    outs = [torch.empty(x.numel(), dtype=x.dtype, device=x.device) for x, _ in pairs]
-    args = []
-    for (x, none), y in zip(pairs, outs):
+    outs, args, largest = [], [], 1  # (loops, not comprehensions: no call each on the serving path)
+    for x, none in pairs:
+        y = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+        outs.append(y)
         args += [x, y, x.numel(), x.stride(0) if x.numel() else 1, none]
+        largest = max(largest, x.numel())
     args += [None, None, 0, 1, 0] * (MAX_GUARDED - len(pairs))  # unused slots (skipped: COUNT)
-    largest = max(x.numel() for x, _ in pairs)
     _guard_kernel[(1,)](flags, n_flags, *args, COUNT=len(pairs), BLOCK=128,
-                        NUM_BLOCKS=triton.next_power_of_2(max(1, triton.cdiv(largest, 128))),
+                        NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(largest, 128)),
                         FLAG_BLOCK=triton.next_power_of_2(max(1, n_flags)), num_warps=4)
     return outs
 
