@@ -76,6 +76,8 @@ SMOKE_TESTS = (
     "tests/engram/test_gate.py::test_gpu_bf16_matches_reference[4-5120]",
     "tests/engram/test_gate.py::test_gpu_persistent_rows[2048-5120]",
     "tests/engram/test_sharded_gate.py::test_gpu_bf16_matches_reference[5120-4-4]",
+    # vLLM's DeepSeek-V4.1 n-gram rows (integrations/vllm_engram_history.py), then the hash.
+    "tests/integrations/test_vllm_engram_history.py::test_gpu_rows_and_hash_at_a_serving_batch",
 )
 
 

@@ -44,6 +44,7 @@ from ..engram.gate import engram_post_wkv
 from ..engram.hashing import launch_ngram_hash
 from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
 from ..parallel import merged_column_parallel_shard
+from .vllm_engram_history import vllm_engram_rows
 
 __all__ = [
     "engram_forward", "engram_init", "fused_engram_post_wkv", "fused_engram_post_wkv_kernel", "hash_ids",
@@ -209,9 +210,10 @@ def hash_ids(
     padding tokens, whose positions need not follow their request's) has no
     equivalent there, so each token becomes its own one-token sequence whose
     ``history`` row (oldest first) holds, per lag, the compressed id vLLM's
-    kernel selects (gathers on the device, no host sync): pad for an unknown id
-    (a real id, so it hides nothing) and ``-1`` for a dead or negative position
-    (which hides the older ones, exactly vLLM's ``blocked``). The kernel then does
+    kernel selects: pad for an unknown id (a real id, so it hides nothing) and
+    ``-1`` for a dead or negative position (which hides the older ones, exactly
+    vLLM's ``blocked``), all rows in one launch on the device, no host sync
+    (:func:`~kda_engram.integrations.vllm_engram_history.vllm_engram_rows`). The hash kernel then does
     the hashing itself: the XOR of id x multiplier, the cumulative blocking to
     pad, the modulo by each head's prime and the bucket offsets.
     """
@@ -246,47 +248,15 @@ def hash_ids(
     _check_strides(locals(), _HASH_STRIDES)
     if T == 0:
         return
-    device = input_ids.device
-    t = torch.arange(T, device=device)
-    ends = query_start_loc[1:].to(torch.int64)
-    req = torch.searchsorted(ends, t, right=True).clamp_(max=num_query_rows - 1)
-    first = query_start_loc.to(torch.int64)[req].clamp_(max=T - 1)
-    chunk_start = positions.to(torch.int64)[first]
-    position = positions.to(torch.int64)
-    compressed = token_map[input_ids.long()].to(torch.int64)
-    depth = lookback_token_ids.shape[1]
-    shifts = []
-    for s in range(MAX_NGRAM):
-        lookback = position - s
-        batch = (t - s).clamp_(min=0)
-        value = torch.where(dead_mask[batch].bool(), -1, compressed[batch])
-        in_batch = lookback >= chunk_start
-        col = chunk_start - 1 - lookback
-        fallback = torch.full_like(value, int(pad_id))
-        if cache is not None:
-            clamped = lookback.clamp(0, max_blocks * cache_block_size - 1)
-            block = block_table[req.clamp(max=num_table_rows - 1), clamped // cache_block_size].to(torch.int64)
-            slot = (block * cache_block_size + clamped % cache_block_size).clamp_(0, num_slots - 1)
-            fallback = cache[slot].to(torch.int64)
-            fallback = torch.where(fallback == dead_id, -1, fallback)
-        if depth > 0:
-            in_window = (col >= 0) & (col < depth)
-            col = col.clamp(0, depth - 1)
-            window = lookback_token_ids[req, col].to(torch.int64)
-            known = in_window & (window >= 0)
-            window_value = torch.where(lookback_dead_mask[req, col].bool(), -1,
-                                       token_map[torch.where(known, window, 0)].to(torch.int64))
-            fallback = torch.where(known, window_value, fallback)
-        value = torch.where(in_batch, value, fallback)
-        shifts.append(torch.where(lookback < 0, -1, value))
     # Each token its own sequence: its own id (lag 0) and a history of lags
-    # MAX_NGRAM-1 .. 1, oldest first; -1 there pads and hides the older lags.
-    own = shifts[0]
-    history = torch.stack(shifts[:0:-1], dim=1) if MAX_NGRAM > 1 else own.new_empty(T, 0)
-    cu_seqlens = torch.arange(T + 1, device=device)
-    launch_ngram_hash(own.clamp(min=0), cu_seqlens, primes.contiguous(), offsets.contiguous(),
-                      multipliers.contiguous(), output, int(pad_id), max_ngram=MAX_NGRAM, n_heads=num_heads,
-                      history=history, dead_mask=own < 0)
+    # MAX_NGRAM-1 .. 1, oldest first (-1 there pads and hides the older lags), in
+    # one launch. A dead own id (-1) is masked by the hash kernel, never read.
+    own, history, own_dead, cu_seqlens = vllm_engram_rows(
+        input_ids, token_map, dead_mask, positions, query_start_loc, lookback_token_ids, lookback_dead_mask,
+        max_ngram=MAX_NGRAM, pad_id=int(pad_id), cache=cache, block_table=block_table,
+        cache_block_size=int(cache_block_size), dead_id=int(dead_id))
+    launch_ngram_hash(own, cu_seqlens, primes.contiguous(), offsets.contiguous(), multipliers.contiguous(), output,
+                      int(pad_id), max_ngram=MAX_NGRAM, n_heads=num_heads, history=history, dead_mask=own_dead)
 
 
 class _Launch:
