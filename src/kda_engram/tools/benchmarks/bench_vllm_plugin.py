@@ -531,6 +531,22 @@ def format_row(row: dict) -> str:
             f"{'yes' if row['ok'] else 'NO'}")
 
 
+def _set_triton_scratch_allocator() -> None:
+    """Device scratch for Triton kernels that build tensor descriptors on the device
+    (vLLM's ROCm KDA copy calls ``make_tensor_descriptor`` in its kernels; on an
+    NVIDIA GPU those need a runtime allocation, which Triton refuses without an
+    allocator: "Kernel requires a runtime memory allocation, but no allocator was
+    set"). The caching allocator's memory, as vLLM's own runners give it. Our
+    kernels allocate nothing at run time."""
+    import torch
+    import triton
+
+    def scratch(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(scratch)
+
+
 def run(folder: str, *, quick: bool = False, only=None, graph: bool = True, tolerance: float = DEFAULT_TOLERANCE,
         json_path: str | None = None) -> list[dict]:
     """Every row (those whose call contains one of ``only``), printed and saved to
@@ -539,6 +555,7 @@ def run(folder: str, *, quick: bool = False, only=None, graph: bool = True, tole
 
     plugin = load_vllm(folder)
     device = torch.cuda.get_device_name()
+    _set_triton_scratch_allocator()
     pdl = sys.modules["vllm.platforms"].current_platform.is_arch_support_pdl()
     print(f"vLLM {sys.modules['vllm'].__version__} from {folder}; {device}; torch {torch.__version__}; "
           f"PDL {'on' if pdl else 'off'}; ratio = vLLM ms / ours ms (> 1: ours faster), graph = the same from "
