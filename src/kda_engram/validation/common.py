@@ -170,8 +170,7 @@ def check_real(name: str, x, *, sign: str | None = None, allow_none: bool = Fals
         raise TypeError(f"{name}: expected a real number{' or None' if allow_none else ''}, got {type(x).__name__}")
     value = float(x)
     want = _SIGNS[sign]
-    ok = (sign is None or (sign == "positive" and value > 0) or (sign == "non-negative" and value >= 0)
-          or (sign == "non-positive" and value <= 0))
+    ok = {None: True, "positive": value > 0, "non-negative": value >= 0, "non-positive": value <= 0}[sign]
     if not math.isfinite(value) or not ok:
         raise ValueError(f"{name}: expected a finite number{want}, got {x}")
 
@@ -225,7 +224,7 @@ class DeviceChecks:
 
     def add(self, bad: torch.Tensor, message: str, *details: torch.Tensor) -> None:
         if self._values is not None:
-            self._open()  # raises
+            raise self._closed()
         self._rules.append(("flag", bad, message, details))
 
     def add_packed(self, verdict: torch.Tensor, rules) -> None:
@@ -234,16 +233,16 @@ class DeviceChecks:
         ``(flag position, message, detail positions)`` in ``verdict``. Costs no
         device op of its own."""
         if self._values is not None:
-            self._open()  # raises
+            raise self._closed()
         j, flags = len(self._packed), 0
         for flag, message, details in rules:
             self._rules.append(("packed", j, flag, message, tuple(details)))
             flags = max(flags, flag + 1)
         self._packed.append((verdict, flags))
 
-    def _open(self) -> None:
-        if self._values is not None:
-            raise RuntimeError("DeviceChecks: a rule was added after the flags were gathered")
+    @staticmethod
+    def _closed() -> RuntimeError:
+        return RuntimeError("DeviceChecks: a rule was added after the flags were gathered")
 
     def __len__(self) -> int:
         return len(self._rules)

@@ -9,50 +9,25 @@
 ``--prepare`` extracts vLLM's kernel-call files from the wheel, unmodified, with the
 stubs around them and a CUDA platform (:mod:`kda_engram.tools.vllm_files`, the lists
 the CPU conformance tests use). The GPU run puts that folder on ``sys.path`` as the
-``vllm`` package, imports the modules the plugin patches and registers the plugin with
-its switch on (``KDA_ENGRAM_VLLM=1``), which replaces the names of
-:data:`kda_engram.integrations.vllm_plugin.REPLACEMENTS` there (:func:`load_vllm`). For
+``vllm`` package and registers the plugin with its switch on (:func:`load_vllm`). For
 each call a vLLM layer makes, vLLM's own function (``vllm_plugin.original``, checked to
-reach none of ours) and the name as the layer reads it after the replacement (ours)
-run on the same inputs -- built twice from one seed, since calls update pools (and
-vLLM's prefill without ``out`` writes its output over ``v``) -- then the script prints
-and saves, as each row finishes:
+reach none of ours) and the name as the layer reads it (ours) run on the same inputs,
+built twice from one seed (calls update pools; vLLM's prefill without ``out`` writes
+over ``v``). Each row, printed and saved as it finishes:
 
-* ``max |d|`` / ``rel RMS`` (RMS of the difference over the RMS of vLLM's) of the
-  outputs and of the states (the final states, or the pool rows the call wrote);
-  hash ids are compared exactly. A row is ``ok`` within ``--tolerance`` (rel RMS,
-  bf16 inputs; a first guess, not calibrated on a GPU yet);
-* the time of each side, :func:`~kda_engram.tools.benchmarks.common.bench_ms`
-  (``triton.testing.do_bench`` median, L2 flushed) in this process, after one
-  warm-up call each (compilation, vLLM's autotuning), ``ratio = vLLM ms / ours ms``
-  (above 1: ours faster). Eager timings include our device-side input checks
-  (they run in eager mode and are skipped in CUDA graphs); for the decode-size
-  calls both sides are also replayed from a CUDA graph
-  (:func:`~kda_engram.tools.benchmarks.common.cuda_graph_ms`, ``--no-graph`` skips).
+* ``max |d|`` / ``rel RMS`` of the outputs and states (final states, or the pool rows
+  the call wrote; hash ids exactly); ``ok`` within ``--tolerance`` (rel RMS, bf16);
+* each side's time (:func:`~kda_engram.tools.benchmarks.common.bench_ms`, one process,
+  after a warm-up call each), ``ratio = vLLM ms / ours ms`` (above 1: ours faster).
+  Eager timings include our device-side input checks; the decode-size calls are also
+  replayed from a CUDA graph (``--no-graph`` skips).
 
-Rows (bf16 activations, fp32 ``A_log``, gate bias and states; H = 32 heads, K = V =
-128; ``lower_bound = -5`` on the Kimi-K3 rows, the softplus gate on Kimi-Linear's):
-
-* prefill, 16 sequences x 2048 tokens and a ragged batch of 16 (1 to 5000 tokens),
-  half the sequences with an initial state: the NVIDIA Kimi-K3 layer's
-  ``chunk_kda_with_fused_gate`` (``out``), Kimi-Linear's (NVIDIA and ROCm copies, no
-  ``out``: vLLM writes over ``v``, so its timed calls run on the previous output; the
-  kernels' time does not depend on values), and the ROCm Kimi-K3 layer's
-  ``chunk_kda_prefill`` on the paged pool (``backend="triton"``: vLLM's ``fused`` and
-  ``gluon`` backends are HIP / AITER kernels);
-* decode, batch 256 on a pool of 513 rows (the last 8 entries ``NULL_BLOCK_ID = 0``,
-  CUDA-graph padding): ``fused_recurrent_kda_packed_decode`` (both copies), the ROCm
-  layer's decode peel (``fused_recurrent_kda``, one token per sequence), and the
-  speculative verify of 256 sequences x 4 tokens (``num_accepted_tokens`` in 1..4);
-* Engram (DeepSeek-V4.1 sizes): the gate launch at hidden 5120 x hc 4, 4096 tokens,
-  with and without a token mask; the hash launch at 4096 tokens (V2: the lookback
-  window; V1: the slot cache through the block table), launched with the arguments
-  ``Engram.forward`` / ``NgramHashState.forward`` build.
-
-``--quick``: shorter timing and the prefill rows on the 16 x 2048 batch only.
-``--no-pdl``: vLLM's kernels without programmatic dependent launch (the stub, like
-vLLM's CUDA platform, turns it on from compute capability 9). Exit status 0 when every
-row ran and is ``ok``, 1 otherwise, 2 without a GPU or a prepared folder.
+The rows (bf16, H = 32, K = V = 128: Kimi-K3 and Kimi-Linear prefill, packed decode,
+decode peel, speculative verify; the DeepSeek-V4.1 Engram gate and hash at 4096
+tokens), their shapes and the measured runs: docs/design/vllm_plugin.md.
+``--quick``: shorter timing, the prefill rows on the 16 x 2048 batch only. ``--no-pdl``:
+vLLM's kernels without programmatic dependent launch. Exit status 0 when every row ran
+and is ``ok``, 1 otherwise, 2 without a GPU or a prepared folder.
 """
 
 from __future__ import annotations
