@@ -14,6 +14,11 @@ import torch
 CHUNK_SIZE = 64
 #: Rows of one intra-chunk sub-block in the prologue (four per chunk).
 SUB_CHUNK = 16
+#: The widest decay span (log2 units) inside one sub-chunk that the factored (anchored)
+#: products take: their factors reach ``2^span`` and ``2^-span`` and must stay normal
+#: fp32 / bf16 numbers (2^-126). A bounded gate stays within it for ``|L| <= 5.459``
+#: (``SUB_CHUNK |L| log2 e``); a sub-chunk past it takes the exact diagonal sums.
+MAX_ANCHOR_SPAN = 126.0
 #: Checkpoint offsets must be multiples of this: a snapshot is taken at a chunk end.
 KDA_CHECKPOINT_ALIGNMENT = CHUNK_SIZE
 #: Head dims (K and V) the chunk kernels compile for; 128 in the model.

@@ -20,7 +20,8 @@ import math
 import pytest
 import torch
 
-from kda_engram.kda.hopper.fused_model import FAULTS, MAX_ANCHOR_SPAN, _prepare_chunk, log2_gate, model_fused_prefill
+from kda_engram.constants import MAX_ANCHOR_SPAN
+from kda_engram.kda.hopper.fused_model import FAULTS, _prepare_chunk, log2_gate, model_fused_prefill
 from kda_engram.kda.reference import kda_gate, naive_recurrent_kda
 
 from ..helpers import rel_rmse

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from kda_engram import raise_pending_errors
+from kda_engram.constants import LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 from kda_engram.kda.metadata import prepare_chunk_indices, prepare_chunk_offsets
 from kda_engram.kda.prologue import kda_prefill_prologue
-from kda_engram.kda.reference import naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
+from kda_engram.kda.reference import kda_gate, naive_chunk_operands, naive_chunk_walk, naive_recurrent_kda
 
 from ..helpers import refused
 
@@ -38,6 +39,10 @@ def make_inputs(lengths, H, K, V=None, *, dtype=torch.float32, gate="random", se
         raw_g = -raw_g.abs() - 40.0  # a -> 0 in both forms
     elif gate == "strong":
         raw_g = raw_g * 4.0 + 6.0  # softplus form: large decays, |g| in the hundreds
+    elif gate == "mixed":
+        # softplus form: the first half of the tokens strong (sub-chunks past the
+        # factored span), the rest moderate (spans of 60-126, factored and centred).
+        raw_g = torch.where(torch.arange(T)[None, :, None, None] < T // 2, raw_g * 4.0 + 6.0, raw_g * 0.3 - 1.0)
     x = dict(
         q=rnd(1, T, H, K),
         k=rnd(1, T, H, K),
@@ -158,6 +163,30 @@ def test_gate_extremes(lower_bound, gate):
         assert ref["decay"].min() == 0.0 or ref["decay"].min() < 1e-30  # decays do leave fp32 range
     assert_operands_close(out, ref, cu, tol=2e-5)
     assert_walk_matches_recurrence(out, x, cu, lower_bound, tol=1e-4)
+
+
+def subchunk_spans(x, cu):
+    """Each 16-token sub-chunk's decay span (log2 units, max over channels) of the
+    softplus gate, per sequence."""
+    a = kda_gate(x["raw_g"].double(), x["A_log"].double(), x["dt_bias"].double(), None)[0] * LOG2E  # [T, H, K]
+    spans = []
+    b = cu.tolist()
+    for s, e in zip(b, b[1:]):
+        for t in range(s, e, SUB_CHUNK):
+            spans.append(-a[t:min(t + SUB_CHUNK, e)].sum(0).min().item())
+    return spans
+
+
+def test_unbounded_gate_picks_each_subchunks_diagonal_form():
+    # One launch with sub-chunks on both sides of the factored span: the strong ones
+    # take the exact sums, the moderate ones the factored product centred on their
+    # own span (uncentred, their row factors would reach 2^-126).
+    x, cu = make_inputs([64, 48, 64], H=1, K=32, gate="mixed")
+    spans = subchunk_spans(x, cu)
+    assert max(spans) > MAX_ANCHOR_SPAN and any(60 < s <= MAX_ANCHOR_SPAN for s in spans), spans
+    out = run_prologue(x, cu, None)
+    assert_operands_close(out, reference(x, cu, None), cu, tol=2e-5)
+    assert_walk_matches_recurrence(out, x, cu, None, tol=1e-4)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])

@@ -45,7 +45,7 @@ import torch
 import triton.language as tl
 
 from ..bundles import ConvArgs, KDAInputs
-from ..constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ..constants import CHUNK_SIZE, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.entry import EntryChecks
@@ -56,11 +56,6 @@ from .gate import gate_form, gate_pointers
 from .metadata import trusted_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
-# Largest diagonal-block shift s (log2 units) the factored path accepts: its
-# unshifted factors reach 2^(-2 s) and must stay normal fp32/bf16 numbers
-# (2^-126) before the shift brings them into [2^-s, 2^s]. Past it (|L| > 5.45)
-# the diagonal blocks take the exact path.
-MAX_DIAG_SHIFT = 63.0
 
 
 def launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
@@ -99,10 +94,12 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
     H, K = q.shape[2], q.shape[3]
     V = v.shape[3]
     bounded = lower_bound is not None
-    shift = 8.0 * abs(float(lower_bound)) * LOG2E if bounded else 0.0
-    exact_diag = (not bounded) or shift > MAX_DIAG_SHIFT
-    if exact_diag:
-        shift = 0.0
+    # A bounded gate's sub-chunk spans at most 16 |L| log2 e: within MAX_ANCHOR_SPAN
+    # (|L| <= 5.45) one shift, half of it, centres every diagonal product; past it, and
+    # for the unbounded gates, each sub-chunk checks its own span at run time.
+    span = SUB_CHUNK * abs(float(lower_bound)) * LOG2E if bounded else float("inf")
+    span_check = span > MAX_ANCHOR_SPAN
+    shift = 0.0 if span_check else span / 2
     dot_dtype = prologue_dot_dtype(q)
 
     gate_args = gate_pointers(raw_g, A_log, dt_bias, K, gate)
@@ -126,7 +123,7 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
             qg, w, u, kg, aqk, decay, akk,
             H, float(lower_bound) if bounded else 0.0, shift, 2.0 ** shift,
             K=K, V=V, BT=CHUNK_SIZE, BS=SUB_CHUNK,
-            GATE=gate_form(gate, lower_bound), EXACT_DIAG=exact_diag,
+            GATE=gate_form(gate, lower_bound), SPAN_CHECK=span_check,
             DOT=dot_dtype,
             QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
             FOLDED=folded, LOAD_V=not folded,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..constants import MAX_ANCHOR_SPAN
 from .gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_operands
 from .metadata import chunk_row
 
@@ -60,8 +61,20 @@ def _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, GATE: tl.cons
     return qh, kh, lc, tot, beta, bv
 
 
+#: The widest decay span (log2 units, ``max lc - min lc`` over a sub-chunk) the factored
+#: diagonal product takes; centred by its shift, both factors stay within
+#: ``[2^-63, 2^63]``.
+_MAX_SPAN = tl.constexpr(MAX_ANCHOR_SPAN)
+
+
 @triton.jit
-def _exact_diag_part(qh, kh, lc, causal):
+def _halves(x):
+    """The even and the odd channels of ``[rows, C]`` (a channel sum may take them apart)."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+
+
+@triton.jit
+def _exact_diag_leaf(qh, kh, lc, causal):
     """The diagonal block's sums over a subset of the channels, from the
     unfactored ``2^(g_i - g_j)`` ([BS, BS, channels]; masked before the exp2)."""
     e = tl.exp2(tl.where(causal, lc[:, None, :] - lc[None, :, :], float("-inf")))
@@ -70,30 +83,74 @@ def _exact_diag_part(qh, kh, lc, causal):
 
 
 @triton.jit
-def _diag_block(qh, kh, lc, qd, kd, kf, tot, beta, shift, two_shift,
-                BS: tl.constexpr, EXACT: tl.constexpr, DOT: tl.constexpr):
-    """Diagonal ``[BS, BS]`` blocks of ``A_qk`` (``j <= i``) and ``A_kk``
-    (``j < i``, rows times beta) of one sub-chunk."""
+def _exact_diag_quarter(qh, kh, lc, causal):
+    q0, q1 = _halves(qh)
+    k0, k1 = _halves(kh)
+    l0, l1 = _halves(lc)
+    aq, ak = _exact_diag_leaf(q0, k0, l0, causal)
+    aq1, ak1 = _exact_diag_leaf(q1, k1, l1, causal)
+    return aq + aq1, ak + ak1
+
+
+@triton.jit
+def _exact_diag_half(qh, kh, lc, causal):
+    q0, q1 = _halves(qh)
+    k0, k1 = _halves(kh)
+    l0, l1 = _halves(lc)
+    aq, ak = _exact_diag_quarter(q0, k0, l0, causal)
+    aq1, ak1 = _exact_diag_quarter(q1, k1, l1, causal)
+    return aq + aq1, ak + ak1
+
+
+@triton.jit
+def _exact_diag(qh, kh, lc, BS: tl.constexpr):
+    """The diagonal blocks from the unfactored ``2^(g_i - g_j)`` per channel, exact for
+    any decay: the channels summed an eighth at a time, so one ``[BS, BS, K/8]``
+    product is live instead of ``[BS, BS, K]`` (at ``K/2`` the kernel spilled 2.5 KB
+    per thread: docs/design/kda_prefill.md)."""
     rows = tl.arange(0, BS)
-    if EXACT:
-        # The unfactored 2^(g_i - g_j) per channel; masked before the exp2 (for
-        # j > i the difference is positive and may overflow). Summed over the even
-        # and then the odd channels, so one [BS, BS, K/2] product is live at a
-        # time instead of [BS, BS, K] (register pressure, docs/design/kda_prefill.md).
-        causal = (rows[None, :] <= rows[:, None])[:, :, None]
-        q0, q1 = tl.split(tl.reshape(qh, [BS, qh.shape[1] // 2, 2]))
-        k0, k1 = tl.split(tl.reshape(kh, [BS, kh.shape[1] // 2, 2]))
-        l0, l1 = tl.split(tl.reshape(lc, [BS, lc.shape[1] // 2, 2]))
-        aq, ak = _exact_diag_part(q0, k0, l0, causal)
-        aq1, ak1 = _exact_diag_part(q1, k1, l1, causal)
-        aq += aq1
-        ak += ak1
+    causal = (rows[None, :] <= rows[:, None])[:, :, None]
+    q0, q1 = _halves(qh)
+    k0, k1 = _halves(kh)
+    l0, l1 = _halves(lc)
+    aq, ak = _exact_diag_half(q0, k0, l0, causal)
+    aq1, ak1 = _exact_diag_half(q1, k1, l1, causal)
+    return aq + aq1, ak + ak1
+
+
+@triton.jit
+def _factored_diag(qd, kd, kf, tot, shift, two_shift, DOT: tl.constexpr):
+    """The diagonal blocks as one product: ``kf = k̂ 2^(tot - lc)`` times ``2^(-tot - s)``
+    gives ``k̂ 2^(-lc - s)``, the rows ``x̂ 2^(lc + s)``: with ``s`` centring the
+    sub-chunk's span both lie in ``[2^-63, 2^63]``."""
+    kct = tl.trans((kf * tl.exp2(-tot - shift)[None, :]).to(DOT))
+    aq = tl.dot((qd * two_shift).to(DOT), kct, input_precision="ieee")
+    ak = tl.dot((kd * two_shift).to(DOT), kct, input_precision="ieee")
+    return aq, ak
+
+
+@triton.jit
+def _diag_block(qh, kh, lc, qd, kd, kf, tot, beta, shift, two_shift,
+                BS: tl.constexpr, SPAN_CHECK: tl.constexpr, DOT: tl.constexpr):
+    """Diagonal ``[BS, BS]`` blocks of ``A_qk`` (``j <= i``) and ``A_kk``
+    (``j < i``, rows times beta) of one sub-chunk.
+
+    Without ``SPAN_CHECK`` (a bounded gate: every span within ``_MAX_SPAN``)
+    the factored product with the launch's ``shift``. With it (the unbounded gates)
+    the sub-chunk's own span decides at run time: within the bound the factored
+    product, centred on its ``lc`` range; past it the exact sums (rare in real
+    models, and 16-64x the work)."""
+    rows = tl.arange(0, BS)
+    if SPAN_CHECK:
+        lo = tl.min(tl.min(lc, 1), 0)
+        hi = tl.max(tl.max(lc, 1), 0)
+        if (hi - lo > _MAX_SPAN) | (lo < -_MAX_SPAN) | (hi > _MAX_SPAN):
+            aq, ak = _exact_diag(qh, kh, lc, BS)
+        else:
+            centre = -0.5 * (lo + hi)
+            aq, ak = _factored_diag(qd, kd, kf, tot, centre, tl.exp2(centre), DOT)
     else:
-        # kf = k̂ 2^(tot - lc); times 2^(-tot - s) gives k̂ 2^(-lc_j - s) in [2^-s, 2^s].
-        kc = (kf * tl.exp2(-tot - shift)[None, :]).to(DOT)
-        kct = tl.trans(kc)
-        aq = tl.dot((qd * two_shift).to(DOT), kct, input_precision="ieee")
-        ak = tl.dot((kd * two_shift).to(DOT), kct, input_precision="ieee")
+        aq, ak = _factored_diag(qd, kd, kf, tot, shift, two_shift, DOT)
     aq = tl.where(rows[None, :] <= rows[:, None], aq, 0.0)
     ak = tl.where(rows[None, :] < rows[:, None], ak, 0.0) * beta[:, None]
     return aq, ak
@@ -182,7 +239,7 @@ def _kda_prologue_intra_kernel(
     qg_ptr, w_ptr, u_ptr, kgt_ptr, aqk_ptr, decay_ptr, akk_ptr,
     H, lower_bound, shift, two_shift,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr,
-    GATE: tl.constexpr, EXACT_DIAG: tl.constexpr,
+    GATE: tl.constexpr, SPAN_CHECK: tl.constexpr,
     DOT: tl.constexpr,
     QK_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     FOLDED: tl.constexpr = False, LOAD_V: tl.constexpr = True,
@@ -239,7 +296,7 @@ def _kda_prologue_intra_kernel(
     else:
         _store_rows(w_h, t0_, m0, o_qk, be0[:, None] * kd0, K, 0)
         _store_rows(u_h, t0_, m0, o_v, bv0, V, 0)
-    aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, EXACT_DIAG, DOT)
+    aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, SPAN_CHECK, DOT)
     _store_rows(aqk_h, t0_, m0, o_a, aq00, BS, 0)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, BS)
     _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 2 * BS)
@@ -270,7 +327,7 @@ def _kda_prologue_intra_kernel(
     qd1D = qd1.to(DOT)
     kd1D = kd1.to(DOT)
     aq10, ak10 = _off_block(qd1D, kd1D, kf0, zk, be1)
-    aq11, ak11 = _diag_block(q1, k1, lc1, qd1, kd1, kf1, s1, be1, shift, two_shift, BS, EXACT_DIAG, DOT)
+    aq11, ak11 = _diag_block(q1, k1, lc1, qd1, kd1, kf1, s1, be1, shift, two_shift, BS, SPAN_CHECK, DOT)
     _store_rows(aqk_h, t1_, m1, o_a, aq10, BS, 0)
     _store_rows(aqk_h, t1_, m1, o_a, aq11, BS, BS)
     _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 2 * BS)
@@ -303,7 +360,7 @@ def _kda_prologue_intra_kernel(
     kd2D = kd2.to(DOT)
     aq20, ak20 = _off_block(qd2D, kd2D, kf0, s1, be2)
     aq21, ak21 = _off_block(qd2D, kd2D, kf1, zk, be2)
-    aq22, ak22 = _diag_block(q2, k2, lc2, qd2, kd2, kf2, s2, be2, shift, two_shift, BS, EXACT_DIAG, DOT)
+    aq22, ak22 = _diag_block(q2, k2, lc2, qd2, kd2, kf2, s2, be2, shift, two_shift, BS, SPAN_CHECK, DOT)
     _store_rows(aqk_h, t2_, m2, o_a, aq20, BS, 0)
     _store_rows(aqk_h, t2_, m2, o_a, aq21, BS, BS)
     _store_rows(aqk_h, t2_, m2, o_a, aq22, BS, 2 * BS)
@@ -333,7 +390,7 @@ def _kda_prologue_intra_kernel(
     aq30, ak30 = _off_block(qd3D, kd3D, kf0, s1 + s2, be3)
     aq31, ak31 = _off_block(qd3D, kd3D, kf1, s2, be3)
     aq32, ak32 = _off_block(qd3D, kd3D, kf2, zk, be3)
-    aq33, ak33 = _diag_block(q3, k3, lc3, qd3, kd3, kf3, s3, be3, shift, two_shift, BS, EXACT_DIAG, DOT)
+    aq33, ak33 = _diag_block(q3, k3, lc3, qd3, kd3, kf3, s3, be3, shift, two_shift, BS, SPAN_CHECK, DOT)
     _store_rows(aqk_h, t3_, m3, o_a, aq30, BS, 0)
     _store_rows(aqk_h, t3_, m3, o_a, aq31, BS, BS)
     _store_rows(aqk_h, t3_, m3, o_a, aq32, BS, 2 * BS)

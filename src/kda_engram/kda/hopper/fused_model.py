@@ -43,15 +43,11 @@ from __future__ import annotations
 
 import torch
 
-from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG2E, SUB_CHUNK
+from ...constants import CHUNK_SIZE, L2NORM_EPS, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 from ..reference import kda_gate
 
-__all__ = ["FAULTS", "MAX_ANCHOR_SPAN", "log2_gate", "model_fused_prefill"]
+__all__ = ["FAULTS", "log2_gate", "model_fused_prefill"]
 
-#: Largest gate span (log2 units) inside a 16-token sub-chunk that the anchored
-#: diagonal blocks take: their row factor reaches ``2^span``, their column factor
-#: ``2^-span``, and both must stay normal numbers (2^-126).
-MAX_ANCHOR_SPAN = 126.0
 FAULTS = (None, "anchor", "flag", "substitution", "decay")
 
 

@@ -51,18 +51,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from ...bundles import ConvArgs, KDAInputs
-from ...constants import CHUNK_SIZE, LOG2E, SUB_CHUNK
+from ...constants import CHUNK_SIZE, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides
 from .folded_prologue import allocate_folded_operands
 
-__all__ = ["GLUON_PROLOGUE_WARPS", "MAX_ANCHOR_SPAN", "gluon_folded_prologue", "gluon_prologue_unsupported"]
+__all__ = ["GLUON_PROLOGUE_WARPS", "gluon_folded_prologue", "gluon_prologue_unsupported"]
 
 #: One warpgroup: warp w owns sub-chunk w (the rows of one m64 wgmma).
 GLUON_PROLOGUE_WARPS = 8
-#: Largest span of a sub-chunk's gate cumsum (log2 units, ``16 |L| log2 e``) the
-#: strip anchoring accepts: ``QE`` reaches ``2^span`` and ``kf`` ``2^-span``, which
-#: must stay normal bf16 / fp32 numbers (2^-126). |L| <= 5.459.
-MAX_ANCHOR_SPAN = 126.0
 
 
 @gluon.jit
