@@ -43,10 +43,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from ...constants import LOG2E, SUB_CHUNK
+from ...constants import LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers
 from ..state import state_launch_modes
-from .prologue import MAX_ANCHOR_SPAN
 from .walk import _walk_sequence, tma_compatible, tma_descriptor
 
 __all__ = ["FUSED_CHUNK", "FUSED_PRODUCER_REGS", "fused_prefill", "fused_prefill_launch", "fused_unsupported",
@@ -234,6 +233,13 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
         valid = rows < Lc
         vm = gl.expand_dims(valid, 1)  # broadcast over the channels where used
         beta_ptr = b_ptr + (bos + c * BT).to(gl.int64) * sb_t + h64 * sb_h
+        # The chunk's beta, read now so its global-load latency passes under the gate
+        # and the row operands: A_kk's rows (the product's row layout) and M's columns.
+        r2 = gl.arange(0, 2 * BT, gl.SliceLayout(1, WG))
+        is_k = r2 >= BT
+        rr = gl.where(is_k, r2 - BT, r2)
+        beta_rows = _beta(beta_ptr, sb_t, rr, Lc, BETA_SIGMOID)
+        beta_cols = _beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID)
 
         rs = c % 2
         # A zero the compiler cannot prove (Lc >= 0). The scratch tiles are viewed, and
@@ -307,12 +313,9 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             gl.thread_barrier()
             A2 = warpgroup_mma(x_v, col_v.permute((1, 0)), gl.zeros([2 * BT, BT], gl.float32, WG),
                                use_acc=False)  # [A_qk; A_kk] unmasked
-            r2 = gl.arange(0, 2 * BT, gl.SliceLayout(1, WG))
             c2 = gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(0, WG)) + zs, 0)
-            is_k = r2 >= BT
-            rr = gl.where(is_k, r2 - BT, r2)
             keep = gl.where(gl.expand_dims(is_k, 1), c2 < gl.expand_dims(rr, 1), c2 <= gl.expand_dims(rr, 1))
-            row_scale = gl.where(is_k, _beta(beta_ptr, sb_t, rr, Lc, BETA_SIGMOID), 1.0)
+            row_scale = gl.where(is_k, beta_rows, 1.0)
             A2 = gl.where(keep, A2, gl.zeros_like(A2)) * gl.expand_dims(row_scale, 1)  # A_kk's rows times beta
 
         if PHASES >= 3:
@@ -342,7 +345,7 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
                 # Rows i <= j are final (A_ij = 0): a select the compiler folds per register,
                 # so only the 496 FMAs below the diagonal are issued, not 32 x 32.
                 X = gl.where(gl.expand_dims(jx > j, 1), X - gl.expand_dims(aj, 1) * gl.expand_dims(xj, 0), X)
-            Mx = X * gl.expand_dims(_beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID), 0)  # M = T diag(beta)
+            Mx = X * gl.expand_dims(beta_cols, 0)  # M = T diag(beta)
             Mh = Mx.to(gl.bfloat16)
             Ml = (Mx - Mh.to(gl.float32)).to(gl.bfloat16)
 
