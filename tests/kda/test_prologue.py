@@ -439,7 +439,7 @@ def _gpu_inputs(lengths, H, dtype=torch.bfloat16, gate="random", seed=0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound, gate", [(-5.0, "random"), (-5.0, "at_bound"), (None, "random"),
-                                               (None, "strong")])
+                                               (None, "strong"), (None, "mixed")])
 def test_gpu_small_bf16_matches_reference(gpu, lower_bound, gate):
     x, cu = _gpu_inputs(RAGGED, H=4, gate=gate)
     out = run_prologue(x, cu, lower_bound)
