@@ -69,7 +69,7 @@ def vllm_own(vllm_root):  # noqa: F811
 
 @pytest.fixture
 def plugin_on(vllm_own, monkeypatch):
-    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    monkeypatch.setenv(vllm_plugin.SWITCH, "all")
     vllm_plugin.register()
     return vllm_own
 
@@ -119,7 +119,7 @@ def test_another_vllm_version_is_refused_with_one_warning(vllm_own, monkeypatch,
 def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
     from kda_engram.integrations import vllm_kimi_k3
 
-    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    monkeypatch.setenv(vllm_plugin.SWITCH, "all")
     with caplog.at_level(logging.INFO, logger="vllm"):
         vllm_plugin.register()
         vllm_plugin.register()
@@ -138,6 +138,36 @@ def test_the_switch_on_replaces_and_logs_once(vllm_own, monkeypatch, caplog):
     assert all(t in caplog.records[0].getMessage() for t in vllm_plugin.replaced())
 
 
+def test_the_default_switch_keeps_vllms_kernels_where_ours_is_slower(vllm_own, monkeypatch, caplog):
+    """``KDA_ENGRAM_VLLM=1``: the calls of ``KEPT_BY_DEFAULT`` (measured slower) stay
+    vLLM's and the log line names them; every other target is replaced."""
+    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        vllm_plugin.register()
+    every = {f"{m}.{n}" for m, n, _, _ in vllm_plugin.REPLACEMENTS}
+    assert set(vllm_plugin.KEPT_BY_DEFAULT) < every
+    assert set(vllm_plugin.replaced()) == every - set(vllm_plugin.KEPT_BY_DEFAULT)
+    for module_name, name, our_name, importers in vllm_plugin.REPLACEMENTS:
+        kept = f"{module_name}.{name}" in vllm_plugin.KEPT_BY_DEFAULT
+        assert (current(module_name, name) is vllm_own[(module_name, name)]) is kept, (module_name, name)
+        for importer in importers:
+            if importer in sys.modules and (importer, name) in vllm_own:
+                assert (current(importer, name) is vllm_own[(importer, name)]) is kept, (importer, name)
+    message = caplog.records[0].getMessage()
+    assert "kept vLLM's, where ours measured slower" in message
+    assert all(t in message for t in vllm_plugin.KEPT_BY_DEFAULT)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "fast"])
+def test_an_unknown_switch_value_changes_nothing_with_one_warning(vllm_own, monkeypatch, caplog, value):
+    monkeypatch.setenv(vllm_plugin.SWITCH, value)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        vllm_plugin.register()
+    assert vllm_plugin.replaced() == []
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "none of 1, all or 0" in caplog.records[0].getMessage()
+    assert all(current(m, n) is f for (m, n), f in vllm_own.items())
+
+
 def test_a_module_vllm_imports_later_is_replaced_as_it_is_imported(vllm_own, monkeypatch):
     """The plugin imports none of vLLM's model modules: a target imported after it
     registered is patched as it loads, before the modules that import its names read
@@ -147,7 +177,7 @@ def test_a_module_vllm_imports_later_is_replaced_as_it_is_imported(vllm_own, mon
     later = [m for m in sys.modules if m.startswith(VENDOR_KDA["nvidia"])]
     for m in later:
         monkeypatch.delitem(sys.modules, m)
-    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    monkeypatch.setenv(vllm_plugin.SWITCH, "all")
     vllm_plugin.register()
     assert not any(r.startswith(VENDOR_KDA["nvidia"]) for r in vllm_plugin.replaced())
     import importlib
@@ -546,7 +576,7 @@ def test_a_module_replaced_on_import_keeps_its_loader_interface(vllm_own, monkey
     name = f"{VENDOR_KDA['amd']}.fused_recurrent"
     for m in [m for m in sys.modules if m.startswith(VENDOR_KDA["amd"])]:
         monkeypatch.delitem(sys.modules, m)
-    monkeypatch.setenv(vllm_plugin.SWITCH, "1")
+    monkeypatch.setenv(vllm_plugin.SWITCH, "all")
     vllm_plugin.register()
     module = importlib.import_module(name)
     assert f"{name}.fused_recurrent_kda" in vllm_plugin.replaced()

@@ -6,7 +6,10 @@ changes nothing unless
 
 * vLLM is 0.33.x (on any other version it logs one warning and returns: the names
   and contracts below are 0.33's), and
-* the switch :data:`SWITCH` (``KDA_ENGRAM_VLLM=1``) is set in the environment.
+* the switch :data:`SWITCH` is set in the environment: ``KDA_ENGRAM_VLLM=1`` replaces
+  the calls where ours measured at least as fast as vLLM's kernel (every target of
+  :data:`REPLACEMENTS` but those of :data:`KEPT_BY_DEFAULT`), ``KDA_ENGRAM_VLLM=all``
+  every target.
 
 Then it replaces the functions of :data:`REPLACEMENTS` with the functions of
 :mod:`kda_engram.integrations.vllm_kimi_k3` and
@@ -34,9 +37,11 @@ import logging
 import os
 import sys
 
-__all__ = ["REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced", "resolve"]
+__all__ = ["KEPT_BY_DEFAULT", "REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced",
+           "resolve", "selected"]
 
-#: The environment switch: ``1`` turns the replacement on, unset or ``0`` leaves vLLM as is.
+#: The environment switch: ``1`` replaces the calls where ours is at least as fast,
+#: ``all`` every call, unset or ``0`` leaves vLLM as is.
 SWITCH = "KDA_ENGRAM_VLLM"
 #: The vLLM release line whose names and contracts the replacements follow.
 SUPPORTED_VLLM = (0, 33)
@@ -85,7 +90,23 @@ REPLACEMENTS = (
     ("vllm.models.deepseek_v41.common.engram", "Engram.forward", "vllm_deepseek_v41.engram_forward", ()),
 )
 
-_state = {"done": False, "replaced": [], "finder": None, "originals": {}}
+#: Targets whose replacement measured slower than vLLM's own kernel (one H100, bf16,
+#: ``bench_vllm_plugin``; docs/bench_vllm_plugin.json): ``KDA_ENGRAM_VLLM=1`` leaves
+#: them vLLM's, ``KDA_ENGRAM_VLLM=all`` replaces them too. Target -> what was measured.
+KEPT_BY_DEFAULT = {
+    f"{_AMD}.ops.third_party.kda.fused_recurrent.fused_recurrent_kda_packed_decode":
+        "packed decode B 256: 0.50x eager, 0.97x in a CUDA graph",
+    f"{_NVIDIA}.ops.third_party.kda.fused_recurrent.fused_recurrent_kda_packed_decode":
+        "packed decode B 256: 0.54x eager, 0.96x in a CUDA graph",
+    f"{_AMD}.ops.third_party.kda.fused_recurrent.fused_recurrent_kda":
+        "decode peel B 256: 0.13x eager, 0.81x in a CUDA graph; speculative verify 256 x 4: 0.38x, 0.83x",
+    f"{_NVIDIA}.ops.third_party.kda.fused_recurrent.fused_recurrent_kda":
+        "decode peel and speculative verify: as the ROCm copy's",
+    "vllm.models.deepseek_v41.common.engram._hash_ids_kernel":
+        "Engram hash T 4096: 0.05-0.13x eager, 0.38-0.50x in a CUDA graph",
+}
+
+_state = {"done": False, "replaced": [], "finder": None, "originals": {}, "selected": set()}
 
 
 def replaced() -> list[str]:
@@ -122,20 +143,26 @@ def _version(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def _switch_on() -> bool:
-    value = os.environ.get(SWITCH, "").strip()
+def selected() -> set[str]:
+    """The ``"module.name"`` targets :data:`SWITCH` asks for in this process: none (unset
+    or ``0``), those not :data:`KEPT_BY_DEFAULT` (``1``), every one (``all``). Any other
+    value: none, with one warning."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    every = {f"{m}.{n}" for m, n, *_ in REPLACEMENTS}
     if value in ("", "0"):
-        return False
+        return set()
     if value == "1":
-        return True
-    logger.warning("kda-engram: %s=%r is neither 1 nor 0; vLLM's kernels stay in place", SWITCH, value)
-    return False
+        return every - set(KEPT_BY_DEFAULT)
+    if value == "all":
+        return every
+    logger.warning("kda-engram: %s=%r is none of 1, all or 0; vLLM's kernels stay in place", SWITCH, value)
+    return set()
 
 
 def _patch(module) -> None:
     """Replace the targets ``module`` defines, there and in its importers already loaded."""
     for module_name, name, our_name, importers in REPLACEMENTS:
-        if module_name != module.__name__:
+        if module_name != module.__name__ or f"{module_name}.{name}" not in _state["selected"]:
             continue
         ours = _ours(our_name)
         owner, attribute = resolve(module, name)
@@ -174,7 +201,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     (and before any module that imports names from it reads them)."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in {m for m, *_ in REPLACEMENTS}:
+        if fullname not in {m for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in _state["selected"]}:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -203,8 +230,10 @@ def register() -> None:
         logger.warning("kda-engram's vLLM plugin serves vLLM %d.%d.x, found %s: nothing replaced",
                        *SUPPORTED_VLLM, version)
         return
-    if not _switch_on():
+    chosen = selected()
+    if not chosen:
         return
+    _state["selected"] = chosen
     finder = _PatchOnImport()
     sys.meta_path.insert(0, finder)
     _state["finder"] = finder
@@ -212,8 +241,12 @@ def register() -> None:
         loaded = sys.modules.get(module_name)
         if loaded is not None:
             _patch(loaded)
-    logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)",
-                ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS), ", ".join(_state["replaced"]) or "none")
+    kept = sorted(set(KEPT_BY_DEFAULT) - chosen)
+    logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)%s",
+                ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in chosen),
+                ", ".join(_state["replaced"]) or "none",
+                f"; kept vLLM's, where ours measured slower ({SWITCH}=all replaces them too): {', '.join(kept)}"
+                if kept else "")
 
 
 def _reset() -> None:
@@ -222,4 +255,4 @@ def _reset() -> None:
     finder = _state["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)
-    _state.update(done=False, replaced=[], finder=None, originals={})
+    _state.update(done=False, replaced=[], finder=None, originals={}, selected=set())

@@ -88,7 +88,7 @@ def load_vllm(folder: str):
         # The layers' own modules (kda.py) that import a name are not among the files.
         if importlib.util.find_spec(module) is not None:
             importlib.import_module(module)
-    os.environ[vllm_plugin.SWITCH] = "1"
+    os.environ[vllm_plugin.SWITCH] = "all"  # every replacement, the slower ones too: they are timed
     vllm_plugin.register()
     missing = [f"{m}.{n}" for m, n, *_ in vllm_plugin.REPLACEMENTS if f"{m}.{n}" not in vllm_plugin.replaced()]
     if missing:
