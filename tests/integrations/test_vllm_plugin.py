@@ -158,6 +158,31 @@ def test_the_default_switch_keeps_vllms_kernels_where_ours_is_slower(vllm_own, m
     assert all(t in message for t in vllm_plugin.KEPT_BY_DEFAULT)
 
 
+@pytest.mark.parametrize("vendor", ["nvidia", "amd"])
+@pytest.mark.parametrize("value", ["1", "all"])
+def test_the_default_switch_hands_softplus_prefills_to_vllm(vllm_own, monkeypatch, vendor, value):
+    """``KEPT_CALLS``: with ``1`` a ``chunk_kda_with_fused_gate`` call with the softplus
+    gate (``lower_bound`` None, by keyword or in its positional place) reaches vLLM's
+    own function and a bounded one ours; with ``all`` both reach ours."""
+    from kda_engram.integrations import vllm_kimi_k3
+
+    module = f"{VENDOR_KDA[vendor]}.chunk"
+    seen = []
+    monkeypatch.setattr(sys.modules[module], "chunk_kda_with_fused_gate", lambda *a, **kw: seen.append("vllm") or "vllm")
+    monkeypatch.setattr(vllm_kimi_k3, "chunk_kda_prefill", lambda *a, **kw: seen.append("ours") or ("ours", None))
+    monkeypatch.setenv(vllm_plugin.SWITCH, value)
+    vllm_plugin.register()
+    fn = current(module, "chunk_kda_with_fused_gate")
+    args = [None] * 7
+    fn(*args, lower_bound=None)
+    fn(*args, None, None, False, None)  # lower_bound positional
+    fn(*args)  # lower_bound left out: the softplus gate
+    fn(*args, lower_bound=-5.0)
+    fn(*args, None, None, False, -5.0)
+    softplus = "vllm" if value == "1" else "ours"
+    assert seen == [softplus] * 3 + ["ours"] * 2
+
+
 @pytest.mark.parametrize("value", ["yes", "2", "fast"])
 def test_an_unknown_switch_value_changes_nothing_with_one_warning(vllm_own, monkeypatch, caplog, value):
     monkeypatch.setenv(vllm_plugin.SWITCH, value)

@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 
-__all__ = ["KEPT_BY_DEFAULT", "REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced",
+__all__ = ["KEPT_BY_DEFAULT", "KEPT_CALLS", "REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced",
            "resolve", "selected"]
 
 #: The environment switch: ``1`` replaces the calls where ours is at least as fast,
@@ -106,7 +106,39 @@ KEPT_BY_DEFAULT = {
         "Engram hash T 4096: 0.05-0.13x eager, 0.38-0.50x in a CUDA graph",
 }
 
-_state = {"done": False, "replaced": [], "finder": None, "originals": {}, "selected": set()}
+
+
+def _softplus_gate(args, kwargs) -> bool:
+    """Whether a ``chunk_kda_with_fused_gate`` call (either copy's signature:
+    ``lower_bound`` is the 11th parameter) has the unbounded softplus gate."""
+    lower_bound = kwargs["lower_bound"] if "lower_bound" in kwargs else (args[10] if len(args) > 10 else None)
+    return lower_bound is None
+
+
+#: Targets replaced by ``KDA_ENGRAM_VLLM=1`` whose replacement measured slower for some
+#: calls: those calls go to vLLM's own function (``=all`` keeps ours for them too).
+#: Target -> (the rule picking those calls, the calls in words, what was measured).
+KEPT_CALLS = {
+    f"{copy}.ops.third_party.kda.chunk.chunk_kda_with_fused_gate":
+        (_softplus_gate, "with the softplus gate (Kimi-Linear)",
+         "16 x 2048, H 32: 0.23x (20.3 ms against 4.6) with the exact diagonal blocks in every chunk; not "
+         "re-measured since they are taken per sub-chunk")
+    for copy in (_NVIDIA, _AMD)
+}
+
+
+def _keeping_calls(ours, theirs, calls):
+    """``ours``, except that the calls ``calls(args, kwargs)`` picks go to ``theirs``."""
+
+    def dispatch(*args, **kwargs):
+        return (theirs if calls(args, kwargs) else ours)(*args, **kwargs)
+
+    dispatch.__name__, dispatch.__qualname__, dispatch.__doc__ = ours.__name__, ours.__qualname__, ours.__doc__
+    dispatch.__wrapped__ = ours
+    return dispatch
+
+
+_state = {"done": False, "replaced": [], "finder": None, "originals": {}, "selected": set(), "every": False}
 
 
 def replaced() -> list[str]:
@@ -166,7 +198,10 @@ def _patch(module) -> None:
             continue
         ours = _ours(our_name)
         owner, attribute = resolve(module, name)
-        _state["originals"].setdefault(f"{module_name}.{name}", getattr(owner, attribute))
+        theirs = _state["originals"].setdefault(f"{module_name}.{name}", getattr(owner, attribute))
+        kept = KEPT_CALLS.get(f"{module_name}.{name}")
+        if kept is not None and not _state["every"]:
+            ours = _keeping_calls(ours, theirs, kept[0])  # the calls it picks stay vLLM's
         setattr(owner, attribute, ours)
         for importer in importers:
             loaded = sys.modules.get(importer)
@@ -234,6 +269,7 @@ def register() -> None:
     if not chosen:
         return
     _state["selected"] = chosen
+    _state["every"] = chosen == {f"{m}.{n}" for m, n, *_ in REPLACEMENTS}
     finder = _PatchOnImport()
     sys.meta_path.insert(0, finder)
     _state["finder"] = finder
@@ -242,6 +278,7 @@ def register() -> None:
         if loaded is not None:
             _patch(loaded)
     kept = sorted(set(KEPT_BY_DEFAULT) - chosen)
+    kept += [f"{t} {which}" for t, (_, which, _) in KEPT_CALLS.items() if not _state["every"] and t in chosen]
     logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)%s",
                 ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in chosen),
                 ", ".join(_state["replaced"]) or "none",
@@ -255,4 +292,4 @@ def _reset() -> None:
     finder = _state["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)
-    _state.update(done=False, replaced=[], finder=None, originals={}, selected=set())
+    _state.update(done=False, replaced=[], finder=None, originals={}, selected=set(), every=False)
