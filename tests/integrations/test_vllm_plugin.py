@@ -168,7 +168,8 @@ def test_the_default_switch_hands_softplus_prefills_to_vllm(vllm_own, monkeypatc
 
     module = f"{VENDOR_KDA[vendor]}.chunk"
     seen = []
-    monkeypatch.setattr(sys.modules[module], "chunk_kda_with_fused_gate", lambda *a, **kw: seen.append("vllm") or "vllm")
+    theirs = lambda *a, **kw: seen.append("vllm") or "vllm"  # noqa: E731
+    monkeypatch.setattr(sys.modules[module], "chunk_kda_with_fused_gate", theirs)
     monkeypatch.setattr(vllm_kimi_k3, "chunk_kda_prefill", lambda *a, **kw: seen.append("ours") or ("ours", None))
     monkeypatch.setenv(vllm_plugin.SWITCH, value)
     vllm_plugin.register()
@@ -189,7 +190,8 @@ def test_an_unknown_switch_value_changes_nothing_with_one_warning(vllm_own, monk
     with caplog.at_level(logging.INFO, logger="vllm"):
         vllm_plugin.register()
     assert vllm_plugin.replaced() == []
-    assert [r.levelname for r in caplog.records] == ["WARNING"] and "none of 1, all or 0" in caplog.records[0].getMessage()
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "none of 1, all or 0" in caplog.records[0].getMessage()
     assert all(current(m, n) is f for (m, n), f in vllm_own.items())
 
 

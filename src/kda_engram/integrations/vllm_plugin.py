@@ -37,8 +37,8 @@ import logging
 import os
 import sys
 
-__all__ = ["KEPT_BY_DEFAULT", "KEPT_CALLS", "REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register", "replaced",
-           "resolve", "selected"]
+__all__ = ["KEPT_BY_DEFAULT", "KEPT_CALLS", "REPLACEMENTS", "SUPPORTED_VLLM", "SWITCH", "original", "register",
+           "replaced", "resolve", "selected"]
 
 #: The environment switch: ``1`` replaces the calls where ours is at least as fast,
 #: ``all`` every call, unset or ``0`` leaves vLLM as is.

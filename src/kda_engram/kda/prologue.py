@@ -57,7 +57,6 @@ from .metadata import trusted_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
 
-
 def launch_warps(num_warps, dev, K: int, V: int) -> tuple[int, int]:
     """``(intra, solve)`` warps per program from the ``num_warps`` override: None
     for the defaults, one int for both launches, or a pair.

@@ -84,6 +84,7 @@ def _exact_diag_leaf(qh, kh, lc, causal):
 
 @triton.jit
 def _exact_diag_quarter(qh, kh, lc, causal):
+    """:func:`_exact_diag_leaf` over the two halves of a quarter of the channels."""
     q0, q1 = _halves(qh)
     k0, k1 = _halves(kh)
     l0, l1 = _halves(lc)
@@ -94,6 +95,7 @@ def _exact_diag_quarter(qh, kh, lc, causal):
 
 @triton.jit
 def _exact_diag_half(qh, kh, lc, causal):
+    """:func:`_exact_diag_quarter` over the two halves of half of the channels."""
     q0, q1 = _halves(qh)
     k0, k1 = _halves(kh)
     l0, l1 = _halves(lc)
@@ -106,8 +108,8 @@ def _exact_diag_half(qh, kh, lc, causal):
 def _exact_diag(qh, kh, lc, BS: tl.constexpr):
     """The diagonal blocks from the unfactored ``2^(g_i - g_j)`` per channel, exact for
     any decay: the channels summed an eighth at a time, so one ``[BS, BS, K/8]``
-    product is live instead of ``[BS, BS, K]`` (at ``K/2`` the kernel spilled 2.5 KB
-    per thread: docs/design/kda_prefill.md)."""
+    product is live instead of ``[BS, BS, K]`` (in halves the intra launch spilled up
+    to 1.3 KB per thread, in eighths 0.8: docs/design/kda_prefill.md)."""
     rows = tl.arange(0, BS)
     causal = (rows[None, :] <= rows[:, None])[:, :, None]
     q0, q1 = _halves(qh)
@@ -138,8 +140,7 @@ def _diag_block(qh, kh, lc, qd, kd, kf, tot, beta, shift, two_shift,
     Without ``SPAN_CHECK`` (a bounded gate: every span within ``_MAX_SPAN``)
     the factored product with the launch's ``shift``. With it (the unbounded gates)
     the sub-chunk's own span decides at run time: within the bound the factored
-    product, centred on its ``lc`` range; past it the exact sums (rare in real
-    models, and 16-64x the work)."""
+    product, centred on its ``lc`` range; past it the exact sums (16-64x the work)."""
     rows = tl.arange(0, BS)
     if SPAN_CHECK:
         lo = tl.min(tl.min(lc, 1), 0)
