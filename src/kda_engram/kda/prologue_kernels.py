@@ -83,25 +83,20 @@ def _exact_diag_leaf(qh, kh, lc, causal):
 
 
 @triton.jit
-def _exact_diag_quarter(qh, kh, lc, causal):
-    """:func:`_exact_diag_leaf` over the two halves of a quarter of the channels."""
-    q0, q1 = _halves(qh)
-    k0, k1 = _halves(kh)
-    l0, l1 = _halves(lc)
-    aq, ak = _exact_diag_leaf(q0, k0, l0, causal)
-    aq1, ak1 = _exact_diag_leaf(q1, k1, l1, causal)
-    return aq + aq1, ak + ak1
-
-
-@triton.jit
-def _exact_diag_half(qh, kh, lc, causal):
-    """:func:`_exact_diag_quarter` over the two halves of half of the channels."""
-    q0, q1 = _halves(qh)
-    k0, k1 = _halves(kh)
-    l0, l1 = _halves(lc)
-    aq, ak = _exact_diag_quarter(q0, k0, l0, causal)
-    aq1, ak1 = _exact_diag_quarter(q1, k1, l1, causal)
-    return aq + aq1, ak + ak1
+def _exact_diag_split(qh, kh, lc, causal, LEVELS: tl.constexpr):
+    """:func:`_exact_diag_leaf` summed over ``2^LEVELS`` parts of the channels (each
+    level splits the even from the odd ones)."""
+    if LEVELS == 0:
+        aq, ak = _exact_diag_leaf(qh, kh, lc, causal)
+    else:
+        q0, q1 = _halves(qh)
+        k0, k1 = _halves(kh)
+        l0, l1 = _halves(lc)
+        aq, ak = _exact_diag_split(q0, k0, l0, causal, LEVELS - 1)
+        aq1, ak1 = _exact_diag_split(q1, k1, l1, causal, LEVELS - 1)
+        aq += aq1
+        ak += ak1
+    return aq, ak
 
 
 @triton.jit
@@ -112,12 +107,7 @@ def _exact_diag(qh, kh, lc, BS: tl.constexpr):
     to 1.3 KB per thread, in eighths 0.8: docs/design/kda_prefill.md)."""
     rows = tl.arange(0, BS)
     causal = (rows[None, :] <= rows[:, None])[:, :, None]
-    q0, q1 = _halves(qh)
-    k0, k1 = _halves(kh)
-    l0, l1 = _halves(lc)
-    aq, ak = _exact_diag_half(q0, k0, l0, causal)
-    aq1, ak1 = _exact_diag_half(q1, k1, l1, causal)
-    return aq + aq1, ak + ak1
+    return _exact_diag_split(qh, kh, lc, causal, 3)
 
 
 @triton.jit
