@@ -8,8 +8,9 @@ changes nothing unless
   and contracts below are 0.33's), and
 * the switch :data:`SWITCH` is set in the environment: ``KDA_ENGRAM_VLLM=1`` replaces
   the calls where ours measured at least as fast as vLLM's kernel (every target of
-  :data:`REPLACEMENTS` but those of :data:`KEPT_BY_DEFAULT`), ``KDA_ENGRAM_VLLM=all``
-  every target.
+  :data:`REPLACEMENTS` but those of :data:`KEPT_BY_DEFAULT`, and of the rest the calls
+  :data:`KEPT_CALLS` picks go to vLLM's own function), ``KDA_ENGRAM_VLLM=all`` every
+  target and call.
 
 Then it replaces the functions of :data:`REPLACEMENTS` with the functions of
 :mod:`kda_engram.integrations.vllm_kimi_k3` and
@@ -105,7 +106,6 @@ KEPT_BY_DEFAULT = {
     "vllm.models.deepseek_v41.common.engram._hash_ids_kernel":
         "Engram hash T 4096: 0.05-0.13x eager, 0.38-0.50x in a CUDA graph",
 }
-
 
 
 def _softplus_gate(args, kwargs) -> bool:
