@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (seventeenth session), most needed first: the prologue's per-sub-chunk
+# One device call, most needed first: the prologue's per-sub-chunk
 # diagonal form on the GPU in bf16 and vLLM's Kimi-Linear prefill row (issue 53), then
 # the fused prefill's ncu profile and its timing beside the peers (issue 52). Logs
 # under $OUT.
