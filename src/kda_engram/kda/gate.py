@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..constants import L2NORM_EPS, LOG2E
+from ..constants import L2NORM_EPS, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
 
 __all__ = ["LOG2E_JIT", "L2NORM_EPS_JIT", "LOG_DECAY_FLOOR", "GATE_SOFTPLUS", "GATE_BOUNDED", "GATE_LOG_DECAY",
            "softplus", "gate_operands", "log_decay", "chunk_log2_gate", "gate_form", "dt_bias_strides",
-           "gate_pointers"]
+           "gate_pointers", "subchunk_span_bound", "needs_exact_diagonal"]
 
 #: The kernels' copies of :mod:`kda_engram.constants` (a ``@triton.jit`` function reads a
 #: module-level global only as a ``tl.constexpr``); the values are constants.py's.
@@ -99,6 +99,24 @@ def chunk_log2_gate(g, bias, a_scale, lower_bound, GATE: tl.constexpr):
     if GATE != GATE_BOUNDED:
         a = tl.where(a < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, a)
     return a * LOG2E_JIT
+
+
+def subchunk_span_bound(gate: str, lower_bound: float | None) -> float:
+    """The widest decay span (log2 units) a ``SUB_CHUNK``-token sub-chunk can have under
+    this gate: ``SUB_CHUNK |L| log2 e`` for the bounded gate, unbounded (``inf``) for the
+    softplus and precomputed forms."""
+    if gate == "log_decay" or lower_bound is None:
+        return float("inf")
+    return SUB_CHUNK * abs(float(lower_bound)) * LOG2E
+
+
+def needs_exact_diagonal(gate: str, lower_bound: float | None) -> bool:
+    """Whether a sub-chunk may span more than ``MAX_ANCHOR_SPAN``, past which the
+    anchored (factored) diagonal products leave the normal fp32 / bf16 range: the
+    unbounded gates, and a bounded one with ``|lower_bound| > 5.459``. Such a kernel
+    checks each sub-chunk's span at run time and forms the wide ones' diagonal blocks
+    exactly."""
+    return subchunk_span_bound(gate, lower_bound) > MAX_ANCHOR_SPAN
 
 
 def gate_form(gate: str, lower_bound: float | None) -> int:

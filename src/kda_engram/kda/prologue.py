@@ -45,14 +45,14 @@ import torch
 import triton.language as tl
 
 from ..bundles import ConvArgs, KDAInputs
-from ..constants import CHUNK_SIZE, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
+from ..constants import CHUNK_SIZE, SUB_CHUNK
 from ..launch_config import prologue_warps_for
 from ..platform import arch, interpreting, is_gpu
 from ..validation.entry import EntryChecks
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values, check_lower_bound
 from ..validation.kda_prefill import check_prologue_arguments
 from .conv import conv_prefill_bands
-from .gate import gate_form, gate_pointers
+from .gate import gate_form, gate_pointers, needs_exact_diagonal, subchunk_span_bound
 from .metadata import trusted_chunk_metadata
 from .prologue_kernels import _kda_prologue_intra_kernel, _kda_prologue_solve_kernel
 
@@ -93,12 +93,11 @@ def intra_launcher(x: KDAInputs, cu_seqlens, chunk_indices, conv: ConvArgs, *, n
     H, K = q.shape[2], q.shape[3]
     V = v.shape[3]
     bounded = lower_bound is not None
-    # A bounded gate's sub-chunk spans at most 16 |L| log2 e: within MAX_ANCHOR_SPAN
-    # (|L| <= 5.45) one shift, half of it, centres every diagonal product; past it, and
-    # for the unbounded gates, each sub-chunk checks its own span at run time.
-    span = SUB_CHUNK * abs(float(lower_bound)) * LOG2E if bounded else float("inf")
-    span_check = span > MAX_ANCHOR_SPAN
-    shift = 0.0 if span_check else span / 2
+    # Within MAX_ANCHOR_SPAN one shift, half the bounded gate's widest span, centres every
+    # diagonal product; past it, and for the unbounded gates, each sub-chunk checks its
+    # own span at run time.
+    span_check = needs_exact_diagonal(gate, lower_bound)
+    shift = 0.0 if span_check else subchunk_span_bound(gate, lower_bound) / 2
     dot_dtype = prologue_dot_dtype(q)
 
     gate_args = gate_pointers(raw_g, A_log, dt_bias, K, gate)

@@ -43,8 +43,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from ...constants import LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
-from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers
+from ...constants import MAX_ANCHOR_SPAN, SUB_CHUNK
+from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers, needs_exact_diagonal
 from ..state import state_launch_modes
 from .walk import _walk_sequence, tma_compatible, tma_descriptor
 
@@ -477,16 +477,6 @@ def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=
     if raw_g.dtype not in (torch.bfloat16, torch.float32) or not tma_compatible(raw_g, (2, 4)):
         return "raw_g must be bf16 or fp32 with unit channel stride, packed heads and a 16-byte token stride (TMA)"
     return None
-
-
-def needs_exact_diagonal(gate: str, lower_bound) -> bool:
-    """Whether a chunk's sub-chunk may span more than ``MAX_ANCHOR_SPAN`` (log2 units):
-    the unbounded gates (softplus, a precomputed log decay) and a bounded gate with
-    ``16 |lower_bound| log2(e)`` past it. Such a kernel flags those chunks at run time and
-    forms their diagonal blocks exactly."""
-    if gate == "log_decay" or lower_bound is None:
-        return True
-    return abs(float(lower_bound)) > MAX_ANCHOR_SPAN / (SUB_CHUNK * LOG2E)
 
 
 def _strides(x):
