@@ -5,9 +5,8 @@ the intra-chunk products on tensor cores (``warpgroup_mma``).
 Same outputs, layouts, dtypes and masking as
 :func:`kda_engram.kda.hopper.folded_prologue.prepare_folded_prologue` (the contract of
 :func:`kda_engram.kda.reference.naive_chunk_operands`, keys ``qg, kd, t_fold,
-a_fold, decay``). Why: the two Triton launches take 2.34 ms at 16x2k_H32 on an H100
-(255 registers, M = 16 ``tl.dot`` operands replicated in every warp, sub-chunks
-serial, FMA inverses); the work is about 2.6 MFLOP per chunk-head on tensor cores.
+a_fold, decay``), the intra-chunk work on tensor cores (why, and what the Triton
+launches cost: docs/design/kda_prefill.md).
 
 One CTA of one warpgroup (4 warps) per (64-token chunk row, head); warp ``w`` owns
 the 16-row sub-chunk ``w``. Per chunk, with ``lc`` the sub-chunk-local inclusive
@@ -37,10 +36,8 @@ Served: the bounded gate ``lower_bound`` in ``[-MAX_ANCHOR_SPAN / (16 log2 e), 0
 bf16, K = 128, ``qk_l2norm`` and ``beta_sigmoid`` either way, the conv (its own
 launch first, as the Triton prologue does). Anything else is a ``ValueError``
 naming what it cannot serve (the caller keeps the Triton folded prologue for it).
-The kernel's order of operations is modelled in torch by
-:mod:`kda_engram.kda.hopper.prologue_model` (Gluon has no CPU interpreter); its
-benchmark against the Triton folded prologue is
-:mod:`kda_engram.tools.benchmarks.bench_gluon_prologue`.
+Torch model (Gluon has no CPU interpreter): :mod:`kda_engram.kda.hopper.prologue_model`;
+benchmark: :mod:`kda_engram.tools.benchmarks.bench_gluon_prologue`.
 """
 
 from __future__ import annotations
@@ -51,8 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from ...bundles import ConvArgs, KDAInputs
-from ...constants import CHUNK_SIZE, LOG2E, MAX_ANCHOR_SPAN, SUB_CHUNK
-from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides
+from ...constants import CHUNK_SIZE, MAX_ANCHOR_SPAN, SUB_CHUNK
+from ..gate import GATE_BOUNDED, L2NORM_EPS_JIT, chunk_log2_gate, dt_bias_strides, subchunk_span_bound
 from .folded_prologue import allocate_folded_operands
 
 __all__ = ["GLUON_PROLOGUE_WARPS", "gluon_folded_prologue", "gluon_prologue_unsupported"]
@@ -340,7 +337,7 @@ def gluon_prologue_unsupported(q, lower_bound, *, gate="raw", num_warps=None) ->
     if lower_bound is None:
         return ("serves the bounded gate only (lower_bound in [-5.45, 0)): the softplus gate has no bound on a "
                 "sub-chunk's cumsum, so the strip anchoring cannot keep its factors in range")
-    span = 16.0 * abs(float(lower_bound)) * LOG2E
+    span = subchunk_span_bound(gate, lower_bound)
     if span > MAX_ANCHOR_SPAN:
         return (f"lower_bound={lower_bound}: a sub-chunk's gate span 16 |L| log2 e = {span:.1f} exceeds "
                 f"{MAX_ANCHOR_SPAN} (its anchored factors would leave the normal bf16 range)")
