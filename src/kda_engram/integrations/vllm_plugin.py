@@ -91,6 +91,9 @@ REPLACEMENTS = (
     ("vllm.models.deepseek_v41.common.engram", "Engram.forward", "vllm_deepseek_v41.engram_forward", ()),
 )
 
+#: Every target, ``"module.name"`` (``Class.method`` for a method).
+_TARGETS = frozenset(f"{m}.{n}" for m, n, *_ in REPLACEMENTS)
+
 #: Targets whose replacement measured slower than vLLM's own kernel (one H100, bf16,
 #: ``bench_vllm_plugin``; docs/bench_vllm_plugin.json): ``KDA_ENGRAM_VLLM=1`` leaves
 #: them vLLM's, ``KDA_ENGRAM_VLLM=all`` replaces them too. Target -> what was measured.
@@ -138,7 +141,7 @@ def _keeping_calls(ours, theirs, calls):
     return dispatch
 
 
-_state = {"done": False, "replaced": [], "finder": None, "originals": {}, "selected": set(), "every": False}
+_state = {"done": False, "replaced": [], "finder": None, "originals": {}, "selected": set(), "modules": set()}
 
 
 def replaced() -> list[str]:
@@ -180,13 +183,12 @@ def selected() -> set[str]:
     or ``0``), those not :data:`KEPT_BY_DEFAULT` (``1``), every one (``all``). Any other
     value: none, with one warning."""
     value = os.environ.get(SWITCH, "").strip().lower()
-    every = {f"{m}.{n}" for m, n, *_ in REPLACEMENTS}
     if value in ("", "0"):
         return set()
     if value == "1":
-        return every - set(KEPT_BY_DEFAULT)
+        return set(_TARGETS - set(KEPT_BY_DEFAULT))
     if value == "all":
-        return every
+        return set(_TARGETS)
     logger.warning("kda-engram: %s=%r is none of 1, all or 0; vLLM's kernels stay in place", SWITCH, value)
     return set()
 
@@ -200,7 +202,7 @@ def _patch(module) -> None:
         owner, attribute = resolve(module, name)
         theirs = _state["originals"].setdefault(f"{module_name}.{name}", getattr(owner, attribute))
         kept = KEPT_CALLS.get(f"{module_name}.{name}")
-        if kept is not None and not _state["every"]:
+        if kept is not None and _state["selected"] != _TARGETS:
             ours = _keeping_calls(ours, theirs, kept[0])  # the calls it picks stay vLLM's
         setattr(owner, attribute, ours)
         for importer in importers:
@@ -236,7 +238,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     (and before any module that imports names from it reads them)."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in {m for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in _state["selected"]}:
+        if fullname not in _state["modules"]:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -269,7 +271,7 @@ def register() -> None:
     if not chosen:
         return
     _state["selected"] = chosen
-    _state["every"] = chosen == {f"{m}.{n}" for m, n, *_ in REPLACEMENTS}
+    _state["modules"] = {m for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in chosen}  # what the import hook watches
     finder = _PatchOnImport()
     sys.meta_path.insert(0, finder)
     _state["finder"] = finder
@@ -278,7 +280,7 @@ def register() -> None:
         if loaded is not None:
             _patch(loaded)
     kept = sorted(set(KEPT_BY_DEFAULT) - chosen)
-    kept += [f"{t} {which}" for t, (_, which, _) in KEPT_CALLS.items() if not _state["every"] and t in chosen]
+    kept += [f"{t} {which}" for t, (_, which, _) in KEPT_CALLS.items() if chosen != _TARGETS and t in chosen]
     logger.info("kda-engram: vLLM's %s run on kda-engram's kernels (replaced as vLLM imports them; already: %s)%s",
                 ", ".join(f"{m}.{n}" for m, n, *_ in REPLACEMENTS if f"{m}.{n}" in chosen),
                 ", ".join(_state["replaced"]) or "none",
@@ -292,4 +294,4 @@ def _reset() -> None:
     finder = _state["finder"]
     if finder is not None and finder in sys.meta_path:
         sys.meta_path.remove(finder)
-    _state.update(done=False, replaced=[], finder=None, originals={}, selected=set(), every=False)
+    _state.update(done=False, replaced=[], finder=None, originals={}, selected=set(), modules=set())
