@@ -14,8 +14,7 @@ import torch
 
 from kda_engram.kda.hopper.fused import fused_prefill
 from kda_engram.tools.benchmarks.bench_kda_prefill import LOWER_BOUND, make_inputs
-
-CASES = {"16x2k_H32": ([2048] * 16, 32), "64x512_H32": ([512] * 64, 32)}
+from step3_fused import CASES  # this folder's timing script: the same cases
 
 
 def main() -> None:
