@@ -219,11 +219,11 @@ def test_kernel_device_rule(monkeypatch):
 
 
 def test_constants_defined_once():
-    from kda_engram.kda import chunk, decode, metadata, prologue, reference
+    from kda_engram.kda import chunk, decode, gate, metadata, reference
 
     assert metadata.CHUNK_SIZE is constants.CHUNK_SIZE
     assert chunk.KDA_CHECKPOINT_ALIGNMENT == constants.KDA_CHECKPOINT_ALIGNMENT
-    assert reference.LOG2E == prologue.LOG2E == constants.LOG2E
+    assert reference.LOG2E is gate.LOG2E is constants.LOG2E  # the span rule's (it left the prologue)
     assert reference.L2NORM_EPS == decode.L2NORM_EPS == constants.L2NORM_EPS
 
 
