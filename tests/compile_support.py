@@ -356,6 +356,13 @@ def drive_state_variants() -> None:
                 fn = kda_decode if S is None else kda_decode_multi
                 fn(**x, raw_beta=torch.zeros(*lead, H, dtype=dt), A_log=torch.zeros(H), dt_bias=torch.zeros(H * D),
                    state_cache=cache, state_indices=idx, lower_bound=-5.0, check_inputs=False)
+                if S is not None:  # vLLM's speculative verify: packed tokens, accepted counts, null row 0
+                    packed = {n: t.view(1, B * S, H, D) for n, t in x.items()}
+                    kda_decode_multi(**packed, raw_beta=torch.zeros(1, B * S, H, dtype=dt), A_log=torch.zeros(H),
+                                     dt_bias=torch.zeros(H * D), state_cache=cache, state_indices=idx,
+                                     cu_seqlens=torch.arange(B + 1, dtype=torch.int32) * S,
+                                     num_accepted_tokens=torch.ones(B, dtype=torch.int32), null_row=0,
+                                     lower_bound=-5.0, check_inputs=False)
                 # The fused step reads strided bands of one projection row (Kimi-Linear layout).
                 C = 3 * H * D
                 proj = torch.zeros(*lead, C + H * D + H + H * D, dtype=dt)

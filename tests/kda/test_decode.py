@@ -339,6 +339,128 @@ def test_multi_bad_input_is_rejected(what, mutate, exc, message):
     assert torch.equal(args["state_cache"], before)
 
 
+# ------------------------------------------------- packed tokens of uneven counts (varlen)
+
+# Four sequences of 3, 0, 1 and 2 tokens, then two tokens no sequence owns (CUDA-graph
+# padding); W = 3 columns of rows a sequence, vLLM's null row 0.
+VARLEN_COUNTS, VARLEN_T, VARLEN_W = [3, 0, 1, 2], 8, 3
+VARLEN_ROWS = [[5, 1, 8], [0, 0, 0], [2, 0, 0], [6, 4, 9]]
+
+
+def _varlen_case(lower_bound, seed=21, device="cpu", dtype=torch.float32, K=32):
+    H, V = 2, K
+    packed = make_step(1, S=VARLEN_T, H=H, K=K, V=V, seed=seed, gate="random" if lower_bound is None else "extreme",
+                       device=device, dtype=dtype)
+    cu = torch.tensor([0, *VARLEN_COUNTS], device=device).cumsum(0)
+    rows = torch.tensor(VARLEN_ROWS, device=device)
+    cache = make_cache(12, H, V, K, range(1, 12), seed=seed, device=device)
+    return packed, cu, rows, cache
+
+
+def _per_sequence(packed, cu, rows, start_cols, cache, lower_bound, null_row):
+    """The same walk one sequence at a time (each its own [1, L] launch), rows <= null_row mapped to -1."""
+    out = torch.zeros_like(packed["v"])
+    for n in range(cu.numel() - 1):
+        a, b = int(cu[n]), int(cu[n + 1])
+        start = int(rows[n, start_cols[n]])
+        if b == a or start <= null_row:
+            continue
+        one = {name: (t[:, a:b] if t.dim() > 1 else t) for name, t in packed.items()}
+        written = torch.where(rows[n:n + 1, :b - a] > null_row, rows[n:n + 1, :b - a], -1)
+        out[:, a:b] = kda_decode_multi(**one, state_cache=cache, state_indices=written,
+                                       initial_state_indices=torch.tensor([start], device=cache.device),
+                                       lower_bound=lower_bound)
+    return out
+
+
+def check_varlen_equals_one_launch_per_sequence(lower_bound, accepted, **case):
+    packed, cu, rows, cache = _varlen_case(lower_bound, **case)
+    expected_cache = cache.clone()
+    cols = [0] * len(VARLEN_COUNTS) if accepted is None else [a - 1 for a in accepted]
+    expected = _per_sequence(packed, cu, rows, cols, expected_cache, lower_bound, null_row=0)
+    out = torch.full_like(packed["v"], 7.0)
+    got = kda_decode_multi(**packed, state_cache=cache, state_indices=rows, cu_seqlens=cu, null_row=0,
+                           num_accepted_tokens=None if accepted is None else torch.tensor(accepted, device=cu.device),
+                           lower_bound=lower_bound, out=out)
+    assert got is out
+    owned = int(cu[-1])
+    assert torch.equal(out[:, :owned], expected[:, :owned])
+    assert torch.equal(out[:, owned:], torch.full_like(out[:, owned:], 7.0))
+    assert torch.equal(cache.nan_to_num(3.0), expected_cache.nan_to_num(3.0))
+    fresh = _varlen_case(lower_bound, **case)[3]
+    assert not torch.equal(cache.nan_to_num(3.0), fresh.nan_to_num(3.0))  # rows were written
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("accepted", [None, [2, 1, 1, 1]])
+def test_varlen_equals_one_launch_per_sequence(lower_bound, accepted):
+    """Uneven counts, a zero-length sequence, padding tokens past cu_seqlens[-1], vLLM's
+    null row and the start from the last accepted token, in one launch: equal to one
+    launch per sequence; tokens no sequence owns keep what ``out`` held, rows no
+    sequence writes are untouched."""
+    check_varlen_equals_one_launch_per_sequence(lower_bound, accepted)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("accepted", [None, [2, 1, 1, 1]])
+def test_varlen_equals_one_launch_per_sequence_gpu_bf16(lower_bound, accepted):
+    """The same on the GPU, bf16 inputs at the serving head size (K = V = 128)."""
+    check_varlen_equals_one_launch_per_sequence(lower_bound, accepted, device="cuda", dtype=torch.bfloat16, K=128)
+
+
+def test_varlen_without_null_row_or_tokens():
+    """The default null row (-1): row 0 is a row; no token at all (T = 0) and no
+    column (W = 0) launch nothing."""
+    packed, cu, rows, cache = _varlen_case(None, seed=22)
+    rows = rows - 1  # row 0 of the case becomes -1 (none), its row 1 becomes a real row 0
+    expected_cache = cache.clone()
+    expected = _per_sequence(packed, cu, rows, [0] * 4, expected_cache, None, null_row=-1)
+    got = kda_decode_multi(**packed, state_cache=cache, state_indices=rows, cu_seqlens=cu)
+    assert torch.equal(got[:, :int(cu[-1])], expected[:, :int(cu[-1])])
+    assert torch.equal(got[:, int(cu[-1]):], torch.zeros_like(got[:, int(cu[-1]):]))  # allocated here: zeros
+    assert torch.equal(cache.nan_to_num(3.0), expected_cache.nan_to_num(3.0))
+    before = cache.clone()
+    empty = {n: (t[:, :0] if t.dim() > 1 else t) for n, t in packed.items()}
+    none = torch.zeros(5, dtype=torch.int64)
+    assert kda_decode_multi(**empty, state_cache=cache, state_indices=rows, cu_seqlens=none).shape[1] == 0
+    kda_decode_multi(**packed, state_cache=cache, state_indices=rows[:, :0], cu_seqlens=none)
+    assert torch.equal(cache.nan_to_num(3.0), before.nan_to_num(3.0))
+
+
+BAD_VARLEN = [
+    ("longer than W", dict(cu_seqlens=torch.tensor([0, 4, 4, 5, 6])), ValueError,
+     "cu_seqlens: a sequence has more tokens than state_indices' width W=3"),
+    ("past T", dict(cu_seqlens=torch.tensor([0, 3, 3, 4, 9])), ValueError, "at most T=8 last"),
+    ("decreasing", dict(cu_seqlens=torch.tensor([0, 3, 2, 4, 6])), ValueError, "non-decreasing"),
+    ("accepted", dict(num_accepted_tokens=torch.tensor([1, 1, 4, 1])), ValueError,
+     "num_accepted_tokens: expected entries in [1, 3]"),
+    ("accepted with initial", dict(num_accepted_tokens=torch.tensor([1, 1, 1, 1]),
+                                   initial_state_indices=torch.tensor([5, -1, 2, 6])), ValueError, "not both"),
+    ("null row", dict(null_row=-2), ValueError, "null_row: expected an int -1 <= null_row"),
+    ("rows shape", dict(state_indices=torch.tensor([[5, 1, 8]])), ValueError, "state_indices: expected [4, W]"),
+    ("batch", dict(q=torch.zeros(2, 4, 2, 32)), ValueError, "q: with cu_seqlens the batch dim must be 1"),
+    ("written twice", dict(state_indices=torch.tensor([[5, 1, 8], [0, 0, 0], [2, 0, 0], [6, 8, 9]])), ValueError,
+     "distinct"),
+]
+
+
+@pytest.mark.parametrize("what, change, exc, message", BAD_VARLEN, ids=[b[0] for b in BAD_VARLEN])
+def test_varlen_bad_input_is_rejected(what, change, exc, message):
+    """A rule on the packed layout broken: one clear error, no row written. Rows past a
+    sequence's length and null rows are none (row 0 stands four times above, legally)."""
+    packed, cu, rows, cache = _varlen_case(None, seed=23)
+    args = dict(packed, state_cache=cache, state_indices=rows, cu_seqlens=cu, null_row=0)
+    if "q" in change:
+        args.update(k=change["q"], v=change["q"], raw_g=change["q"], raw_beta=change["q"][..., 0])
+    args.update(change)
+    before = cache.clone()
+    with refused(exc) as info:
+        kda_decode_multi(**args)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert torch.equal(cache.nan_to_num(3.0), before.nan_to_num(3.0))
+
+
 # ------------------------------------------------------------------------ GPU, bf16
 
 

@@ -251,8 +251,7 @@ OP_CASES = {
                                          "check_prologue_arguments", "check_state_arguments"}),
     "kda_prefill_walk": (walk_args, {"check_state_structure", "check_chunk_operands", "check_scale",
                                      "check_cu_seqlens", "check_state_arguments"}),
-    "kda_decode_multi": (decode_multi_args, {"check_input_forms", "check_decode_inputs",
-                                             "check_decode_multi_indices"}),
+    "kda_decode_multi": (decode_multi_args, {"check_input_forms", "check_decode_multi_arguments"}),
     "kda_prefill_prologue": (prologue_args, {"check_lower_bound", "check_input_forms",
                                              "check_prologue_arguments"}),
     "kda_conv_decode": (conv_decode_args, {"check_conv_decode"}),
@@ -261,7 +260,8 @@ OP_CASES = {
                               {"check_fused_decode_arguments"}),
 }
 HOST_RULES = ("check_input_forms", "check_lower_bound", "check_decode_inputs", "check_decode_indices",
-              "check_decode_multi_indices", "check_prologue_arguments", "check_conv_decode", "check_conv_checkpoint",
+              "check_decode_multi_indices", "check_decode_multi_arguments",
+              "check_prologue_arguments", "check_conv_decode", "check_conv_checkpoint",
               "check_fused_decode_arguments", "check_state_structure", "check_state_arguments",
               "check_chunk_operands", "check_scale", "check_cu_seqlens")
 

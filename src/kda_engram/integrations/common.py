@@ -46,15 +46,6 @@ def packed_varlen(q: torch.Tensor, cu_seqlens: torch.Tensor | None, named) -> tu
         raise ValueError(str(reason)) from None
 
 
-def queue_accepted_tokens_rule(checks, num_accepted_tokens: torch.Tensor, width: int) -> None:
-    """Queue on ``checks`` (a :class:`~kda_engram.validation.entry.EntryChecks`) the
-    rule on ``num_accepted_tokens``' values: each in ``[1, width]`` (``width``: the
-    columns of ``ssm_state_indices``, one per token)."""
-    lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
-    checks.add((lo < 1) | (hi > width), f"num_accepted_tokens: expected entries in [1, {width}] (the tokens "
-               f"accepted per sequence, at most ssm_state_indices' width), got min {{}} and max {{}}", lo, hi)
-
-
 def capturing() -> bool:
     """A CUDA graph is being captured on the current stream (no host sync allowed)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

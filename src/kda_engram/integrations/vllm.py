@@ -24,7 +24,8 @@ from ..kda.reference import kda_gate
 from ..validation.common import FLOAT_DTYPES, INDEX_DTYPES, can_read_back, check_int, check_real, check_tensor
 from ..validation.kda_inputs import check_lower_bound
 from ..validation.entry import EntryChecks
-from .common import packed_varlen, queue_accepted_tokens_rule
+from ..validation.kda_decode import queue_accepted_tokens_rule
+from .common import packed_varlen
 from .vllm_kimi_k3 import recurrent_varlen
 
 __all__ = ["chunk_kda_with_fused_gate", "fused_recurrent_kda", "fused_kda_gate"]
@@ -154,7 +155,7 @@ def fused_recurrent_kda(
                 # A rule on device values: queued, the walk started from no row (padding)
                 # when it is broken, the verdict deferred like the kernels' own.
                 checks = EntryChecks(check_inputs)
-                queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
+                queue_accepted_tokens_rule(checks, num_accepted_tokens, W, "ssm_state_indices")
                 start = checks.guard(start, -1)
     o = kda_decode_multi(*tokens, None, None, state_cache=initial_state, state_indices=state_indices,
                          initial_state_indices=start, scale=scale, gate="log_decay",

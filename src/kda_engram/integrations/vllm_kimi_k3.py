@@ -18,8 +18,8 @@ that :mod:`kda_engram.integrations.vllm_plugin` can put them under those names:
   :func:`fused_recurrent_kda_nvidia` (the NVIDIA copy's) -- the decode peel and the
   speculative verify from the raw gate, uneven token counts per sequence and
   zero-length (CUDA-graph padding) sequences included; onto
-  :func:`kda_engram.kda.kda_decode_multi` (tokens gathered into ``[N, W]`` on the
-  device, ``W`` the width of ``ssm_state_indices``).
+  :func:`kda_engram.kda.kda_decode_multi` on the packed tokens (``cu_seqlens``,
+  ``num_accepted_tokens`` and vLLM's null row read by the kernel: one launch).
 
 The device rules of our kernels run in eager mode and are skipped (host rules
 only) while a CUDA graph is captured or ``torch.compile`` traces, where vLLM calls
@@ -49,7 +49,9 @@ from ..kda import decode as _decode
 from ..kda import prefill as _prefill
 from ..validation.common import INDEX_DTYPES, can_read_back, check_tensor
 from ..validation.entry import EntryChecks
-from .common import packed_varlen, queue_accepted_tokens_rule
+from ..validation.kda_decode import check_decode_multi_arguments
+from ..validation.kda_inputs import check_input_forms
+from .common import packed_varlen
 
 __all__ = [
     "BACKENDS",
@@ -391,11 +393,12 @@ def recurrent_varlen(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
                      num_accepted_tokens, out, *, lower_bound=None, scale=None, gate="raw", qk_l2norm=True,
                      beta_sigmoid=True, null_row=NULL_BLOCK_ID, start_rows=None, check_inputs=True):
     """Recurrent KDA steps on the state pool for a varlen batch of uneven token counts,
-    in one :func:`kda_engram.kda.kda_decode_multi` launch: the tokens (``[1, T, ...]``,
-    sequence ``n`` at ``cu_seqlens[n]:cu_seqlens[n+1]``, 0 to ``W`` tokens) are gathered
-    into ``[N, W]`` on the device, ``W`` the width of ``ssm_state_indices [N, W]``,
-    and the outputs scattered back into ``out`` ``[1, T, H, V]`` (allocated, zeros,
-    when None; tokens no sequence owns are left as they are).
+    in one :func:`kda_engram.kda.kda_decode_multi` launch on the packed tokens
+    (``[1, T, ...]``, sequence ``n`` at ``cu_seqlens[n]:cu_seqlens[n+1]``, 0 to ``W``
+    tokens, ``W`` the width of ``ssm_state_indices [N, W]``): the kernel reads each
+    sequence's tokens where they are and writes their outputs into ``out``
+    ``[1, T, H, V]`` (allocated, zeros, when None; tokens no sequence owns are left
+    as they are).
 
     Rows: the state after token ``s`` of sequence ``n`` goes to
     ``ssm_state_indices[n, s]``; the walk starts from ``start_rows[n]`` or else
@@ -404,57 +407,40 @@ def recurrent_varlen(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     padding sequence, zero output, nothing written); a zero-length sequence touches
     nothing. ``gate``, ``qk_l2norm``, ``beta_sigmoid``, ``scale``, ``lower_bound``:
     as in :func:`kda_engram.kda.kda_decode_multi`. With ``check_inputs`` (and outside
-    capture and tracing) the rules on values are queued (``cu_seqlens``, at most ``W``
-    tokens a sequence, ``num_accepted_tokens`` in ``[1, W]``): broken, no row is
+    capture and tracing) the kernel's rules run under vLLM's names, those on values
+    queued (``cu_seqlens``, at most ``W`` tokens a sequence, ``num_accepted_tokens`` in
+    ``[1, W]``, the rows really written in range and distinct): broken, no row is
     written and the next kda-engram call raises. Returns ``(out, initial_state)``.
     """
     T, N = q.shape[1], cu_seqlens.numel() - 1
     if ssm_state_indices.dim() != 2 or ssm_state_indices.shape[0] != N or ssm_state_indices.shape[1] < 1:
         raise ValueError(f"ssm_state_indices: expected [{N}] or [{N}, W >= 1], got {list(ssm_state_indices.shape)}")
-    W = ssm_state_indices.shape[1]
     if num_accepted_tokens is not None:
         check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES, device=q.device)
+        if start_rows is not None:
+            num_accepted_tokens = None  # the given start rows win
     if out is None:
         out = torch.zeros(*v.shape, dtype=v.dtype, device=v.device)
     else:
         check_tensor("out", out, shape=list(v.shape), device=q.device)
     if N == 0 or T == 0:
         return out, initial_state
-    # Sequence n's token s sits at cu[n] + s: gathered into [N, W] (the kernel's
-    # per-sequence layout), positions past the sequence's length written nowhere.
-    cu = cu_seqlens.to(torch.int64)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    s = torch.arange(W, device=q.device)
-    valid = s[None, :] < lengths[:, None]
-    at = (starts[:, None] + s[None, :]).clamp(0, T - 1).reshape(-1)
-    tokens = [x[0].index_select(0, at).unflatten(0, (N, W)) for x in (q, k, v, g, beta)]
-    rows = torch.where(valid, null_rows_to_none(ssm_state_indices, null_row), torch.full_like(ssm_state_indices, -1))
-    if start_rows is None:
-        col = torch.zeros_like(lengths) if num_accepted_tokens is None else (num_accepted_tokens.to(torch.int64) - 1)
-        start_rows = ssm_state_indices.gather(1, col.clamp(0, W - 1)[:, None])[:, 0]
-    start = null_rows_to_none(start_rows, null_row)
-    start = torch.where(lengths > 0, start, torch.full_like(start, -1))
-    check_inputs = bool(check_inputs) and not torch.compiler.is_compiling() and can_read_back()
-    checks = None
-    if check_inputs:
-        checks = EntryChecks(True)
-        # Rules on device values, queued: broken, the walk starts from no row (padding).
-        checks.add((cu[0] != 0) | (lengths < 0).any() | (cu[-1] > T), f"cu_seqlens: expected 0 first, "
-                   f"non-decreasing, at most T={T} last, got first {{}} and last {{}}", cu[0], cu[-1])
-        checks.add((lengths > W).any(), f"cu_seqlens: a sequence has more tokens than ssm_state_indices' width "
-                   f"W={W} (one row per token), got {{}}", lengths.max())
-        if num_accepted_tokens is not None:
-            queue_accepted_tokens_rule(checks, num_accepted_tokens, W)
-        rows, start = checks.guard_many((rows, -1), (start, -1))
-    o = _launch(_decode.kda_decode_multi, ops.kda_decode_multi, *tokens, A_log, dt_bias, state_cache=initial_state,
-                state_indices=rows, initial_state_indices=start, scale=scale, lower_bound=lower_bound, gate=gate,
-                qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, check_inputs=check_inputs)
-    # Back to the token order: token t of sequence n(t) (the last n with cu[n] <= t).
-    t = torch.arange(T, device=q.device)
-    n = (torch.searchsorted(cu[1:], t, right=True)).clamp(max=N - 1)
-    inside = (t >= cu[0]) & (t < cu[-1])
-    flat = o.reshape(N * W, *o.shape[2:])[(n * W + (t - starts[n]).clamp(0, W - 1))]
-    out[0].copy_(torch.where(inside[:, None, None], flat, out[0]))
-    if checks is not None:
-        checks.run()
+    call = dict(initial_state_indices=start_rows, scale=scale, lower_bound=lower_bound, gate=gate,
+                qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, cu_seqlens=cu_seqlens,
+                num_accepted_tokens=num_accepted_tokens, null_row=null_row)
+    if torch.compiler.is_compiling():  # the op (host rules only), its output copied into out
+        out.copy_(ops.kda_decode_multi(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, **call,
+                                       check_inputs=False))
+        return out, initial_state
+    # Eager: kda_decode_multi's own body, with vLLM's name for the rows in its messages.
+    check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)
+    checks = EntryChecks(bool(check_inputs) and can_read_back())
+    rows = ssm_state_indices
+    if checks.on:
+        check_decode_multi_arguments(checks, q, k, v, g, beta, A_log, dt_bias, initial_state, rows, start_rows, out,
+                                     scale, lower_bound, gate, cu_seqlens, num_accepted_tokens, null_row,
+                                     rows_name="ssm_state_indices")
+        rows, call["initial_state_indices"] = checks.guard_many((rows, -1), (start_rows, -1))
+    _decode.run_kda_decode_multi(q, k, v, g, beta, A_log, dt_bias, initial_state, rows, out=out, **call)
+    checks.run()
     return out, initial_state

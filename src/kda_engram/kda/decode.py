@@ -8,7 +8,11 @@ Two entry points share one kernel:
 * :func:`kda_decode_multi` -- ``S`` tokens per sequence (speculative decoding),
   ``q: [B, S, H, K]``. The walk starts from row ``initial_state_indices[b]`` and
   the state after token ``s`` is written to row ``state_indices[b, s]``, so an
-  engine can roll back to the state after the last accepted draft token.
+  engine can roll back to the state after the last accepted draft token. With
+  ``cu_seqlens`` the tokens are packed ``[1, T, ...]``, any count per sequence (the
+  kernel reads each sequence's offset and length: no gather, no scatter), and
+  ``num_accepted_tokens`` / ``null_row`` pick the start row and the "no row" index
+  on the device (vLLM's speculative verify, in one launch).
 
 Per head, with ``S`` the V-first state ``[V, K]``, stored fp32 or
 bf16 (:mod:`kda_engram.kda.state_dtype`; always fp32 on chip)::
@@ -46,7 +50,7 @@ from ..constants import L2NORM_EPS
 from ..launch_config import check_block_override, check_warps_override, decode_tiling_for, device_arch
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
-from ..validation.kda_decode import check_decode_inputs, check_decode_multi_indices, guard_decode_indices
+from ..validation.kda_decode import check_decode_inputs, check_decode_multi_arguments, guard_decode_indices
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values
 from .gate import gate_form, gate_operands, gate_pointers, log_decay
 from .state_dtype import round_state
@@ -61,10 +65,18 @@ def _l2_normalize(x, EPS: tl.constexpr):
 
 
 @triton.jit
+def _token_load(ptrs, step_in, MASKED: tl.constexpr):
+    """One token's values as fp32; ``MASKED``: zeros where the step is not taken."""
+    if MASKED:
+        return tl.load(ptrs, mask=step_in, other=0.0).to(tl.float32)
+    return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr,
-    state_ptr, init_idx_ptr, idx_ptr, o_ptr,
-    scale, lower_bound,
+    state_ptr, init_idx_ptr, idx_ptr, o_ptr, cu_ptr, accepted_ptr,
+    scale, lower_bound, num_tokens,
     sq_b, sq_s, sq_h, sq_k,
     sk_b, sk_s, sk_h, sk_k,
     sv_b, sv_s, sv_h, sv_v,
@@ -76,6 +88,7 @@ def _kda_decode_kernel(
     si_b,
     sw_b, sw_s,
     so_b, so_s, so_h, so_v,
+    sacc_b,
     S: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -87,13 +100,22 @@ def _kda_decode_kernel(
     NATIVE_ROUND: tl.constexpr,
     QK_L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
+    VARLEN: tl.constexpr,
+    ACCEPTED: tl.constexpr,
+    NULL_ROW: tl.constexpr,
 ):
     """Grid: ``(B · H · V / BLOCK_V,)``, tile index fastest, then head, then sequence.
 
     The program of (b, h, tile) reads its [BLOCK_V, K] block of row
-    ``init_idx[b]`` (nothing when negative: a padding sequence, whose outputs are
-    zero and whose state rows are never touched), runs tokens 0..S-1 and after
-    token s stores the block to row ``idx[b, s]`` when that is non-negative.
+    ``init_idx[b]`` (nothing when ``<= NULL_ROW``: a padding sequence, whose outputs
+    are zero and whose state rows are never touched), runs tokens 0..S-1 and after
+    token s stores the block to row ``idx[b, s]`` when that is ``> NULL_ROW``
+    (a constexpr: a runtime bound cost the bf16 one-token variant 25 registers).
+    ``ACCEPTED``: the start row is ``idx[b, accepted[b] - 1]`` instead (the column
+    clamped into ``[0, S)``). ``VARLEN``: the tokens are packed ``[1, T, ...]``,
+    sequence ``b``'s token ``s`` at ``cu[b] + s`` (the batch strides unused); steps
+    past its length (or outside ``[0, num_tokens)``) read zeros and write no output
+    and no row; a sequence of no token reads no state.
     With ``STATE_BF16`` the cache is bf16: loads widen to fp32, every token's
     state is rounded to bf16 (RTNE) and the walk carries the rounded value, so S
     tokens in one launch equal S one-token launches bit for bit.
@@ -114,8 +136,18 @@ def _kda_decode_kernel(
 
     # Row numbers go to int64 before they meet the slot stride: slots * H * V * K
     # passes 2^31 at a few thousand slots.
-    init_row = tl.load(init_idx_ptr + b * si_b).to(tl.int64)
-    live = init_row >= 0
+    if ACCEPTED:
+        column = tl.minimum(tl.maximum(tl.load(accepted_ptr + b * sacc_b).to(tl.int64) - 1, 0), S - 1)
+        init_row = tl.load(idx_ptr + b * sw_b + column * sw_s).to(tl.int64)
+    else:
+        init_row = tl.load(init_idx_ptr + b * si_b).to(tl.int64)
+    live = init_row > NULL_ROW
+    seq = b  # the batch index of the token addresses
+    if VARLEN:  # sequence b's tokens: [first, first + length) of the packed T; no batch stride
+        first = tl.load(cu_ptr + b).to(tl.int64)
+        length = tl.load(cu_ptr + b + 1).to(tl.int64) - first
+        seq = b * 0
+        live = live & (length > 0)
     state_h = state_ptr + h * ss_h
     state = tl.load(
         state_h + tl.where(live, init_row, 0) * ss_n + tile_offs,
@@ -127,11 +159,19 @@ def _kda_decode_kernel(
     a_scale, bias = gate_operands(alog_ptr, sa_h, dtb_ptr, sd_h, sd_k, h, offs_k, GATE)
 
     for s in range(S):
-        q = tl.load(q_ptr + b * sq_b + s * sq_s + h * sq_h + offs_k * sq_k).to(tl.float32)
-        k = tl.load(k_ptr + b * sk_b + s * sk_s + h * sk_h + offs_k * sk_k).to(tl.float32)
-        g = tl.load(g_ptr + b * sg_b + s * sg_s + h * sg_h + offs_k * sg_k).to(tl.float32)
-        vv = tl.load(v_ptr + b * sv_b + s * sv_s + h * sv_h + offs_v * sv_v).to(tl.float32)
-        beta = tl.load(beta_ptr + b * sb_b + s * sb_s + h * sb_h).to(tl.float32)
+        # VARLEN: a step past the sequence (or a token outside [0, T)) loads zeros
+        # and is dropped below; otherwise every step is in (the mask folds away).
+        if VARLEN:
+            t = first + s
+            step_in = (s < length) & (t >= 0) & (t < num_tokens)
+        else:
+            t = s
+            step_in = s < S
+        q = _token_load(q_ptr + seq * sq_b + t * sq_s + h * sq_h + offs_k * sq_k, step_in, VARLEN)
+        k = _token_load(k_ptr + seq * sk_b + t * sk_s + h * sk_h + offs_k * sk_k, step_in, VARLEN)
+        g = _token_load(g_ptr + seq * sg_b + t * sg_s + h * sg_h + offs_k * sg_k, step_in, VARLEN)
+        vv = _token_load(v_ptr + seq * sv_b + t * sv_s + h * sv_h + offs_v * sv_v, step_in, VARLEN)
+        beta = _token_load(beta_ptr + seq * sb_b + t * sb_s + h * sb_h, step_in, VARLEN)
         if BETA_SIGMOID:
             beta = tl.sigmoid(beta)
 
@@ -141,6 +181,8 @@ def _kda_decode_kernel(
         # No floor (unlike the chunk kernels): exp(-inf) = 0, any strength stays finite.
         a = log_decay(g, bias, a_scale, lower_bound, GATE)
 
+        # A step not taken (VARLEN) still steps the tile, on zeros: it comes after
+        # the sequence's last token (or on a broken cu_seqlens), and writes nothing.
         state = state * tl.exp(a)[None, :]
         pred = tl.sum(state * k[None, :], axis=1)  # S' k̂   [BLOCK_V]
         sq = tl.sum(state * q[None, :], axis=1)  # S' q̂   [BLOCK_V]
@@ -150,11 +192,15 @@ def _kda_decode_kernel(
         # would round to 1.0 in bf16 still shrinks the fp32 tile.
         state = round_state(state, STATE_BF16, NATIVE_ROUND)
         o = scale * (sq + delta * tl.sum(k * q, axis=0))
-        o = tl.where(live, o, 0.0)
-        tl.store(o_ptr + b * so_b + s * so_s + h * so_h + offs_v * so_v, o.to(o_ptr.dtype.element_ty))
+        o = tl.where(live, o, 0.0).to(o_ptr.dtype.element_ty)
+        o_at = o_ptr + seq * so_b + t * so_s + h * so_h + offs_v * so_v
+        if VARLEN:
+            tl.store(o_at, o, mask=(offs_v < V) & step_in)
+        else:
+            tl.store(o_at, o)
 
         out_row = tl.load(idx_ptr + b * sw_b + s * sw_s).to(tl.int64)
-        write = live & (out_row >= 0)
+        write = live & (out_row > NULL_ROW) & step_in
         tl.store(
             state_h + tl.where(write, out_row, 0) * ss_n + tile_offs,
             state.to(state_ptr.dtype.element_ty),  # exact: already rounded to the cache dtype
@@ -184,10 +230,15 @@ def decode_tiling(
 
 def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_idx, idx, out,
                   scale, lower_bound, *, steps, init_stride, idx_strides, block_v=None, num_warps=None,
-                  native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True):
+                  native_round=None, gate="raw", qk_l2norm=True, beta_sigmoid=True, cu_seqlens=None,
+                  num_accepted_tokens=None, null_row=-1):
     """Launch the kernel on 4-D strides ``[B, S, H, *]``. For the one-token entry
-    point ``steps == 1`` and the token strides are passed as 0 (no views made)."""
-    B = q.shape[0]
+    point ``steps == 1`` and the token strides are passed as 0 (no views made).
+    ``cu_seqlens [B+1]``: the tokens are packed ``[1, T, H, *]`` (``steps``: the most
+    a sequence has); ``num_accepted_tokens [B]``: each sequence starts from its row
+    ``idx[b, num_accepted_tokens[b] - 1]`` (``init_idx`` unread); rows ``<= null_row``
+    are no row."""
+    B = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _, H, V, K = state_cache.shape
     check_block_override("block_v", block_v, V, "V")
     check_warps_override("num_warps", num_warps)
@@ -208,21 +259,24 @@ def launch_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, init_id
 
     alog, sa_h, dtb, sd_h, sd_k = gate_pointers(raw_g, A_log, dt_bias, K, gate)
     grid = (B * H * (V // block_v),)
+    accepted = idx if num_accepted_tokens is None else num_accepted_tokens  # any pointer when unread
     _kda_decode_kernel[grid](
         q, k, v, raw_g, raw_beta, alog, dtb,
-        state_cache, init_idx, idx, out,
-        float(scale), float(lower_bound) if lower_bound is not None else 0.0,
+        state_cache, init_idx, idx, out, idx if cu_seqlens is None else cu_seqlens, accepted,
+        float(scale), float(lower_bound) if lower_bound is not None else 0.0, q.shape[1],
         *s4(q), *s4(k), *s4(v), *s4(raw_g), *s3(raw_beta),
         sa_h, sd_h, sd_k,
         *state_cache.stride(),
         init_stride, *idx_strides,
         *s4(out),
+        accepted.stride(0),
         S=steps, H=H, K=K, V=V, BLOCK_V=block_v,
         GATE=gate_form(gate, lower_bound),
         EPS=L2NORM_EPS,
         STATE_BF16=state_cache.dtype == torch.bfloat16,
         NATIVE_ROUND=not interpreting() if native_round is None else native_round,
         QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
+        VARLEN=cu_seqlens is not None, ACCEPTED=num_accepted_tokens is not None, NULL_ROW=int(null_row),
         num_warps=num_warps,
     )
     return out
@@ -333,6 +387,9 @@ def kda_decode_multi(
     gate: str = "raw",
     qk_l2norm: bool = True,
     beta_sigmoid: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    null_row: int = -1,
 ) -> torch.Tensor:
     """``S`` KDA decode steps per sequence in one launch (speculative decoding).
 
@@ -357,45 +414,64 @@ def kda_decode_multi(
             start from a row it writes itself (it is read before the first write),
             not from a row another sequence writes.
         out: optional ``[B, S, H, V]`` output buffer.
+        cu_seqlens: int ``[N+1]`` or None. Given, the tokens are packed: ``q, k,
+            raw_g [1, T, H, K]``, ``v [1, T, H, V]``, ``raw_beta [1, T, H]``, ``out
+            [1, T, H, V]``; sequence ``n`` has tokens ``cu_seqlens[n]:cu_seqlens[n+1]``,
+            0 to ``W`` of them, ``state_indices [N, W]``. Each sequence walks its own
+            length in the one launch (uneven counts, and zero-length sequences
+            such as CUDA-graph padding, which touch nothing); tokens no sequence
+            owns are not written (zeros when ``out`` is allocated here).
+        num_accepted_tokens: int ``[N]`` or None (then ``initial_state_indices``):
+            sequence ``n`` starts from row ``state_indices[n, num_accepted_tokens[n] - 1]``,
+            the state after its last accepted draft token (speculative verify).
+        null_row: an int ``>= -1``; an index ``<= null_row`` names no row (default
+            -1: negative); vLLM's convention is 0 (``NULL_BLOCK_ID``). A kernel
+            constant: each value compiles its own variant.
 
     With S = 1 and ``initial_state_indices = state_indices[:, 0]`` this is
-    exactly :func:`kda_decode`. With S = 0 the call is valid and empty: it returns
-    the ``[B, 0, H, V]`` output and touches no state row.
+    exactly :func:`kda_decode`. With S = 0 (or no token) the call is valid and
+    empty: it returns the output and touches no state row.
 
-    Returns ``out``: ``[B, S, H, V]``.
+    Returns ``out``: ``[B, S, H, V]`` (``[1, T, H, V]`` with ``cu_seqlens``).
     """
     check_input_forms(gate, A_log, dt_bias, lower_bound, qk_l2norm, beta_sigmoid)  # picks kernel branches
     checks = EntryChecks(check_inputs)  # raises an earlier call's pending error first
     if checks.on:
-        B, S = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound,
-                                   lead=2)
-        check_decode_multi_indices(state_indices, initial_state_indices, B, S, state_cache, checks)
-        check_log_decay_values(gate, raw_g, checks)
-    if q.shape[1] > 0:  # S = 0 reads and writes nothing: no guard needed
-        # Launch, then read back (see kda_decode): broken rules make every row "none".
+        check_decode_multi_arguments(checks, q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
+                                     initial_state_indices, out, scale, lower_bound, gate, cu_seqlens,
+                                     num_accepted_tokens, null_row)
+    if q.shape[1] > 0 and state_indices.shape[1] > 0:  # no step reads or writes nothing: no guard needed
+        # Launch, then read back (see kda_decode): broken rules make every row "none"
+        # (-1 is none for any null_row >= -1).
         state_indices, initial_state_indices = checks.guard_many((state_indices, -1), (initial_state_indices, -1))
     out = run_kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
                                initial_state_indices, scale=scale, lower_bound=lower_bound, out=out, gate=gate,
-                               qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+                               qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid, cu_seqlens=cu_seqlens,
+                               num_accepted_tokens=num_accepted_tokens, null_row=null_row)
     checks.run()  # the verdict, after the launch
     return out
 
 
 def run_kda_decode_multi(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices,
                          initial_state_indices=None, *, scale=None, lower_bound=None, out=None, gate="raw",
-                         qk_l2norm=True, beta_sigmoid=True) -> torch.Tensor:
+                         qk_l2norm=True, beta_sigmoid=True, cu_seqlens=None, num_accepted_tokens=None,
+                         null_row=-1) -> torch.Tensor:
     """:func:`kda_decode_multi`'s launch without any rule: the caller has run them
     (and guarded the indices); the eager body of its op (:mod:`kda_engram.ops.kda`).
-    S = 0 launches nothing and returns the empty ``[B, 0, H, V]`` output."""
+    No step (S = 0, or no token with ``cu_seqlens``) launches nothing and returns
+    the empty (or, allocated here with ``cu_seqlens``, zero) output."""
     if out is None:
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if q.shape[1] == 0:
+        alloc = torch.empty if cu_seqlens is None else torch.zeros  # packed: unowned tokens stay defined
+        out = alloc(v.shape, dtype=v.dtype, device=v.device)
+    steps = state_indices.shape[1]
+    if q.shape[1] == 0 or steps == 0:
         return out
     if initial_state_indices is None:
         initial_state_indices = state_indices[:, 0]  # a view of the (guarded) rows
     launch_decode(
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, initial_state_indices, state_indices, out,
-        scale, lower_bound, steps=q.shape[1], init_stride=initial_state_indices.stride(0),
+        scale, lower_bound, steps=steps, init_stride=initial_state_indices.stride(0),
         idx_strides=state_indices.stride(), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+        cu_seqlens=cu_seqlens, num_accepted_tokens=num_accepted_tokens, null_row=null_row,
     )
     return out

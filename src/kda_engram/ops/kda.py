@@ -25,7 +25,7 @@ from ..validation.kda_conv import check_conv_checkpoint, check_conv_decode
 from ..validation.kda_decode import (
     check_decode_indices,
     check_decode_inputs,
-    check_decode_multi_indices,
+    check_decode_multi_arguments,
     check_fused_decode_arguments,
 )
 from ..validation.kda_inputs import check_input_forms
@@ -75,9 +75,9 @@ kda_decode = EntryOp(
 def _decode_multi_rules(a):
     """:func:`~kda_engram.kda.decode.kda_decode_multi`'s host rules (no device read)."""
     check_input_forms(a["gate"], a["A_log"], a["dt_bias"], a["lower_bound"], a["qk_l2norm"], a["beta_sigmoid"])
-    B, S = check_decode_inputs(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
-                               a["state_cache"], None, a["scale"], a["lower_bound"], lead=2)
-    check_decode_multi_indices(a["state_indices"], a["initial_state_indices"], B, S, a["state_cache"], None)
+    check_decode_multi_arguments(None, a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
+                                 a["state_cache"], a["state_indices"], a["initial_state_indices"], None, a["scale"],
+                                 a["lower_bound"], a["gate"], a["cu_seqlens"], a["num_accepted_tokens"], a["null_row"])
     a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
 
 

@@ -12,6 +12,7 @@ from .common import (
     INDEX_DTYPES,
     DeviceChecks,
     check_index_values,
+    check_int,
     check_kernel_device,
     check_real,
     check_same_dtype,
@@ -27,15 +28,18 @@ from .index_rules import (
     index_rules,
 )
 from .kda_conv import check_out_dtype
-from .kda_inputs import check_lower_bound, check_scale
+from .kda_inputs import check_log_decay_values, check_lower_bound, check_scale
 from .kda_prefill import owner_of_rows
 
 __all__ = [
     "check_decode_indices",
     "check_decode_inputs",
+    "check_decode_multi_arguments",
     "check_decode_multi_indices",
+    "check_decode_multi_layout",
     "check_fused_decode_arguments",
     "guard_decode_indices",
+    "queue_accepted_tokens_rule",
 ]
 
 
@@ -131,6 +135,94 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
     clash = (who >= 0) & (torch.div(who, steps, rounding_mode="floor") != seq)
     b = torch.argmax(clash.to(torch.int8))
     checks.add(clash.any(), decode_multi_clash_message(), b, value_at(start, b))
+
+
+def check_decode_multi_arguments(checks: DeviceChecks | None, q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache,
+                                 state_indices, initial_state_indices, out, scale, lower_bound, gate, cu_seqlens,
+                                 num_accepted_tokens, null_row, *, rows_name: str = "state_indices") -> None:
+    """``kda_decode_multi``'s rules (its input forms apart: they pick kernel branches,
+    so they run even unchecked): host rules raise at once, the rules on device values
+    are queued on ``checks`` (``None``: host rules only). ``rows_name``: what the
+    caller calls ``state_indices`` (an adapter's own name, in its messages)."""
+    check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale, lower_bound, lead=2)
+    check_decode_multi_layout(q, state_indices, initial_state_indices, cu_seqlens, num_accepted_tokens, null_row,
+                              state_cache, checks, rows_name=rows_name)
+    check_log_decay_values(gate, raw_g, checks)
+
+
+def queue_accepted_tokens_rule(checks: DeviceChecks, num_accepted_tokens: torch.Tensor, width: int,
+                               rows_name: str = "state_indices") -> None:
+    """Queue on ``checks`` the rule on ``num_accepted_tokens``' values: each in ``[1, width]``
+    (``width``: the columns of ``rows_name``, one per token)."""
+    lo, hi = num_accepted_tokens.min(), num_accepted_tokens.max()
+    checks.add((lo < 1) | (hi > width), f"num_accepted_tokens: expected entries in [1, {width}] (the tokens "
+               f"accepted per sequence, at most {rows_name}' width), got min {{}} and max {{}}", lo, hi)
+
+
+def check_decode_multi_layout(q, state_indices, initial_state_indices, cu_seqlens, num_accepted_tokens,
+                              null_row, state_cache, checks: DeviceChecks | None, *,
+                              rows_name: str = "state_indices") -> tuple[int, int]:
+    """``kda_decode_multi``'s sequences and rows: returns ``(N, W)``, the sequences
+    and the most tokens one has (the width of ``state_indices``).
+
+    Without ``cu_seqlens``, ``q [B, S, ...]`` gives ``N, W = B, S``; with it ``q`` is
+    ``[1, T, ...]`` (``T``: ``q``'s second size), ``cu_seqlens`` int ``[N+1]`` and
+    ``state_indices [N, W]``. ``num_accepted_tokens [N]`` replaces
+    ``initial_state_indices``; ``null_row`` is an int ``>= -1``. Queued on ``checks``
+    (``None``: host rules only): ``cu_seqlens`` 0 first, non-decreasing, at most ``T``
+    last, no sequence longer than ``W``; ``num_accepted_tokens`` in ``[1, W]``; the rows
+    the walk really reads and writes (a row ``<= null_row``, a step past the
+    sequence's length and the start of a sequence of no token are none) in range
+    and distinct, none read by one sequence and written by another
+    (:func:`check_decode_multi_indices` on those rows)."""
+    check_int("null_row", null_row, low=-1)
+    dev = state_cache.device
+    if cu_seqlens is None:
+        N, W = q.shape[0], q.shape[1]
+    else:
+        if q.shape[0] != 1:
+            raise ValueError(f"q: with cu_seqlens the batch dim must be 1 (the sequences are packed along T), "
+                             f"got {list(q.shape)}")
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=dev)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens: expected [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
+        check_tensor(rows_name, state_indices, dtypes=INDEX_DTYPES, device=dev)
+        if state_indices.dim() != 2 or state_indices.shape[0] != cu_seqlens.numel() - 1:
+            raise ValueError(f"{rows_name}: expected [{cu_seqlens.numel() - 1}, W] (one row per sequence, a "
+                             f"column per token), got {list(state_indices.shape)}")
+        N, W = state_indices.shape
+    if num_accepted_tokens is not None:
+        if initial_state_indices is not None:
+            raise ValueError("num_accepted_tokens: the start row comes from it or from initial_state_indices, "
+                             "not both")
+        check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    plain = cu_seqlens is None and num_accepted_tokens is None and null_row == -1
+    check_decode_multi_indices(state_indices, initial_state_indices, N, W, state_cache, checks if plain else None)
+    if plain or checks is None or N == 0 or W == 0:
+        return N, W
+    rows = state_indices.to(torch.int64)
+    if num_accepted_tokens is None:
+        start = rows[:, 0] if initial_state_indices is None else initial_state_indices.to(torch.int64)
+    else:
+        accepted = num_accepted_tokens.to(torch.int64)
+        queue_accepted_tokens_rule(checks, accepted, W, rows_name)
+        start = rows.gather(1, (accepted - 1).clamp(0, W - 1)[:, None])[:, 0]
+    none = torch.full_like(rows, -1)
+    written = rows > null_row
+    started = start > null_row
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        T = q.shape[1]
+        checks.add((cu[0] != 0) | (lengths < 0).any() | (cu[-1] > T), f"cu_seqlens: expected 0 first, "
+                   f"non-decreasing, at most T={T} last, got first {{}} and last {{}}", cu[0], cu[-1])
+        checks.add((lengths > W).any(), f"cu_seqlens: a sequence has more tokens than {rows_name}' width W={W} "
+                   f"(one row per token), got {{}}", lengths.max())
+        written = written & (torch.arange(W, device=dev)[None, :] < lengths[:, None])
+        started = started & (lengths > 0)
+    check_decode_multi_indices(torch.where(written, rows, none), torch.where(started, start, none[:, 0]), N, W,
+                               state_cache, checks)
+    return N, W
 
 
 def check_fused_decode_arguments(checks: DeviceChecks | None, x, raw_g, raw_beta, g_out, conv_weight, conv_state,
