@@ -205,6 +205,58 @@ def _load_rows(ptr, t, valid, row_stride, W: tl.constexpr, col0):
 
 
 @triton.jit
+def _sub_chunk_rows(qr, kr, vr, xr, rb, t, valid, b, alog, dtb, lower_bound, qg_h, w_h, u_h, o_qk, o_v,
+                    K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr, QK_L2NORM: tl.constexpr,
+                    BETA_SIGMOID: tl.constexpr, FOLDED: tl.constexpr, FIRST: tl.constexpr, DOT: tl.constexpr):
+    """The per-row work of one sub-chunk of the intra launch, from its raw loads
+    (:func:`_load_block`): :func:`_prep_block`, the decays ``d = 2^lc``, the column
+    keys ``kf = k̂ 2^(tot - lc)`` and the rows ``qd = q̂ d``, ``kd = k̂ d``; stores its
+    rows of ``qg`` (``qd 2^b``), ``w`` (``beta kd 2^b``, ``FOLDED``: ``kd 2^b``) and
+    ``u`` (``beta v``, not ``FOLDED``), ``b`` the cumulative gate before the sub-chunk
+    (``FIRST``: sub-chunk 0, the rows stored unscaled and ``b`` unread). Returns
+    ``(q̂, k̂, lc, tot, beta, qd, kd, kf, qdD, kdD)``, ``qdD`` / ``kdD`` being ``qd`` /
+    ``kd`` in ``DOT`` (the operands of its off-diagonal blocks)."""
+    q, k, lc, s, be, bv = _prep_block(qr, kr, vr, xr, rb, valid, alog, dtb, lower_bound, GATE,
+                                      QK_L2NORM, BETA_SIGMOID)
+    d = tl.exp2(lc)
+    kf = k * tl.exp2(s[None, :] - lc)
+    qd = q * d
+    kd = k * d
+    qg = qd
+    if not FIRST:
+        e = tl.exp2(b)[None, :]
+        qg = qd * e
+    _store_rows(qg_h, t, valid, o_qk, qg, K, 0)
+    wr = kd
+    if not FOLDED:
+        wr = be[:, None] * kd
+    if not FIRST:
+        wr = wr * e
+    _store_rows(w_h, t, valid, o_qk, wr, K, 0)
+    if not FOLDED:
+        _store_rows(u_h, t, valid, o_v, bv, V, 0)
+    return q, k, lc, s, be, qd, kd, kf, qd.to(DOT), kd.to(DOT)
+
+
+@triton.jit
+def _store_a_rows(aqk_h, akk_h, t, valid, o_a, aq0, aq1, aq2, aq3, ak0, ak1, ak2, ak3,
+                  ROW: tl.constexpr, BS: tl.constexpr):
+    """Row block ``ROW`` of ``A_qk`` (all four column blocks; the caller passes zeros
+    past the diagonal) and of ``A_kk`` (column blocks ``J <= ROW`` only)."""
+    _store_rows(aqk_h, t, valid, o_a, aq0, BS, 0)
+    _store_rows(aqk_h, t, valid, o_a, aq1, BS, BS)
+    _store_rows(aqk_h, t, valid, o_a, aq2, BS, 2 * BS)
+    _store_rows(aqk_h, t, valid, o_a, aq3, BS, 3 * BS)
+    _store_rows(akk_h, t, valid, o_a, ak0, BS, 0)
+    if ROW >= 1:
+        _store_rows(akk_h, t, valid, o_a, ak1, BS, BS)
+    if ROW >= 2:
+        _store_rows(akk_h, t, valid, o_a, ak2, BS, 2 * BS)
+    if ROW >= 3:
+        _store_rows(akk_h, t, valid, o_a, ak3, BS, 3 * BS)
+
+
+@triton.jit
 def _program_chunk(cu_ptr, ci_ptr, sci_r, sci_c, H, BT: tl.constexpr):
     """The chunk of this program in both prologue launches (grid ``chunks * H``,
     head fastest): ``(head, chunk row, sequence id, chunk index, bos, eos, first
@@ -275,24 +327,12 @@ def _kda_prologue_intra_kernel(
     qr1, kr1, vr1, xr1, rb1 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t1_, m1, K, V, LOAD_V)
-    q0, k0, lc0, s0, be0, bv0 = _prep_block(qr0, kr0, vr0, xr0, rb0, m0, alog, dtb, lower_bound, GATE,
-        QK_L2NORM, BETA_SIGMOID)
-    d0 = tl.exp2(lc0)
-    kf0 = k0 * tl.exp2(s0[None, :] - lc0)
-    qd0 = q0 * d0
-    kd0 = k0 * d0
-    _store_rows(qg_h, t0_, m0, o_qk, qd0, K, 0)
-    if FOLDED:
-        _store_rows(w_h, t0_, m0, o_qk, kd0, K, 0)
-    else:
-        _store_rows(w_h, t0_, m0, o_qk, be0[:, None] * kd0, K, 0)
-        _store_rows(u_h, t0_, m0, o_v, bv0, V, 0)
+    q0, k0, lc0, s0, be0, qd0, kd0, kf0, qd0D, kd0D = _sub_chunk_rows(
+        qr0, kr0, vr0, xr0, rb0, t0_, m0, zk, alog, dtb, lower_bound, qg_h, w_h, u_h, o_qk, o_v,
+        K, V, GATE, QK_L2NORM, BETA_SIGMOID, FOLDED, True, DOT)
     aq00, ak00 = _diag_block(q0, k0, lc0, qd0, kd0, kf0, s0, be0, shift, two_shift, BS, SPAN_CHECK, DOT)
-    _store_rows(aqk_h, t0_, m0, o_a, aq00, BS, 0)
-    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, BS)
-    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 2 * BS)
-    _store_rows(aqk_h, t0_, m0, o_a, zero_blk, BS, 3 * BS)
-    _store_rows(akk_h, t0_, m0, o_a, ak00, BS, 0)
+    _store_a_rows(aqk_h, akk_h, t0_, m0, o_a, aq00, zero_blk, zero_blk, zero_blk,
+                  ak00, zero_blk, zero_blk, zero_blk, 0, BS)
     kf0 = kf0.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 1
@@ -301,30 +341,14 @@ def _kda_prologue_intra_kernel(
     qr2, kr2, vr2, xr2, rb2 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t2_, m2, K, V, LOAD_V)
-    q1, k1, lc1, s1, be1, bv1 = _prep_block(qr1, kr1, vr1, xr1, rb1, m1, alog, dtb, lower_bound, GATE,
-        QK_L2NORM, BETA_SIGMOID)
     b1 = s0  # cumulative gate just before sub-chunk 1
-    d1 = tl.exp2(lc1)
-    kf1 = k1 * tl.exp2(s1[None, :] - lc1)
-    qd1 = q1 * d1
-    kd1 = k1 * d1
-    e1 = tl.exp2(b1)[None, :]
-    _store_rows(qg_h, t1_, m1, o_qk, qd1 * e1, K, 0)
-    if FOLDED:
-        _store_rows(w_h, t1_, m1, o_qk, kd1 * e1, K, 0)
-    else:
-        _store_rows(w_h, t1_, m1, o_qk, be1[:, None] * kd1 * e1, K, 0)
-        _store_rows(u_h, t1_, m1, o_v, bv1, V, 0)
-    qd1D = qd1.to(DOT)
-    kd1D = kd1.to(DOT)
+    q1, k1, lc1, s1, be1, qd1, kd1, kf1, qd1D, kd1D = _sub_chunk_rows(
+        qr1, kr1, vr1, xr1, rb1, t1_, m1, b1, alog, dtb, lower_bound, qg_h, w_h, u_h, o_qk, o_v,
+        K, V, GATE, QK_L2NORM, BETA_SIGMOID, FOLDED, False, DOT)
     aq10, ak10 = _off_block(qd1D, kd1D, kf0, zk, be1)
     aq11, ak11 = _diag_block(q1, k1, lc1, qd1, kd1, kf1, s1, be1, shift, two_shift, BS, SPAN_CHECK, DOT)
-    _store_rows(aqk_h, t1_, m1, o_a, aq10, BS, 0)
-    _store_rows(aqk_h, t1_, m1, o_a, aq11, BS, BS)
-    _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 2 * BS)
-    _store_rows(aqk_h, t1_, m1, o_a, zero_blk, BS, 3 * BS)
-    _store_rows(akk_h, t1_, m1, o_a, ak10, BS, 0)
-    _store_rows(akk_h, t1_, m1, o_a, ak11, BS, BS)
+    _store_a_rows(aqk_h, akk_h, t1_, m1, o_a, aq10, aq11, zero_blk, zero_blk,
+                  ak10, ak11, zero_blk, zero_blk, 1, BS)
     kf1 = kf1.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 2
@@ -333,63 +357,28 @@ def _kda_prologue_intra_kernel(
     qr3, kr3, vr3, xr3, rb3 = _load_block(
         q_ptr, sq_t, sq_h, sq_c, k_ptr, sk_t, sk_h, sk_c, v_ptr, sv_t, sv_h, sv_c,
         g_ptr, sg_t, sg_h, sg_c, b_ptr, sb_t, sb_h, h, t3_, m3, K, V, LOAD_V)
-    q2, k2, lc2, s2, be2, bv2 = _prep_block(qr2, kr2, vr2, xr2, rb2, m2, alog, dtb, lower_bound, GATE,
-        QK_L2NORM, BETA_SIGMOID)
     b2 = s0 + s1
-    d2 = tl.exp2(lc2)
-    kf2 = k2 * tl.exp2(s2[None, :] - lc2)
-    qd2 = q2 * d2
-    kd2 = k2 * d2
-    e2 = tl.exp2(b2)[None, :]
-    _store_rows(qg_h, t2_, m2, o_qk, qd2 * e2, K, 0)
-    if FOLDED:
-        _store_rows(w_h, t2_, m2, o_qk, kd2 * e2, K, 0)
-    else:
-        _store_rows(w_h, t2_, m2, o_qk, be2[:, None] * kd2 * e2, K, 0)
-        _store_rows(u_h, t2_, m2, o_v, bv2, V, 0)
-    qd2D = qd2.to(DOT)
-    kd2D = kd2.to(DOT)
+    q2, k2, lc2, s2, be2, qd2, kd2, kf2, qd2D, kd2D = _sub_chunk_rows(
+        qr2, kr2, vr2, xr2, rb2, t2_, m2, b2, alog, dtb, lower_bound, qg_h, w_h, u_h, o_qk, o_v,
+        K, V, GATE, QK_L2NORM, BETA_SIGMOID, FOLDED, False, DOT)
     aq20, ak20 = _off_block(qd2D, kd2D, kf0, s1, be2)
     aq21, ak21 = _off_block(qd2D, kd2D, kf1, zk, be2)
     aq22, ak22 = _diag_block(q2, k2, lc2, qd2, kd2, kf2, s2, be2, shift, two_shift, BS, SPAN_CHECK, DOT)
-    _store_rows(aqk_h, t2_, m2, o_a, aq20, BS, 0)
-    _store_rows(aqk_h, t2_, m2, o_a, aq21, BS, BS)
-    _store_rows(aqk_h, t2_, m2, o_a, aq22, BS, 2 * BS)
-    _store_rows(aqk_h, t2_, m2, o_a, zero_blk, BS, 3 * BS)
-    _store_rows(akk_h, t2_, m2, o_a, ak20, BS, 0)
-    _store_rows(akk_h, t2_, m2, o_a, ak21, BS, BS)
-    _store_rows(akk_h, t2_, m2, o_a, ak22, BS, 2 * BS)
+    _store_a_rows(aqk_h, akk_h, t2_, m2, o_a, aq20, aq21, aq22, zero_blk,
+                  ak20, ak21, ak22, zero_blk, 2, BS)
     kf2 = kf2.to(DOT)
 
     # ---------------------------------------------------------------- sub-chunk 3
-    q3, k3, lc3, s3, be3, bv3 = _prep_block(qr3, kr3, vr3, xr3, rb3, m3, alog, dtb, lower_bound, GATE,
-        QK_L2NORM, BETA_SIGMOID)
     b3 = b2 + s2
-    d3 = tl.exp2(lc3)
-    kf3 = k3 * tl.exp2(s3[None, :] - lc3)
-    qd3 = q3 * d3
-    kd3 = k3 * d3
-    e3 = tl.exp2(b3)[None, :]
-    _store_rows(qg_h, t3_, m3, o_qk, qd3 * e3, K, 0)
-    if FOLDED:
-        _store_rows(w_h, t3_, m3, o_qk, kd3 * e3, K, 0)
-    else:
-        _store_rows(w_h, t3_, m3, o_qk, be3[:, None] * kd3 * e3, K, 0)
-        _store_rows(u_h, t3_, m3, o_v, bv3, V, 0)
-    qd3D = qd3.to(DOT)
-    kd3D = kd3.to(DOT)
+    q3, k3, lc3, s3, be3, qd3, kd3, kf3, qd3D, kd3D = _sub_chunk_rows(
+        qr3, kr3, vr3, xr3, rb3, t3_, m3, b3, alog, dtb, lower_bound, qg_h, w_h, u_h, o_qk, o_v,
+        K, V, GATE, QK_L2NORM, BETA_SIGMOID, FOLDED, False, DOT)
     aq30, ak30 = _off_block(qd3D, kd3D, kf0, s1 + s2, be3)
     aq31, ak31 = _off_block(qd3D, kd3D, kf1, s2, be3)
     aq32, ak32 = _off_block(qd3D, kd3D, kf2, zk, be3)
     aq33, ak33 = _diag_block(q3, k3, lc3, qd3, kd3, kf3, s3, be3, shift, two_shift, BS, SPAN_CHECK, DOT)
-    _store_rows(aqk_h, t3_, m3, o_a, aq30, BS, 0)
-    _store_rows(aqk_h, t3_, m3, o_a, aq31, BS, BS)
-    _store_rows(aqk_h, t3_, m3, o_a, aq32, BS, 2 * BS)
-    _store_rows(aqk_h, t3_, m3, o_a, aq33, BS, 3 * BS)
-    _store_rows(akk_h, t3_, m3, o_a, ak30, BS, 0)
-    _store_rows(akk_h, t3_, m3, o_a, ak31, BS, BS)
-    _store_rows(akk_h, t3_, m3, o_a, ak32, BS, 2 * BS)
-    _store_rows(akk_h, t3_, m3, o_a, ak33, BS, 3 * BS)
+    _store_a_rows(aqk_h, akk_h, t3_, m3, o_a, aq30, aq31, aq32, aq33,
+                  ak30, ak31, ak32, ak33, 3, BS)
 
     # ---------------------------------------------- kg_t, decay (need g_last)
     kg3 = kf3
