@@ -109,6 +109,19 @@ def _group_span(n_chunks, n_groups, min_len):
 
 
 @triton.jit
+def _sequence_span(cu_ptr, st_cu, i_n, C: tl.constexpr):
+    """``(bos, length, n_chunks)`` of sequence ``i_n`` from ``cu_seqlens``: its first
+    token (int64), its length (int32: one sequence stays below 2^31 tokens) and its
+    chunks of ``C`` tokens. Shared by the walk, pass one and the group scan."""
+    bos_raw = tl.load(cu_ptr + i_n * st_cu)
+    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
+    bos = bos_raw.to(tl.int64)
+    length = (eos_raw - bos_raw).to(tl.int32)
+    n_chunks = (length + C - 1) // C
+    return bos, length, n_chunks
+
+
+@triton.jit
 def _load_start_state(s_in_ptr, s_idx_ptr, has_init_ptr, i_n, i_h, o_k, o_v, full,
                       st_in_r, st_in_h, st_in_v, st_in_k, st_idx, st_has,
                       LOAD_STATE: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
@@ -181,11 +194,7 @@ def _kda_chunk_walk_kernel(
     else:
         i_n = tl.program_id(2)
 
-    bos_raw = tl.load(cu_ptr + i_n * st_cu)
-    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
-    bos = bos_raw.to(tl.int64)
-    length = (eos_raw - bos_raw).to(tl.int32)  # one sequence stays below 2^31 tokens
-    n_chunks = (length + C - 1) // C
+    bos, length, n_chunks = _sequence_span(cu_ptr, st_cu, i_n, C)
     row0 = tl.load(chunk_off_ptr + i_n * st_co).to(tl.int64)
 
     o_k = tl.arange(0, K)
@@ -299,11 +308,7 @@ def _kda_group_pass_one_kernel(
     i_n = tl.program_id(2) // (n_groups - 1)
     i_g = tl.program_id(2) % (n_groups - 1)
 
-    bos_raw = tl.load(cu_ptr + i_n * st_cu)
-    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
-    bos = bos_raw.to(tl.int64)
-    length = (eos_raw - bos_raw).to(tl.int32)
-    n_chunks = (length + C - 1) // C
+    bos, length, n_chunks = _sequence_span(cu_ptr, st_cu, i_n, C)
     row0 = tl.load(chunk_off_ptr + i_n * st_co).to(tl.int64)
     per, n_live = _group_span(n_chunks, n_groups, min_len)
     active = i_g < n_live - 1
@@ -392,9 +397,7 @@ def _kda_group_scan_kernel(
     i_h = tl.program_id(1).to(tl.int64)
     i_n = tl.program_id(2)
 
-    bos_raw = tl.load(cu_ptr + i_n * st_cu)
-    eos_raw = tl.load(cu_ptr + (i_n + 1) * st_cu)
-    n_chunks = ((eos_raw - bos_raw).to(tl.int32) + C - 1) // C
+    bos, length, n_chunks = _sequence_span(cu_ptr, st_cu, i_n, C)
     per, n_live = _group_span(n_chunks, n_groups, min_len)
 
     o_k = tl.arange(0, K)
