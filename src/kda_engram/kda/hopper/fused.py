@@ -45,8 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ...constants import MAX_ANCHOR_SPAN, SUB_CHUNK
 from ..gate import L2NORM_EPS_JIT, chunk_log2_gate, gate_form, gate_pointers, needs_exact_diagonal
-from ..state import state_launch_modes
-from .walk import _walk_sequence, tma_compatible, tma_descriptor
+from .walk import _walk_sequence, state_launch_args, tma_compatible, tma_descriptor
 
 __all__ = ["FUSED_CHUNK", "FUSED_PRODUCER_REGS", "fused_prefill", "fused_prefill_launch", "fused_unsupported",
            "needs_exact_diagonal"]
@@ -479,10 +478,6 @@ def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=
     return None
 
 
-def _strides(x):
-    return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
-
-
 def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, cu_seqlens, *, lower_bound,
                          qk_l2norm=True, beta_sigmoid=True, initial_state=None, final_state=None, state_cache=None,
                          state_indices=None, has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
@@ -502,26 +497,17 @@ def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, c
     descs = (tma_descriptor(q, [BT, K], False), tma_descriptor(k, [BT, K], False),
              tma_descriptor(raw_g, [BT, K], False),
              tma_descriptor(v, [BT, V]), tma_descriptor(out, [BT, V]))
-    load_state, store_state, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
-    dummy = out  # never dereferenced where a pointer is unused (constexpr branches)
-    ck_indexed = checkpoint_state_indices is not None
+    state_ptrs, state_strides, state_modes = state_launch_args(
+        out, cu_seqlens, initial_state=initial_state, final_state=final_state, state_cache=state_cache,
+        state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+        checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices)
     alog, salog, dtb, sdtb_h, sdtb_c = gate_pointers(raw_g, A_log, dt_bias, K, gate)
     args = (*descs, out, raw_beta, raw_beta.stride(1), raw_beta.stride(2), alog, salog, dtb,
             sdtb_h, sdtb_c, float(lower_bound) if lower_bound is not None else 0.0,
-            s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
-            state_indices if state_indices is not None else cu_seqlens,
-            has_initial_state if has_initial_state is not None else cu_seqlens,
-            checkpoint_state if checkpoint_state is not None else dummy,
-            checkpoint_offsets if checkpoint_offsets is not None else cu_seqlens,
-            checkpoint_state_indices if ck_indexed else cu_seqlens,
-            cu_seqlens, float(scale), H, out.stride(1), out.stride(2),
-            *_strides(s_in), *_strides(s_out), *_strides(checkpoint_state))
+            *state_ptrs, cu_seqlens, float(scale), H, out.stride(1), out.stride(2), *state_strides)
     kwargs = dict(K=K, V=V, BT=BT, BS=SUB_CHUNK, RING=FUSED_RING, GATE=gate_form(gate, lower_bound),
                   EXACT_DIAG=needs_exact_diagonal(gate, lower_bound),
-                  QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid),
-                  LOAD_STATE=load_state, STORE_STATE=store_state, HAS_CKPT=checkpoint_state is not None,
-                  CKPT_INDEXED=ck_indexed,
-                  CKPT_BF16=checkpoint_state is not None and checkpoint_state.dtype == torch.bfloat16,
+                  QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid), **state_modes,
                   PHASES=int(phases), PW=FUSED_PRODUCER_WARPS, PRODUCER_REGS=int(producer_regs), num_warps=V // 16)
     return _fused_prefill_kernel, (N * H,), args, kwargs
 

@@ -392,6 +392,30 @@ def _strides(x: torch.Tensor | None) -> tuple[int, int, int, int]:
     return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
 
 
+def state_launch_args(dummy, cu_seqlens, *, initial_state, final_state, state_cache, state_indices,
+                      has_initial_state, checkpoint_state, checkpoint_offsets, checkpoint_state_indices):
+    """``(pointers, strides, constexprs)`` of the state keywords of a launch that walks
+    the state (:func:`folded_walk_launch`, the fused prefill's
+    :func:`~kda_engram.kda.hopper.fused.fused_prefill_launch`): the seven state and
+    checkpoint pointers (an absent one is ``dummy``, or ``cu_seqlens`` for the integer
+    ones: never dereferenced where a pointer is unused, constexpr branches), the strides
+    of the state read, the state written and the checkpoints, and ``LOAD_STATE``,
+    ``STORE_STATE``, ``HAS_CKPT``, ``CKPT_INDEXED``, ``CKPT_BF16``."""
+    load_state, store_state, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
+    ck_indexed = checkpoint_state_indices is not None
+    pointers = (s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
+                state_indices if state_indices is not None else cu_seqlens,
+                has_initial_state if has_initial_state is not None else cu_seqlens,
+                checkpoint_state if checkpoint_state is not None else dummy,
+                checkpoint_offsets if checkpoint_offsets is not None else cu_seqlens,
+                checkpoint_state_indices if ck_indexed else cu_seqlens)
+    strides = (*_strides(s_in), *_strides(s_out), *_strides(checkpoint_state))
+    constexprs = dict(LOAD_STATE=load_state, STORE_STATE=store_state, HAS_CKPT=checkpoint_state is not None,
+                      CKPT_INDEXED=ck_indexed,
+                      CKPT_BF16=checkpoint_state is not None and checkpoint_state.dtype == torch.bfloat16)
+    return pointers, strides, constexprs
+
+
 def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens, chunk_offsets, *,
                        initial_state=None, final_state=None, state_cache=None, state_indices=None,
                        has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
@@ -415,22 +439,13 @@ def folded_walk_launch(qg, kd, t_fold, a_fold, v, decay, out, scale, cu_seqlens,
     BT = int(chunk_size)
     descs = (tma_descriptor(qg, [BT, K]), tma_descriptor(kd, [BT, K]), tma_descriptor(t_fold, [BT, K]),
              tma_descriptor(a_fold, [BT, BT]), tma_descriptor(v, [BT, vb]), tma_descriptor(out, [BT, vb]))
-    load_state, store_state, s_in, s_out = state_launch_modes(initial_state, final_state, state_cache)
-    dummy = decay  # never dereferenced where a pointer is unused (constexpr branches)
-    ck_indexed = checkpoint_state_indices is not None
-    args = (*descs, out, decay,
-            s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
-            state_indices if state_indices is not None else cu_seqlens,
-            has_initial_state if has_initial_state is not None else cu_seqlens,
-            checkpoint_state if checkpoint_state is not None else dummy,
-            checkpoint_offsets if checkpoint_offsets is not None else cu_seqlens,
-            checkpoint_state_indices if ck_indexed else cu_seqlens,
-            cu_seqlens, chunk_offsets, float(scale), H,
-            out.stride(1), out.stride(2), *decay.stride(),
-            *_strides(s_in), *_strides(s_out), *_strides(checkpoint_state))
-    kwargs = dict(K=K, V=V, VB=vb, BT=BT, STAGES=WALK_STAGES, LOAD_STATE=load_state, STORE_STATE=store_state,
-                  HAS_CKPT=checkpoint_state is not None, CKPT_INDEXED=ck_indexed,
-                  CKPT_BF16=checkpoint_state is not None and checkpoint_state.dtype == torch.bfloat16,
+    state_ptrs, state_strides, state_modes = state_launch_args(
+        decay, cu_seqlens, initial_state=initial_state, final_state=final_state, state_cache=state_cache,
+        state_indices=state_indices, has_initial_state=has_initial_state, checkpoint_state=checkpoint_state,
+        checkpoint_offsets=checkpoint_offsets, checkpoint_state_indices=checkpoint_state_indices)
+    args = (*descs, out, decay, *state_ptrs, cu_seqlens, chunk_offsets, float(scale), H,
+            out.stride(1), out.stride(2), *decay.stride(), *state_strides)
+    kwargs = dict(K=K, V=V, VB=vb, BT=BT, STAGES=WALK_STAGES, **state_modes,
                   ASYNC=use_async, WS=bool(warp_specialized), LOADER_REGS=int(loader_regs), num_warps=vb // 16)
     grid = (N * H * (V // vb),)
     return _folded_walk_kernel, grid, args, kwargs
