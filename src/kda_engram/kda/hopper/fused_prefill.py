@@ -7,13 +7,10 @@ caller). The kernel is :mod:`kda_engram.kda.hopper.fused`.
 
 from __future__ import annotations
 
-import torch
-
 from ...bundles import ConvArgs, KDAInputs, StateArgs
 from ..prefill_paths import PrefillBackend, PrefillCall, Verdict, register
-from ..state import allocate_final_state
 from .fused import fused_prefill, fused_unsupported
-from .prefill import hopper_verdict
+from .prefill import hopper_verdict, walk_state
 
 __all__ = ["fused_kda_prefill", "fused_verdict"]
 
@@ -40,20 +37,10 @@ def fused_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices,
     :func:`kda_engram.kda.chunk_kda_prefill` does (no checks here: the caller has
     validated and guarded every argument, and :func:`fused_verdict` said yes). The chunk
     metadata is unused (the kernel walks each sequence from ``cu_seqlens``)."""
-    N = cu_seqlens.numel() - 1
-    _, T, H, K = x.q.shape
-    V = x.v.shape[3]
-    final_state = None
-    if state.output_final_state:
-        final_state = allocate_final_state(state, (N, H, V, K), x.q.device)
-    has = state.has_initial_state.view(torch.uint8) if state.has_initial_state is not None else None
+    final_state, state_kw = walk_state(x, cu_seqlens, state)
     fused_prefill(x.q, x.k, x.v, x.raw_g, x.raw_beta, x.A_log, x.dt_bias, out, x.scale, cu_seqlens,
                   lower_bound=x.lower_bound, gate=x.gate, qk_l2norm=x.qk_l2norm, beta_sigmoid=x.beta_sigmoid,
-                  initial_state=state.initial_state, final_state=final_state, state_cache=state.state_cache,
-                  state_indices=state.state_indices, has_initial_state=has,
-                  checkpoint_state=state.snapshots if state.checkpoint_offsets is not None else None,
-                  checkpoint_offsets=state.checkpoint_offsets,
-                  checkpoint_state_indices=state.checkpoint_state_indices)
+                  **state_kw)
     return out, final_state
 
 

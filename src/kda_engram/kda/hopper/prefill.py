@@ -62,20 +62,32 @@ def hopper_kda_prefill(x: KDAInputs, *, cu_seqlens, chunk_offsets, chunk_indices
 
     ``out`` ``[1, T, H, V]`` is written only inside the sequences; it may be ``v``
     (each chunk's ``v`` tile is read before its ``o`` tile is stored, by the same CTA)."""
+    final_state, state_kw = walk_state(x, cu_seqlens, state)
+    ops = prepare_folded_prologue(x, cu_seqlens, chunk_indices, conv)()
+    folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, x.scale, cu_seqlens,
+                chunk_offsets, **state_kw)
+    return out, final_state
+
+
+def walk_state(x: KDAInputs, cu_seqlens, state: StateArgs) -> tuple[torch.Tensor | None, dict]:
+    """``(final_state | None, state keywords)`` of a prefill that walks on the Hopper
+    path (this one and :func:`~kda_engram.kda.hopper.fused_prefill.fused_kda_prefill`):
+    the final state ``[N, H, V, K]`` allocated where ``state`` asks for it, and
+    ``state``'s tensors as the keywords :func:`~kda_engram.kda.hopper.walk.folded_walk`
+    and :func:`~kda_engram.kda.hopper.fused.fused_prefill` take (``has_initial_state``
+    viewed as uint8, the snapshots only with their checkpoint offsets)."""
     N = cu_seqlens.numel() - 1
     _, T, H, K = x.q.shape
     V = x.v.shape[3]
     final_state = None
     if state.output_final_state:
         final_state = allocate_final_state(state, (N, H, V, K), x.q.device)
-    ops = prepare_folded_prologue(x, cu_seqlens, chunk_indices, conv)()
     has = state.has_initial_state.view(torch.uint8) if state.has_initial_state is not None else None
-    folded_walk(ops["qg"], ops["kd"], ops["t_fold"], ops["a_fold"], ops["v"], ops["decay"], out, x.scale, cu_seqlens,
-                chunk_offsets, initial_state=state.initial_state, final_state=final_state,
-                state_cache=state.state_cache, state_indices=state.state_indices, has_initial_state=has,
-                checkpoint_state=state.snapshots if state.checkpoint_offsets is not None else None,
-                checkpoint_offsets=state.checkpoint_offsets, checkpoint_state_indices=state.checkpoint_state_indices)
-    return out, final_state
+    return final_state, dict(
+        initial_state=state.initial_state, final_state=final_state, state_cache=state.state_cache,
+        state_indices=state.state_indices, has_initial_state=has,
+        checkpoint_state=state.snapshots if state.checkpoint_offsets is not None else None,
+        checkpoint_offsets=state.checkpoint_offsets, checkpoint_state_indices=state.checkpoint_state_indices)
 
 
 # Priority 20: ``path="auto"`` takes it after the grouped walk, before the portable path
