@@ -194,27 +194,31 @@ def drive(calls, arch: str, compute_units: int) -> set[str]:
         finally:
             metadata.interpreting = real
         drive_state_variants()
-        drive_vllm_engram_rows()
+        drive_vllm_engram_hash()
         if arch == "sm_90":
             drive_hopper_variants()
     return defined if arch == "sm_90" else defined - HOPPER_KERNELS
 
 
-def drive_vllm_engram_rows() -> None:
-    """vLLM's DeepSeek-V4.1 n-gram rows (integrations/vllm_engram_history.py) at a
-    serving batch, as vLLM passes them (int32 ids and map, int64 positions, bool
-    masks): V2 (no cache) and the V1 slot cache, a lookback window of depth 2."""
+def drive_vllm_engram_hash() -> None:
+    """vLLM's DeepSeek-V4.1 n-gram hash (integrations/vllm_engram_history.py) at a
+    serving batch, as vLLM passes it (int32 ids and map, int64 positions, bool masks,
+    two layers of 3-grams over 8 heads): V2 (no cache) and the V1 slot cache, a
+    lookback window of depth 2."""
     import torch
 
-    from kda_engram.integrations.vllm_engram_history import vllm_engram_rows
+    from kda_engram.integrations.vllm_engram_history import vllm_engram_hash
 
-    T, R = 4096, 64
+    T, R, L, heads = 4096, 64, 2, 8
+    tables = (torch.ones(L, 3, dtype=torch.int64), torch.ones(L, 2, heads, dtype=torch.int64),
+              torch.zeros(L, 2 * heads, dtype=torch.int64))
     for cache, table in ((None, None), (torch.zeros(8192, dtype=torch.int32), torch.zeros(R, 32, dtype=torch.int32))):
-        vllm_engram_rows(torch.zeros(T, dtype=torch.int32), torch.zeros(129280, dtype=torch.int32),
+        vllm_engram_hash(torch.zeros(T, dtype=torch.int32), torch.zeros(129280, dtype=torch.int32),
                          torch.zeros(T, dtype=torch.bool), torch.zeros(T, dtype=torch.int64),
                          torch.zeros(R + 1, dtype=torch.int32), torch.zeros(R, 2, dtype=torch.int32),
-                         torch.zeros(R, 2, dtype=torch.bool), max_ngram=3, pad_id=2, cache=cache, block_table=table,
-                         cache_block_size=64, dead_id=-1)
+                         torch.zeros(R, 2, dtype=torch.bool), *tables, torch.zeros(T, L, 2 * heads, dtype=torch.int32),
+                         max_ngram=3, n_heads=heads, pad_id=2, cache=cache, block_table=table, cache_block_size=64,
+                         dead_id=-1)
 
 
 #: The kernels of the Hopper prefill path, launched on sm_90 only.

@@ -58,7 +58,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
                  "_conv_decode_kernel", "_conv_prefill_kernel",
                  "_conv_checkpoint_kernel", "_engram_post_wkv_kernel", "_engram_gate_partials_kernel",
                  "_engram_gate_finish_kernel", "_engram_gather_kernel", "_ngram_hash_kernel", "_next_history_kernel",
-                 "_history_copy_kernel", "_history_checkpoint_kernel", "_vllm_engram_rows_kernel"):
+                 "_history_copy_kernel", "_history_checkpoint_kernel", "_vllm_engram_hash_kernel"):
         assert name in compiled, f"{name} was never launched by the driver"
     geoms = {(r["constexprs"].get("LOOP"), r["constexprs"].get("HEAD")) for r in rows
              if r["kernel"] == "_engram_post_wkv_kernel"}

@@ -1,16 +1,17 @@
-"""The one-launch rows of vLLM's n-gram ids (integrations/vllm_engram_history.py)
-against the torch ops ``hash_ids`` ran before (kept below as the reference), bit
-for bit: ``own``, ``history`` and the hash launch's output, on random batches
-with every convention of vLLM 0.33's ``_hash_ids_kernel`` (zero-length padding
-requests, tokens past the last end, negative positions, dead tokens, lookback
-windows with unknown and dead ids, the V1 slot cache and V2)."""
+"""The one launch that serves vLLM's n-gram hash ids
+(integrations/vllm_engram_history.py) against the torch ops ``hash_ids`` ran before
+(kept below as the reference rows: ``own`` and ``history``, each lag's id as vLLM's
+kernel selects it) hashed by kda-engram's n-gram hash kernel, bit for bit, on random
+batches with every convention of vLLM 0.33's ``_hash_ids_kernel`` (zero-length
+padding requests, tokens past the last end, negative positions, dead tokens,
+lookback windows with unknown and dead ids, the V1 slot cache and V2)."""
 
 import pytest
 import torch
 
 from kda_engram.engram.hashing import launch_ngram_hash
 from kda_engram.integrations.vllm_deepseek_v41 import hash_ids_kernel
-from kda_engram.integrations.vllm_engram_history import vllm_engram_rows
+from kda_engram.integrations.vllm_engram_history import vllm_engram_hash
 
 VOCAB, COMPRESSED, DEAD_ID = 97, 40, -1
 
@@ -151,23 +152,22 @@ def reference_hash(x, s, tables, heads, own, history):
     return out
 
 
-def rows(x, s):
-    return vllm_engram_rows(x["input_ids"], x["token_map"], x["dead_mask"], x["positions"], x["query_start_loc"],
-                            x["lookback_token_ids"], x["lookback_dead_mask"], max_ngram=s["MAX_NGRAM"],
-                            pad_id=s["pad_id"], cache=x["cache"], block_table=x["block_table"],
-                            cache_block_size=s["cache_block_size"], dead_id=s["dead_id"])
-
-
 def check_rows(x, s):
-    own, history, own_dead, cu = rows(x, s)
-    want_own, want_history = _torch_rows(**x, **s)
+    """The reference rows (``own [T]``, ``history [T, MAX_NGRAM - 1]``, int64, -1 where a
+    lag is blocked)."""
+    own, history = _torch_rows(**x, **s)
     T = x["input_ids"].shape[0]
     assert own.dtype == history.dtype == torch.int64 and history.shape == (T, s["MAX_NGRAM"] - 1)
-    assert torch.equal(own, want_own), (own, want_own)
-    assert torch.equal(history, want_history), (history, want_history)
-    assert torch.equal(own_dead.bool(), want_own < 0)
-    assert torch.equal(cu, torch.arange(T + 1, device=cu.device))
-    return want_own, want_history
+    return own, history
+
+
+def check_hash(x, s, heads, seed, L=2):
+    """``hash_ids`` on the batch against the reference rows hashed; returns the rows."""
+    own, history = check_rows(x, s)
+    tables = hash_tables(L, s["MAX_NGRAM"], heads, seed, device=x["input_ids"].device)
+    got = run_hash_ids(x, s, tables, heads)
+    assert torch.equal(got, reference_hash(x, s, tables, heads, own, history))
+    return own, history
 
 
 @pytest.mark.parametrize("pos_dtype", [torch.int64, torch.int32], ids=["pos64", "pos32"])
@@ -181,10 +181,7 @@ def test_rows_and_hash_match_the_torch_ops(max_ngram, depth, slot_cache, pos_dty
                             depth=depth, pos_dtype=pos_dtype)
         if x["input_ids"].shape[0] == 0:
             continue
-        own, history = check_rows(x, s)
-        tables = hash_tables(2, max_ngram, heads, seed)
-        got = run_hash_ids(x, s, tables, heads)
-        assert torch.equal(got, reference_hash(x, s, tables, heads, own, history))
+        check_hash(x, s, heads, seed)
 
 
 def test_a_larger_batch_crosses_program_blocks():
@@ -193,9 +190,7 @@ def test_a_larger_batch_crosses_program_blocks():
         x, s = random_batch(5, max_ngram=3, slot_cache=slot_cache, depth=2, pos_dtype=torch.int64, requests=40,
                             max_len=14)
         assert x["input_ids"].shape[0] > 128
-        own, history = check_rows(x, s)
-        tables = hash_tables(2, 3, 2, 1)
-        assert torch.equal(run_hash_ids(x, s, tables, 2), reference_hash(x, s, tables, 2, own, history))
+        check_hash(x, s, 2, 1)
 
 
 def test_edge_batches():
@@ -204,11 +199,9 @@ def test_edge_batches():
     T = x["input_ids"].shape[0]
     for qsl in ([0, T], [0, 0, 0], [0, 0, T, T]):
         x = {**x, "query_start_loc": torch.tensor(qsl)}
-        check_rows(x, s)
-    # T = 0: the rows launch writes cu_seqlens = [0] only; hash_ids returns before any launch.
+        check_hash(x, s, 2, len(qsl))
+    # T = 0: hash_ids returns before any launch.
     empty = {**x, "input_ids": x["input_ids"][:0], "dead_mask": x["dead_mask"][:0], "positions": x["positions"][:0]}
-    own, history, own_dead, cu = rows(empty, s)
-    assert own.shape == (0,) and history.shape == (0, 3) and own_dead.shape == (0,) and cu.tolist() == [0]
     tables = hash_tables(2, 4, 2, 0)
     assert run_hash_ids(empty, s, tables, 2).shape == (0, 2, 6)
 
@@ -227,7 +220,7 @@ def test_the_example_conventions():
     x = dict(input_ids=input_ids, token_map=token_map, dead_mask=dead, positions=positions, block_table=None,
              query_start_loc=qsl, cache=None, lookback_token_ids=lookback, lookback_dead_mask=lookback_dead)
     s = dict(pad_id=0, cache_block_size=1, dead_id=DEAD_ID, MAX_NGRAM=4)
-    own, history = check_rows(x, s)
+    own, history = check_hash(x, s, 2, 5)
     assert own.tolist() == [101, 102, 103, 104, -1]
     assert history[0].tolist() == [108, 107, 0]  # lags 3, 2, 1: window cols 2, 1, 0 (0 unknown: pad)
     assert history[1].tolist() == [107, 0, 101]
@@ -239,31 +232,41 @@ def test_the_example_conventions():
 def test_bool_masks_load_as_flags_under_the_interpreter():
     """The dead masks reach the kernel as uint8 views (no copy) and any non-zero flag counts."""
     x, s = random_batch(11, max_ngram=3, slot_cache=False, depth=2, pos_dtype=torch.int64)
-    want = rows(x, s)
+    assert x["dead_mask"].any() and x["lookback_dead_mask"].any()
+    tables = hash_tables(2, 3, 2, 4)
+    want = run_hash_ids(x, s, tables, 2)
     as_bytes = {**x, "dead_mask": x["dead_mask"].to(torch.uint8) * 3,
                 "lookback_dead_mask": x["lookback_dead_mask"].to(torch.int32)}
-    for a, b in zip(want, rows(as_bytes, s)):
-        assert torch.equal(a, b)
+    assert torch.equal(run_hash_ids(as_bytes, s, tables, 2), want)
+    no_dead = {**x, "dead_mask": torch.zeros_like(x["dead_mask"]),
+               "lookback_dead_mask": torch.zeros_like(x["lookback_dead_mask"])}
+    assert not torch.equal(run_hash_ids(no_dead, s, tables, 2), want)  # the masks are read
 
 
 def test_refuses_a_cache_it_cannot_address():
     x, s = random_batch(2, max_ngram=3, slot_cache=True, depth=1, pos_dtype=torch.int64)
+    multipliers, primes, offsets = hash_tables(2, 3, 2, 0)
+    out = torch.zeros(x["input_ids"].shape[0], 2, 4, dtype=torch.int32)
+
+    def launch(x, s):
+        vllm_engram_hash(x["input_ids"], x["token_map"], x["dead_mask"], x["positions"], x["query_start_loc"],
+                         x["lookback_token_ids"], x["lookback_dead_mask"], multipliers, primes, offsets, out,
+                         max_ngram=3, n_heads=2, pad_id=s["pad_id"], cache=x["cache"], block_table=x["block_table"],
+                         cache_block_size=s["cache_block_size"], dead_id=s["dead_id"])
+
     with pytest.raises(ValueError, match="cache"):
-        rows(x, {**s, "cache_block_size": 0})
+        launch(x, {**s, "cache_block_size": 0})
     with pytest.raises(ValueError, match="cache"):
-        rows({**x, "block_table": None}, s)
+        launch({**x, "block_table": None}, s)
 
 
 @pytest.mark.gpu
 def test_gpu_rows_and_hash_at_a_serving_batch(gpu):
     """A serving batch on the GPU (256 requests, about 4000 tokens, int32 positions and
-    ids as vLLM passes them): the rows and the hash output bit for bit against the torch
-    ops on the same device, V2 and the V1 slot cache."""
+    ids as vLLM passes them): the hash output bit for bit against the torch rows hashed
+    on the same device, V2 and the V1 slot cache."""
     for slot_cache in (False, True):
         x, s = random_batch(21, max_ngram=3, slot_cache=slot_cache, depth=2, pos_dtype=torch.int32, device=gpu,
                             requests=256, max_len=32)
-        own, history = check_rows(x, s)
-        tables = hash_tables(2, 3, 8, 3, device=gpu)
-        got = run_hash_ids(x, s, tables, 8)
+        check_hash(x, s, 8, 3)
         torch.cuda.synchronize()
-        assert torch.equal(got, reference_hash(x, s, tables, 8, own, history))

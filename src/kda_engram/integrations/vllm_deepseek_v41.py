@@ -9,8 +9,8 @@ that name. No vLLM import.
   ``_fused_engram_post_wkv_kernel[(T * hc,)](...)``, on
   :func:`kda_engram.engram.gate.engram_post_wkv`;
 * :data:`hash_ids_kernel`: ``NgramHashState.forward``'s
-  ``_hash_ids_kernel[(cdiv(T, 32), n_layers)](...)``, on the n-gram hash kernel of
-  :mod:`kda_engram.engram.hashing` (see :func:`hash_ids` for the conventions).
+  ``_hash_ids_kernel[(cdiv(T, 32), n_layers)](...)``, in one launch that hashes as
+  :mod:`kda_engram.engram.hashing` does (see :func:`hash_ids` for the conventions).
 
 And the dim-sharded gate inside vLLM's ``Engram`` (:func:`engram_init`,
 :func:`engram_forward`, replacing ``Engram.__init__`` and ``Engram.forward``):
@@ -41,10 +41,9 @@ import sys
 
 from .. import ops
 from ..engram.gate import engram_post_wkv
-from ..engram.hashing import launch_ngram_hash
 from ..engram.sharded_gate import engram_gate_finish, engram_gate_partials
 from ..parallel import merged_column_parallel_shard
-from .vllm_engram_history import vllm_engram_rows
+from .vllm_engram_history import vllm_engram_hash
 
 __all__ = [
     "engram_forward", "engram_init", "fused_engram_post_wkv", "fused_engram_post_wkv_kernel", "hash_ids",
@@ -176,8 +175,8 @@ def hash_ids(
     lookback_mask_col_stride: int,
     num_warps: int | None = None,
 ) -> None:
-    """vLLM's launch ``_hash_ids_kernel[grid](...)``, served by kda-engram's n-gram
-    hash kernel (:func:`kda_engram.engram.hashing.launch_ngram_hash`).
+    """vLLM's launch ``_hash_ids_kernel[grid](...)``, served by one launch that hashes
+    as kda-engram's n-gram hash kernel does (:func:`kda_engram.engram.hashing.launch_ngram_hash`).
 
     Shapes (vLLM's): ``input_ids`` ``[T]`` raw ids; ``token_map`` ``[vocab]`` raw ->
     compressed; ``dead_mask`` bool ``[T]``; ``positions`` ``[T]``;
@@ -203,19 +202,14 @@ def hash_ids(
     a cache ``dead_id``) or a position ``< 0`` reads as pad and hides every older
     one.
 
-    What our kernel cannot express, and the conversion around it: our kernel
-    decides membership by *index* inside ``cu_seqlens`` (a padding token past
-    ``cu[N]`` is no one's and gets row ``-1``), and its ``history`` reads ``-1`` as
-    pad *and* hides older ids. vLLM's position-based membership (which matters for
-    padding tokens, whose positions need not follow their request's) has no
-    equivalent there, so each token becomes its own one-token sequence whose
-    ``history`` row (oldest first) holds, per lag, the compressed id vLLM's
-    kernel selects: pad for an unknown id (a real id, so it hides nothing) and
-    ``-1`` for a dead or negative position (which hides the older ones, exactly
-    vLLM's ``blocked``), all rows in one launch on the device, no host sync
-    (:func:`~kda_engram.integrations.vllm_engram_history.vllm_engram_rows`). The hash kernel then does
-    the hashing itself: the XOR of id x multiplier, the cumulative blocking to
-    pad, the modulo by each head's prime and the bucket offsets.
+    Our n-gram hash kernel decides membership by *index* inside ``cu_seqlens`` and
+    reads a ``history`` row oldest first; vLLM's position-based membership (which
+    matters for padding tokens, whose positions need not follow their request's)
+    has no equivalent there. So one launch of its own
+    (:func:`~kda_engram.integrations.vllm_engram_history.vllm_engram_hash`) selects
+    each lag's id by vLLM's rules and hashes it on the spot as ours does (the XOR
+    of id x multiplier, the cumulative blocking to pad, the modulo by each head's
+    prime and the bucket offsets): one launch as vLLM's, no host sync.
     """
     C = (MAX_NGRAM - 1) * num_heads
     if output.dim() != 3 or output.shape[0] != input_ids.shape[0] or output.shape[2] != C:
@@ -248,15 +242,10 @@ def hash_ids(
     _check_strides(locals(), _HASH_STRIDES)
     if T == 0:
         return
-    # Each token its own sequence: its own id (lag 0) and a history of lags
-    # MAX_NGRAM-1 .. 1, oldest first (-1 there pads and hides the older lags), in
-    # one launch. A dead own id (-1) is masked by the hash kernel, never read.
-    own, history, own_dead, cu_seqlens = vllm_engram_rows(
-        input_ids, token_map, dead_mask, positions, query_start_loc, lookback_token_ids, lookback_dead_mask,
-        max_ngram=MAX_NGRAM, pad_id=int(pad_id), cache=cache, block_table=block_table,
-        cache_block_size=int(cache_block_size), dead_id=int(dead_id))
-    launch_ngram_hash(own, cu_seqlens, primes.contiguous(), offsets.contiguous(), multipliers.contiguous(), output,
-                      int(pad_id), max_ngram=MAX_NGRAM, n_heads=num_heads, history=history, dead_mask=own_dead)
+    vllm_engram_hash(input_ids, token_map, dead_mask, positions, query_start_loc, lookback_token_ids,
+                     lookback_dead_mask, multipliers.contiguous(), primes.contiguous(), offsets.contiguous(), output,
+                     max_ngram=MAX_NGRAM, n_heads=num_heads, pad_id=int(pad_id), cache=cache,
+                     block_table=block_table, cache_block_size=int(cache_block_size), dead_id=int(dead_id))
 
 
 class _Launch:
