@@ -238,6 +238,28 @@ def _store_piece(out_row, out_stride_d, hidden, value, gate, start, token_ok, N:
 
 
 @triton.jit
+def _masked_gate(hidden_sq, key_sq, dot, active, inv_dim, dim_scale, eps, clamp_value, HAS_MASK: tl.constexpr):
+    """:func:`_signed_sqrt_gate` of the full-dim sums, 0 where the token is not
+    ``active`` (its mask entry, read only with ``HAS_MASK``): the one gate of every
+    path of both gate kernels (this one and engram/sharded_gate.py)."""
+    gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
+    if HAS_MASK:
+        gate = tl.where(active, gate, 0.0)
+    return gate
+
+
+@triton.jit
+def _store_pieces(out_row, out_stride_d, hidden0, value0, hidden1, value1, gate, token_ok,
+                  HEAD: tl.constexpr, TAIL: tl.constexpr, DIM: tl.constexpr):
+    """The single pass's output: ``hidden + gate * value`` over the row's
+    :func:`row_pieces` ``(HEAD, TAIL)``; ``hidden1`` / ``value1`` (the tail piece) are
+    read only when ``TAIL > 0``."""
+    _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
+    if TAIL > 0:
+        _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+
+
+@triton.jit
 def _gate_token(
     token, stream, q_row, k_row, qk0, qk1,
     hidden_states, kv, token_mask, out,
@@ -259,6 +281,7 @@ def _gate_token(
     key_row = kv + token * kv_stride_t + (stream * DIM) * kv_stride_d
     value_row = kv + token * kv_stride_t + (HC * DIM) * kv_stride_d
     out_row = out + token * out_stride_t + stream * out_stride_h
+    active = True  # read by _masked_gate only with HAS_MASK
     if HAS_MASK:  # issued early: its latency hides behind the row loads
         active = tl.load(token_mask + token * mask_stride, mask=token_ok, other=0) != 0
 
@@ -270,6 +293,7 @@ def _gate_token(
             0, token_ok, kv_ok, HEAD, DIM, LAST_USE,
         )
         value0 = _row_piece(value_row, kv_stride_d, 0, kv_ok, HEAD, DIM, KEEP)
+        hidden1, value1 = 0.0, 0.0  # the tail piece, when there is one
         if TAIL > 0:
             hidden1, hidden_sq1, key_sq1, dot1 = _stream_piece(
                 hidden_row, key_row, qk1, hidden_stride_d, kv_stride_d,
@@ -279,12 +303,8 @@ def _gate_token(
             hidden_sq += hidden_sq1
             key_sq += key_sq1
             dot += dot1
-        gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
-        if HAS_MASK:
-            gate = tl.where(active, gate, 0.0)
-        _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
-        if TAIL > 0:
-            _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+        gate = _masked_gate(hidden_sq, key_sq, dot, active, inv_dim, dim_scale, eps, clamp_value, HAS_MASK)
+        _store_pieces(out_row, out_stride_d, hidden0, value0, hidden1, value1, gate, token_ok, HEAD, TAIL, DIM)
     else:
         acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
         acc_key = tl.zeros([CHUNK], dtype=tl.float32)
@@ -296,12 +316,10 @@ def _gate_token(
             acc_hidden += hidden * hidden
             acc_key += key * key
             acc_dot += hidden * qk * key
-        gate = _signed_sqrt_gate(
-            tl.sum(acc_hidden, axis=0), tl.sum(acc_key, axis=0), tl.sum(acc_dot, axis=0),
-            inv_dim, dim_scale, eps, clamp_value,
+        gate = _masked_gate(
+            tl.sum(acc_hidden, axis=0), tl.sum(acc_key, axis=0), tl.sum(acc_dot, axis=0), active,
+            inv_dim, dim_scale, eps, clamp_value, HAS_MASK,
         )
-        if HAS_MASK:
-            gate = tl.where(active, gate, 0.0)
         for start in tl.range(0, DIM, CHUNK):
             hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, LAST_USE)
             value = _row_piece(value_row, kv_stride_d, start, kv_ok, CHUNK, DIM, KEEP)

@@ -38,9 +38,10 @@ from ..validation.entry import settle_pending
 from .gate import (
     check_num_warps,
     _load_qk,
+    _masked_gate,
     _row_piece,
-    _signed_sqrt_gate,
     _store_piece,
+    _store_pieces,
     launch_geometry,
     tokens_per_program,
 )
@@ -154,6 +155,7 @@ def _engram_gate_finish_kernel(
     hidden_row = hidden_states + token * hidden_stride_t + stream * hidden_stride_h
     out_row = out + token * out_stride_t + stream * out_stride_h
     token_ok = token < num_tokens  # always true on this grid; the store helper wants it
+    active = True  # read by _masked_gate only with HAS_MASK
     if HAS_MASK:
         active = tl.load(token_mask + token * mask_stride) != 0
 
@@ -172,18 +174,15 @@ def _engram_gate_finish_kernel(
             0, HEAD, DIM, WIDTH,
         )
         hidden_sq = tl.sum(hidden0 * hidden0, axis=0)
+        hidden1, value1 = 0.0, 0.0  # the tail piece, when there is one
         if TAIL > 0:
             hidden1, value1 = _hidden_value_piece(
                 hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
                 HEAD, TAIL, DIM, WIDTH,
             )
             hidden_sq += tl.sum(hidden1 * hidden1, axis=0)
-        gate = _signed_sqrt_gate(hidden_sq, key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
-        if HAS_MASK:
-            gate = tl.where(active, gate, 0.0)
-        _store_piece(out_row, out_stride_d, hidden0, value0, gate, 0, token_ok, HEAD, DIM)
-        if TAIL > 0:
-            _store_piece(out_row, out_stride_d, hidden1, value1, gate, HEAD, token_ok, TAIL, DIM)
+        gate = _masked_gate(hidden_sq, key_sq, dot, active, inv_dim, dim_scale, eps, clamp_value, HAS_MASK)
+        _store_pieces(out_row, out_stride_d, hidden0, value0, hidden1, value1, gate, token_ok, HEAD, TAIL, DIM)
     else:
         acc_hidden = tl.zeros([CHUNK], dtype=tl.float32)
         for start in tl.range(0, DIM, CHUNK):
@@ -191,9 +190,8 @@ def _engram_gate_finish_kernel(
             # in L2 (measured: docs/design/engram_gate.md, the dim-sharded gate).
             hidden = _row_piece(hidden_row, hidden_stride_d, start, token_ok, CHUNK, DIM, "evict_last")
             acc_hidden += hidden * hidden
-        gate = _signed_sqrt_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, inv_dim, dim_scale, eps, clamp_value)
-        if HAS_MASK:
-            gate = tl.where(active, gate, 0.0)
+        gate = _masked_gate(tl.sum(acc_hidden, axis=0), key_sq, dot, active, inv_dim, dim_scale, eps, clamp_value,
+                            HAS_MASK)
         for start in tl.range(0, DIM, CHUNK):
             hidden, value = _hidden_value_piece(
                 hidden_row, hidden_stride_d, gathered, gathered_stride_t, gathered_stride_d, token, num_tokens,
