@@ -8,6 +8,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
+@triton.jit
+def _store_verdict(verdict_ptr, words):
+    """``verdict[i] = words[i]`` as int64 (flags and int64 details) for each word of the
+    tuple ``words``, in order: a kernel's verdict layout written as the one tuple its
+    docstring lists."""
+    for i in tl.static_range(len(words)):
+        tl.store(verdict_ptr + i, words[i].to(tl.int64))
+
+
 @triton.jit
 def _has_duplicate(x, valid, upper, N: tl.constexpr):
     """Whether two entries of ``x`` (int64 ``[N]``, ``valid`` marks the real ones)
@@ -54,11 +64,7 @@ def _index_rules_kernel(idx_ptr, n, stride, upper, guarded_ptr, verdict_ptr,
         bad_dup = _has_duplicate(x, m, upper, N)
     bad = bad_range | bad_negative | bad_dup
     tl.store(guarded_ptr + o, tl.where(bad, -1, raw), mask=m)
-    tl.store(verdict_ptr + 0, bad_range.to(tl.int64))
-    tl.store(verdict_ptr + 1, bad_negative.to(tl.int64))
-    tl.store(verdict_ptr + 2, bad_dup.to(tl.int64))
-    tl.store(verdict_ptr + 3, top)
-    tl.store(verdict_ptr + 4, low)
+    _store_verdict(verdict_ptr, (bad_range, bad_negative, bad_dup, top, low))
 
 
 # ----------------------------------------------------------------------- cu_seqlens
@@ -80,15 +86,11 @@ def _cu_seqlens_rules_kernel(cu_ptr, num_seqs, stride, total, verdict_ptr,
     shortest = tl.min(low, axis=0)
     first = tl.load(cu_ptr).to(tl.int64)
     last = tl.load(cu_ptr + num_seqs * stride).to(tl.int64)
-    tl.store(verdict_ptr + 0, (first != 0).to(tl.int64))
-    tl.store(verdict_ptr + 1, (shortest < 0).to(tl.int64))
     if COVERS_ALL:
-        tl.store(verdict_ptr + 2, (last != total).to(tl.int64))
+        bad_end = last != total
     else:
-        tl.store(verdict_ptr + 2, (last > total).to(tl.int64))
-    tl.store(verdict_ptr + 3, first)
-    tl.store(verdict_ptr + 4, shortest)
-    tl.store(verdict_ptr + 5, last)
+        bad_end = last > total
+    _store_verdict(verdict_ptr, (first != 0, shortest < 0, bad_end, first, shortest, last))
 
 
 # ----------------------------------------------------------------- a call's index sets
@@ -161,21 +163,12 @@ def _guard_kernel(flags_ptr, n_flags,
     or every entry ``e_k`` when ``bad``, for the ``COUNT`` tensors."""
     fo = tl.arange(0, FLAG_BLOCK)
     bad = tl.max((tl.load(flags_ptr + fo, mask=fo < n_flags, other=0) != 0).to(tl.int32), axis=0) > 0
-    _guard_copy(x0, y0, n0, s0, e0, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 1:
-        _guard_copy(x1, y1, n1, s1, e1, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 2:
-        _guard_copy(x2, y2, n2, s2, e2, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 3:
-        _guard_copy(x3, y3, n3, s3, e3, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 4:
-        _guard_copy(x4, y4, n4, s4, e4, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 5:
-        _guard_copy(x5, y5, n5, s5, e5, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 6:
-        _guard_copy(x6, y6, n6, s6, e6, bad, BLOCK, NUM_BLOCKS)
-    if COUNT > 7:
-        _guard_copy(x7, y7, n7, s7, e7, bad, BLOCK, NUM_BLOCKS)
+    # The tensors come as separate arguments (slot k: x_k, y_k, n_k, s_k, e_k); the
+    # slots past COUNT are placeholders, never read.
+    xs, ys, ns = (x0, x1, x2, x3, x4, x5, x6, x7), (y0, y1, y2, y3, y4, y5, y6, y7), (n0, n1, n2, n3, n4, n5, n6, n7)
+    ss, es = (s0, s1, s2, s3, s4, s5, s6, s7), (e0, e1, e2, e3, e4, e5, e6, e7)
+    for k in tl.static_range(COUNT):
+        _guard_copy(xs[k], ys[k], ns[k], ss[k], es[k], bad, BLOCK, NUM_BLOCKS)
 
 
 # ------------------------------------------------ a prefill's state and checkpoint rules
@@ -191,6 +184,30 @@ def _first_index(bad, o, N: tl.constexpr):
 def _pick(x, at, o):
     """``x[at]`` of a register vector, as an int64 scalar (0 when ``at`` is past it)."""
     return tl.sum(tl.where(o == at, x, 0).to(tl.int64), axis=0)
+
+
+@triton.jit
+def _first_broken(bad, o, N: tl.constexpr):
+    """Whether ``bad`` holds anywhere (int64 0 or 1), and the first position where it
+    does: 0 where it holds nowhere, as the PyTorch rule's argmax of all-false says."""
+    first = _first_index(bad, o, N)
+    first = tl.where(first < N, first, 0)
+    return (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64), first
+
+
+@triton.jit
+def _checkpoint_offsets_rule(offs, length, m, o, ALIGN: tl.constexpr, BOUNDED: tl.constexpr, N: tl.constexpr):
+    """The checkpoint offsets rule on register rows (``m`` marks the real ones): each
+    offset a non-negative multiple of ``ALIGN``, with ``BOUNDED`` at most its
+    sequence's ``length``. Returns int64 ``(broken, the first bad sequence (0 when
+    none), its length, its offset)``: one rule for the prefill's and the layer
+    step's kernels."""
+    bad = (offs < 0) | (offs % ALIGN != 0)
+    if BOUNDED:
+        bad = bad | (offs > length)
+    bad = bad & m
+    broken, first = _first_broken(bad, o, N)
+    return broken, first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
 
 
 @triton.jit
@@ -244,18 +261,12 @@ def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_str
         state_range, state_dup, state_max = _range_and_duplicates(state, m, slots, N)
     if HAS_CKPT:
         offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
-        bad = (offs < 0) | (offs % ALIGN != 0)
-        length = offs
+        length = offs  # without lengths the verdict reports the offset there
         if HAS_LENGTHS:
             start = tl.load(cu_ptr + o * cu_stride, mask=m, other=0).to(tl.int64)
             end = tl.load(cu_ptr + (o + 1) * cu_stride, mask=m, other=0).to(tl.int64)
             length = end - start
-            bad = bad | (offs > length)
-        bad = bad & m
-        first = _first_index(bad, o, N)
-        first = tl.where(first < N, first, 0)  # the PyTorch rule's argmax of all-false
-        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
-        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
+        off_bad, off_seq, off_length, off_value = _checkpoint_offsets_rule(offs, length, m, o, ALIGN, HAS_LENGTHS, N)
         # Only the sequences that export a snapshot claim a checkpoint row.
         active = m & (offs > 0)
         if HAS_CK_IDX:
@@ -266,20 +277,10 @@ def _state_rules_kernel(verdict_ptr, n, si_ptr, si_stride, slots, ck_ptr, ck_str
         if SAME_CACHE:  # the snapshots go into the state cache itself
             clash, clash_seq, clash_row, clash_owner = _foreign_claim(
                 state, o, m & (state >= 0) & (state < slots), ck, o, (ck >= 0) & (ck < slots), OWNER_BITS, N)
-    tl.store(verdict_ptr + 0, state_range)
-    tl.store(verdict_ptr + 1, state_dup)
-    tl.store(verdict_ptr + 2, off_bad)
-    tl.store(verdict_ptr + 3, ck_range)
-    tl.store(verdict_ptr + 4, ck_dup)
-    tl.store(verdict_ptr + 5, clash)
-    tl.store(verdict_ptr + 6, state_max)
-    tl.store(verdict_ptr + 7, off_seq)
-    tl.store(verdict_ptr + 8, off_length)
-    tl.store(verdict_ptr + 9, off_value)
-    tl.store(verdict_ptr + 10, ck_max)
-    tl.store(verdict_ptr + 11, clash_seq)
-    tl.store(verdict_ptr + 12, clash_row)
-    tl.store(verdict_ptr + 13, clash_owner)
+    _store_verdict(verdict_ptr, (
+        state_range, state_dup, off_bad, ck_range, ck_dup, clash,  # the flags, [0] to [5]
+        state_max, off_seq, off_length, off_value, ck_max, clash_seq, clash_row, clash_owner,  # the details
+    ))
 
 
 # ---------------------------------------------------- kda_decode_multi's rules
@@ -304,16 +305,10 @@ def _decode_multi_rules_kernel(verdict_ptr, batch, steps, w_ptr, w_stride_b, w_s
     r_range, r_dup, r_max = _range_and_duplicates(r, mr, slots, N)
     clash, clash_seq, clash_row, clash_owner = _foreign_claim(
         w, seq, mw & (w >= 0) & (w < slots), r, o, mr & (r >= 0) & (r < slots), OWNER_BITS, N)
-    tl.store(verdict_ptr + 0, w_range)
-    tl.store(verdict_ptr + 1, w_dup)
-    tl.store(verdict_ptr + 2, r_range)
-    tl.store(verdict_ptr + 3, r_dup)
-    tl.store(verdict_ptr + 4, clash)
-    tl.store(verdict_ptr + 5, w_max)
-    tl.store(verdict_ptr + 6, r_max)
-    tl.store(verdict_ptr + 7, clash_seq)
-    tl.store(verdict_ptr + 8, clash_row)
-    tl.store(verdict_ptr + 9, clash_owner)
+    _store_verdict(verdict_ptr, (
+        w_range, w_dup, r_range, r_dup, clash,  # the flags, [0] to [4]
+        w_max, r_max, clash_seq, clash_row, clash_owner,  # the details
+    ))
 
 
 # ------------------------------------------------------- a serving layer step's batch
@@ -390,10 +385,7 @@ def _kda_batch_rules_kernel(
     lens_bad, lens_first, lens_value = zero, zero, zero
     if HAS_LENS:
         lens = tl.load(lens_ptr + o * lens_stride, mask=o < B, other=1).to(tl.int64)
-        bad = (lens != 1) & (o < B)
-        first = _first_index(bad, o, N_REG)
-        first = tl.where(first < N_REG, first, 0)  # the PyTorch rule's argmax of all-false
-        lens_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
+        lens_bad, first = _first_broken((lens != 1) & (o < B), o, N_REG)
         lens_first, lens_value = first.to(tl.int64), _pick(lens, first, o)
     # cu_seqlens: from 0, non-decreasing, to the prefill tokens.
     m = o < N
@@ -407,62 +399,23 @@ def _kda_batch_rules_kernel(
     off_bad, off_seq, off_length, off_value = zero, zero, zero, zero
     if HAS_CKPT:
         offs = tl.load(off_ptr + o * off_stride, mask=m, other=0).to(tl.int64)
-        bad = ((offs < 0) | (offs % ALIGN != 0) | (offs > length)) & m
-        first = _first_index(bad, o, N_REG)
-        first = tl.where(first < N_REG, first, 0)
-        off_bad = (tl.max(bad.to(tl.int32), axis=0) > 0).to(tl.int64)
-        off_seq, off_length, off_value = first.to(tl.int64), _pick(length, first, o), _pick(offs, first, o)
+        off_bad, off_seq, off_length, off_value = _checkpoint_offsets_rule(offs, length, m, o, ALIGN, True, N_REG)
     bad = (lens_bad != 0) | cu_start | cu_decreasing | cu_end | (off_bad != 0)
     # The index sets: rows in range, and the rows one cache takes this step distinct.
-    if SET0 == 1:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK0, N_REG)
-    if SET0 == 2:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK0, N_REG)
-    if SET0 == 3:
-        bad = bad | _batch_set(out_ptr, 0, upper0, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET1 == 1:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK1, N_REG)
-    if SET1 == 2:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK1, N_REG)
-    if SET1 == 3:
-        bad = bad | _batch_set(out_ptr, 1, upper1, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET2 == 1:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK2, N_REG)
-    if SET2 == 2:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK2, N_REG)
-    if SET2 == 3:
-        bad = bad | _batch_set(out_ptr, 2, upper2, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    if SET3 == 1:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK3, N_REG)
-    if SET3 == 2:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 1, CK3, N_REG)
-    if SET3 == 3:
-        bad = bad | _batch_set(out_ptr, 3, upper3, o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr, ck_stride,
-                               off_ptr, off_stride, 3, False, N_REG)
-    tl.store(out_ptr + 0, lens_bad)
-    tl.store(out_ptr + 1, cu_start.to(tl.int64))
-    tl.store(out_ptr + 2, cu_decreasing.to(tl.int64))
-    tl.store(out_ptr + 3, cu_end.to(tl.int64))
-    tl.store(out_ptr + 4, off_bad)
-    tl.store(out_ptr + 13, lens_first)
-    tl.store(out_ptr + 14, lens_value)
-    tl.store(out_ptr + 15, cu_first)
-    tl.store(out_ptr + 16, shortest)
-    tl.store(out_ptr + 17, cu_last)
-    tl.store(out_ptr + 18, off_seq)
-    tl.store(out_ptr + 19, off_length)
-    tl.store(out_ptr + 20, off_value)
+    sets, uppers, with_ck = (SET0, SET1, SET2, SET3), (upper0, upper1, upper2, upper3), (CK0, CK1, CK2, CK3)
+    for k in tl.static_range(4):
+        if sets[k] == 1:  # state rows
+            bad = bad | _batch_set(out_ptr, k, uppers[k], o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr,
+                                   ck_stride, off_ptr, off_stride, 1, with_ck[k], N_REG)
+        if sets[k] == 2:  # conv rows
+            bad = bad | _batch_set(out_ptr, k, uppers[k], o, B, N, dc_ptr, dc_stride, pc_ptr, pc_stride, ck_ptr,
+                                   ck_stride, off_ptr, off_stride, 1, with_ck[k], N_REG)
+        if sets[k] == 3:  # the checkpoint rows alone
+            bad = bad | _batch_set(out_ptr, k, uppers[k], o, B, N, ds_ptr, ds_stride, ps_ptr, ps_stride, ck_ptr,
+                                   ck_stride, off_ptr, off_stride, 3, False, N_REG)
+    # Words [0, 5) and [13, 21); _batch_set wrote each set's.
+    _store_verdict(out_ptr, (lens_bad, cu_start, cu_decreasing, cu_end, off_bad))
+    _store_verdict(out_ptr + 13, (lens_first, lens_value, cu_first, shortest, cu_last, off_seq, off_length, off_value))
     # The copies the launches read (decode, prefill, checkpoint parts in that order).
     decode_base = out_ptr + WORDS
     if GUARD_DECODE:
