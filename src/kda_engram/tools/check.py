@@ -13,6 +13,7 @@ import random
 
 import torch
 
+from .benchmarks.common import random_kda_inputs
 from .reporting import Checks, Stage, check_seed, pick_device
 
 
@@ -20,15 +21,7 @@ def _kda_inputs(rng: random.Random, lengths, H, dtype, device, gen):
     T = sum(lengths)
     K = 128
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.float32)  # noqa: E731
-    x = dict(
-        q=rnd(1, T, H, K).to(dtype),
-        k=rnd(1, T, H, K).to(dtype),
-        v=rnd(1, T, H, K).to(dtype),
-        raw_g=rnd(1, T, H, K).to(dtype),
-        raw_beta=rnd(1, T, H).to(dtype),
-        A_log=rnd(H) * 0.5,
-        dt_bias=rnd(H * K) * 0.5,
-    )
+    x = random_kda_inputs(rnd, (1, T), H, K, K, dtype, dt_bias_scale=0.5)
     cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     return x, cu
 

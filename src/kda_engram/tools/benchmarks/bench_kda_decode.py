@@ -57,7 +57,7 @@ import torch
 
 from ...kda.decode import decode_tiling, kda_decode, kda_decode_multi, launch_decode
 from .common import bench_ms as bench
-from .common import copy_bandwidth, default_check_bound_ms, no_gpu_exit, write_json
+from .common import copy_bandwidth, default_check_bound_ms, no_gpu_exit, random_kda_inputs, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -103,15 +103,7 @@ def make_case(B, H, S, device, seed=0, state_dtype=torch.float32):
     lead = (B,) if S is None else (B, S)
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     bf = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = dict(
-        q=rnd(*lead, H, K).to(bf),
-        k=rnd(*lead, H, K).to(bf),
-        v=rnd(*lead, H, V).to(bf),
-        raw_g=rnd(*lead, H, K).to(bf),
-        raw_beta=rnd(*lead, H).to(bf),
-        A_log=0.5 * rnd(H),
-        dt_bias=rnd(H * K),
-    )
+    x = random_kda_inputs(rnd, lead, H, K, V, bf)
     steps = S or 1
     slots = B * steps
     perm = torch.randperm(slots, generator=gen, device=device).to(torch.int32)

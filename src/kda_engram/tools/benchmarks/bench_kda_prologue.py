@@ -47,7 +47,7 @@ from ...kda.metadata import prepare_chunk_indices
 from ...kda.prologue import kda_prefill_prologue
 from ...kda.reference import naive_chunk_operands
 from .common import bench_ms as bench
-from .common import copy_bandwidth, no_gpu_exit, write_json
+from .common import copy_bandwidth, no_gpu_exit, random_kda_inputs, write_json
 
 K = V = 128
 LOWER_BOUND = -5.0
@@ -70,16 +70,7 @@ def make_case(num_seqs, length, H, device, seed=0):
     gen = torch.Generator(device=device).manual_seed(seed)
     T = num_seqs * length
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
-    bf = torch.bfloat16
-    x = dict(
-        q=rnd(1, T, H, K).to(bf),
-        k=rnd(1, T, H, K).to(bf),
-        v=rnd(1, T, H, V).to(bf),
-        raw_g=rnd(1, T, H, K).to(bf),
-        raw_beta=rnd(1, T, H).to(bf),
-        A_log=0.5 * rnd(H),
-        dt_bias=rnd(H * K),
-    )
+    x = random_kda_inputs(rnd, (1, T), H, K, V, torch.bfloat16)
     cu = torch.arange(0, T + 1, length, dtype=torch.int32, device=device)
     return x, cu
 

@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: timing, copy bandwidth, CUDA-graph timing and the
-default checks' budget.
+"""What the benchmark scripts share: timing, copy bandwidth, CUDA-graph timing, the
+default checks' budget and random KDA inputs (which ``kda-engram check`` draws too).
 
 The scripts are modules of the installed package: each runs as ``python -m
 kda_engram.tools.benchmarks.NAME`` (``bench_tp`` under ``torchrun -m`` too), and
@@ -127,6 +127,27 @@ def result_row(case, ours_ms, peer_ms, peer, floor_ms, **extra) -> dict:
         "floor_fraction": (floor_ms / ours_ms) if (floor_ms and ours_ms) else None,
         **extra,
     }
+
+
+def random_kda_inputs(rnd, lead, H: int, K: int, V: int, dtype, dt_bias_scale: float | None = None) -> dict:
+    """Random raw inputs of a KDA call, drawn by ``rnd(*shape)`` (the caller's seeded
+    ``randn``) in this order: ``q``, ``k`` ``[*lead, H, K]``, ``v`` ``[*lead, H, V]``,
+    ``raw_g`` ``[*lead, H, K]`` and ``raw_beta`` ``[*lead, H]``, cast to ``dtype``;
+    ``A_log = 0.5 * rnd(H)`` and ``dt_bias = rnd(H * K)`` (times ``dt_bias_scale`` where
+    given) in ``rnd``'s dtype. ``lead``: ``(1, T)`` for a prefill, ``(B,)`` or ``(B, S)``
+    for decode. The KDA benches and ``kda-engram check`` draw their inputs here, alike."""
+    x = dict(
+        q=rnd(*lead, H, K).to(dtype),
+        k=rnd(*lead, H, K).to(dtype),
+        v=rnd(*lead, H, V).to(dtype),
+        raw_g=rnd(*lead, H, K).to(dtype),
+        raw_beta=rnd(*lead, H).to(dtype),
+        A_log=0.5 * rnd(H),
+        dt_bias=rnd(H * K),
+    )
+    if dt_bias_scale is not None:
+        x["dt_bias"] = x["dt_bias"] * dt_bias_scale
+    return x
 
 
 def write_json(rows, path) -> None:

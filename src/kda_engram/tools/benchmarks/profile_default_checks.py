@@ -53,7 +53,7 @@ from ...kda.fused_decode import kda_layer_decode_step
 from ...layers.kda import KDABatch, KimiDeltaAttention
 from ...platform import interpreting
 from ...validation import entry
-from .common import NEEDS_GPU_EXIT, write_json
+from .common import NEEDS_GPU_EXIT, random_kda_inputs, write_json
 
 LOWER_BOUND = -5.0
 
@@ -68,8 +68,7 @@ def _calls(device, B: int, H: int, K: int):
     gen = torch.Generator(device=device).manual_seed(0)
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     rnd = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
-    x = dict(q=rnd(B, H, K).to(dt), k=rnd(B, H, K).to(dt), v=rnd(B, H, K).to(dt), raw_g=rnd(B, H, K).to(dt),
-             raw_beta=rnd(B, H).to(dt), A_log=0.5 * rnd(H), dt_bias=rnd(H * K))
+    x = random_kda_inputs(rnd, (B,), H, K, K, dt)
     idx = torch.randperm(B, generator=gen, device=device).to(torch.int32)
     cache = 0.5 * rnd(B, H, K, K)
     out = torch.empty(B, H, K, dtype=dt, device=device)
