@@ -40,6 +40,33 @@ BLOCK_T = 128
 
 
 @triton.jit
+def hash_lag(mix, tok, lag: tl.constexpr, layer, mult_ptr, primes_ptr, offsets_ptr, out_ptr, t, out_stride_t,
+             out_stride_l, out_stride_c, live, store_mask, MAX_NGRAM: tl.constexpr, N_HEADS: tl.constexpr):
+    """Lag ``lag`` of the n-gram hash of tokens ``t`` (``[BLOCK]``): ``tok`` (the lag's
+    compressed ids, pad where blocked) times the layer's multiplier XOR-ed into the
+    running ``mix``; past lag 0, the n-gram of lags ``0..lag`` stored in its ``N_HEADS``
+    columns of ``out[t, layer]``: ``mix`` floor-mod each head's prime plus its offset
+    (``-1`` where not ``live``), where ``store_mask``. ``multipliers [L, MAX_NGRAM]``,
+    ``primes`` and ``offsets`` ``[L, (MAX_NGRAM - 1) * N_HEADS]``, contiguous. Returns
+    the new ``mix``."""
+    N_COLS: tl.constexpr = (MAX_NGRAM - 1) * N_HEADS
+    mix = mix ^ (tok * tl.load(mult_ptr + layer * MAX_NGRAM + lag))
+    if lag > 0:
+        for j in tl.static_range(N_HEADS):
+            c = (lag - 1) * N_HEADS + j
+            prime = tl.load(primes_ptr + layer * N_COLS + c)
+            off = tl.load(offsets_ptr + layer * N_COLS + c)
+            r = mix % prime
+            # C-style remainder: make it floor-mod (the NumPy reference's) in
+            # case ids outside the compressed vocabulary made mix negative.
+            r = tl.where(r < 0, r + prime, r)
+            row = tl.where(live, r + off, -1)
+            tl.store(out_ptr + t * out_stride_t + layer * out_stride_l + c * out_stride_c, row.to(tl.int32),
+                     mask=store_mask)
+    return mix
+
+
+@triton.jit
 def _ngram_hash_kernel(
     tok_ptr,
     tok_stride,
@@ -73,7 +100,6 @@ def _ngram_hash_kernel(
     """One program: BLOCK tokens x all hash columns of one layer (grid axis 1)."""
     pid = tl.program_id(0)
     layer = tl.program_id(1)
-    N_COLS: tl.constexpr = (MAX_NGRAM - 1) * N_HEADS
     t = pid * BLOCK + tl.arange(0, BLOCK)
     tmask = t < num_tokens
     t64 = t.to(tl.int64)
@@ -123,23 +149,8 @@ def _ngram_hash_kernel(
         if HAS_MAP:
             tok = tl.load(map_ptr + tok * map_stride, mask=alive, other=0).to(tl.int64)
         tok = tl.where(alive, tok, pad_id)
-        mult = tl.load(mult_ptr + layer * MAX_NGRAM + i)
-        mix = mix ^ (tok * mult)
-        if i > 0:
-            for j in tl.static_range(N_HEADS):
-                c = (i - 1) * N_HEADS + j
-                prime = tl.load(primes_ptr + layer * N_COLS + c)
-                off = tl.load(offsets_ptr + layer * N_COLS + c)
-                r = mix % prime
-                # C-style remainder: make it floor-mod (the NumPy reference's) in
-                # case ids outside the compressed vocabulary made mix negative.
-                r = tl.where(r < 0, r + prime, r)
-                row = tl.where(live, r + off, -1)
-                tl.store(
-                    out_ptr + t64 * out_stride_t + layer * out_stride_l + c * out_stride_c,
-                    row.to(tl.int32),
-                    mask=tmask,
-                )
+        mix = hash_lag(mix, tok, i, layer, mult_ptr, primes_ptr, offsets_ptr, out_ptr, t64, out_stride_t,
+                       out_stride_l, out_stride_c, live, tmask, MAX_NGRAM, N_HEADS)
 
 
 @triton.jit

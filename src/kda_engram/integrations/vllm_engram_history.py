@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..engram.hashing import hash_lag
+
 __all__ = ["BLOCK_T", "vllm_engram_hash"]
 
 BLOCK_T = 128
@@ -113,7 +115,6 @@ def _vllm_engram_hash_kernel(
 ):
     """One program: BLOCK tokens x every hash column of one layer (grid axis 1)."""
     layer = tl.program_id(1)
-    N_COLS: tl.constexpr = (MAX_NGRAM - 1) * N_HEADS
     t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     live = t < num_tokens
 
@@ -145,15 +146,8 @@ def _vllm_engram_hash_kernel(
                               block_size, cache_ptr, cache_stride, num_slots, dead_id, pad_id, HAS_WINDOW, HAS_CACHE,
                               BLOCK)
         alive = alive & (lag_id >= 0)
-        mix = mix ^ (tl.where(alive, lag_id, pad_id) * tl.load(mult_ptr + layer * MAX_NGRAM + s))
-        if s > 0:
-            for j in tl.static_range(N_HEADS):
-                c = (s - 1) * N_HEADS + j
-                prime = tl.load(primes_ptr + layer * N_COLS + c)
-                r = mix % prime
-                r = tl.where(r < 0, r + prime, r)  # floor-mod, as the n-gram hash kernel takes it
-                tl.store(out_ptr + t * out_stride_t + layer * out_stride_l + c * out_stride_c,
-                         (r + tl.load(offsets_ptr + layer * N_COLS + c)).to(tl.int32), mask=live)
+        mix = hash_lag(mix, tl.where(alive, lag_id, pad_id), s, layer, mult_ptr, primes_ptr, offsets_ptr, out_ptr, t,
+                       out_stride_t, out_stride_l, out_stride_c, live, live, MAX_NGRAM, N_HEADS)
 
 
 def _flags(mask: torch.Tensor) -> torch.Tensor:
