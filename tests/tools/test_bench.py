@@ -154,3 +154,45 @@ def test_count_ops_and_launches_counts_what_a_call_runs():
     assert count_ops_and_launches(lambda: [cu_seqlens_rules(cu, 5, covers_all=True) for _ in range(3)]) == (3, 3)
     first = []  # a call whose first run differs: counted in its steady state
     assert count_ops_and_launches(lambda: first.append(1) if not first else x.neg()) == (1, 0)
+
+
+# ------------------------------------------------- bench_kda_prefill: resume, budget, plot
+
+
+def _prefill_rows():
+    """Rows as bench_kda_prefill saves them: two cases, a forced-G row, a serving row."""
+    return [
+        dict(case="16x2k_H32", ours_ms=2.0, fla_ms=4.0, flashkda_ms=1.0, cudnn_ms=None, device="NVIDIA H100"),
+        dict(case="16x2k_H32+cache", ours_ms=2.1, serving_form="cache"),
+        dict(case="1x32k_H4", ours_ms=0.5, fla_ms=1.5, flashkda_ms=None, cudnn_ms=0.6),
+        dict(case="1x32k_H4 G=8", ours_ms=0.4, forced_groups=8, fla_ms=1.5),
+    ]
+
+
+def test_prefill_bench_resume_skips_the_saved_cases_and_the_plot_has_every_peer():
+    from kda_engram.tools.benchmarks.bench_kda_prefill import cases_done, peer_speedups, starts_within
+
+    rows = _prefill_rows()
+    assert cases_done(rows) == {"16x2k_H32", "1x32k_H4"}  # not the forced-G or serving rows
+    assert peer_speedups(rows) == [("16x2k_H32", {"fla": 2.0, "flashkda": 0.5, "cudnn": None}),
+                                   ("1x32k_H4", {"fla": 3.0, "flashkda": None, "cudnn": pytest.approx(1.2)})]
+    assert starts_within(None, 1e9, 1e9)
+    assert starts_within(540, 0, 0)  # the first case always starts
+    assert starts_within(540, 400, 140) and not starts_within(540, 401, 140)
+
+
+def test_prefill_bench_draws_from_saved_rows_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """``--plot-only`` draws every peer per case from a saved JSON on a CPU; ``--resume``
+    without ``--json`` is refused."""
+    import json
+
+    from kda_engram.tools.benchmarks import bench_kda_prefill
+
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps(_prefill_rows()))
+    png = tmp_path / "bench.png"
+    assert bench_kda_prefill.main(["--json", str(saved), "--plot", str(png), "--plot-only"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        bench_kda_prefill.main(["--resume"])
+    assert "--resume and --plot-only need --json" in capsys.readouterr().err

@@ -325,7 +325,7 @@ def _hopper_stages(x, out, offs, idx, quick):
 
 
 def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False,
-        group_counts=(), group_cases=GROUP_CASES, on_rows=None) -> list[dict]:
+        group_counts=(), group_cases=GROUP_CASES, on_rows=None, budget_s: float | None = None) -> list[dict]:
     """Rows ``{case, ours_ms (no-check), default_ms, graph_ms, <peer>_ms, peer_ms
     (best peer), peer (its name), ratio, graph_ratio, hbm_floor_ms, floor_fraction,
     max_abs_diff_<peer>, prologue_ms, chunk_ms, groups, target_ms, case_seconds, ...}``.
@@ -334,7 +334,10 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
     forced-G rows (``forced_groups`` set, ``max_abs_diff_g1`` to our G = 1 output).
     ``on_rows(rows)`` is called with each case's rows as soon as the case is done
     (``main`` prints and saves them then, so a run cut short keeps what it had);
-    ``case_seconds`` is the case's wall time, compiles and peers' autotuning included."""
+    ``case_seconds`` is the case's wall time, compiles and peers' autotuning included.
+    ``budget_s``: no case starts once the run's time plus the longest case so far
+    would pass it (:func:`starts_within`), so a device call with a time limit ends with
+    every finished case saved; the cases left are named on one line."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kda_prefill needs a GPU")
     device = torch.device("cuda")
@@ -343,7 +346,12 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
     for p, (call, desc) in found.items():
         print(f"peer {p}: {desc}" + ("" if call else " -- skipped"))
     rows: list[dict] = []
-    for name in cases or list(CASES):
+    run_start, longest = time.perf_counter(), 0.0
+    names = list(cases or CASES)
+    for i, name in enumerate(names):
+        if not starts_within(budget_s, time.perf_counter() - run_start, longest):
+            print(f"budget of {budget_s:.0f} s: stopped before {', '.join(names[i:])}")
+            break
         case_start, first_row = time.perf_counter(), len(rows)
         lengths, H, fastgate = CASES[name]
         N, T = len(lengths), sum(lengths)
@@ -472,9 +480,61 @@ def run(cases=None, peers: bool = True, quick: bool = False, sweep: bool = False
         del x, out, ops, o_ours
         torch.cuda.empty_cache()
         rows[first_row]["case_seconds"] = time.perf_counter() - case_start
+        longest = max(longest, rows[first_row]["case_seconds"])
         if on_rows is not None:
             on_rows(rows[first_row:])
     return rows
+
+
+def starts_within(budget_s: float | None, elapsed_s: float, longest_case_s: float) -> bool:
+    """Whether a case may start ``elapsed_s`` into a run limited to ``budget_s`` (None:
+    no limit): the longest case so far must still fit (the first case always starts)."""
+    return budget_s is None or elapsed_s + longest_case_s <= budget_s
+
+
+def main_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the cases themselves: not a forced group count, a sweep or a serving form."""
+    return [r for r in rows if not (r.get("forced_groups") or r.get("sweep") or r.get("serving_form"))]
+
+
+def cases_done(rows: list[dict]) -> set[str]:
+    """The cases that have their row in ``rows`` (a run to resume skips them)."""
+    return {r["case"] for r in main_rows(rows)}
+
+
+def peer_speedups(rows: list[dict]) -> list[tuple[str, dict[str, float | None]]]:
+    """Per case row: ``(case, {peer: peer_ms / ours_ms})`` for every peer of :data:`PEERS`
+    (> 1: ours is faster; None: the peer did not run), ours the no-check call."""
+    out = []
+    for r in main_rows(rows):
+        ours = r.get("ours_ms")
+        out.append((r["case"], {p: (r[f"{p}_ms"] / ours) if ours and r.get(f"{p}_ms") else None for p in PEERS}))
+    return out
+
+
+def plot_peer_speedups(rows: list[dict], path: str, card: str = "") -> None:
+    """A bar per peer per case (:func:`peer_speedups`), the 1x line and the issue's
+    1.2x target, to ``path`` (PNG); needs matplotlib (the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = peer_speedups(rows)
+    width = 0.8 / len(PEERS)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(data) + 2), 4.2))
+    for j, peer in enumerate(PEERS):
+        xs = [i + (j - (len(PEERS) - 1) / 2) * width for i in range(len(data))]
+        ax.bar(xs, [d.get(peer) or 0.0 for _, d in data], width, label=peer)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(1.2, color="black", linewidth=0.6, linestyle="--", label="1.2x target")
+    ax.set_xticks(range(len(data)), [case for case, _ in data], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("peer ms / ours ms (higher: ours faster)")
+    ax.set_title("KDA prefill, bf16, K = V = 128" + (f", {card}" if card else "") + " (missing bar: peer did not run)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def _f(x, spec=".3f"):
@@ -645,7 +705,29 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, list each kernel's time per call (ours and fla's)")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --json: keep the rows already there and skip their cases")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no case that would end past this many seconds (the longest case so far)")
+    parser.add_argument("--plot", default=None,
+                        help="draw every peer's ratio per case (PNG; needs matplotlib) from the rows")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="with --json and --plot: draw from the saved rows and exit (no GPU needed)")
     args = parser.parse_args(argv)
+    if (args.resume or args.plot_only) and not args.json:
+        parser.error("--resume and --plot-only need --json")
+    earlier: list[dict] = []
+    if (args.resume or args.plot_only) and os.path.exists(args.json):
+        import json
+
+        with open(args.json) as fh:
+            earlier = json.load(fh)
+    if args.plot_only:
+        if not args.plot:
+            parser.error("--plot-only needs --plot")
+        plot_peer_speedups(earlier, args.plot, card=(earlier[0].get("device") or "") if earlier else "")
+        print(f"wrote {args.plot}")
+        return 0
     if (code := no_gpu_exit("bench_kda_prefill")) is not None:
         return code
     cases = args.cases.split(",") if args.cases else None
@@ -667,11 +749,18 @@ def main(argv=None) -> int:
     for c in group_cases:
         if c not in CASES:
             parser.error(f"--group-cases: unknown case {c!r}")
-    done: list[dict] = []
+    done: list[dict] = list(earlier)
+    if earlier:
+        skipped = cases_done(earlier)
+        cases = [c for c in (cases or list(CASES)) if c not in skipped]
+        print(f"resuming {args.json}: {len(skipped)} cases done, {len(cases)} to run")
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
     def on_rows(new):  # each case as it finishes: a run cut short keeps what it printed and saved
-        if not done:
+        if len(done) == len(earlier):
             print_header(new)
+        for row in new:
+            row.setdefault("device", card)
         done.extend(new)
         print_case_rows(new)
         sys.stdout.flush()
@@ -680,9 +769,12 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     rows = run(cases, peers=not args.no_peers, quick=args.quick, sweep=args.sweep, group_counts=counts,
-               group_cases=group_cases, on_rows=on_rows)
-    print_summaries(rows)
-    print(f"bench_kda_prefill: {len(rows)} rows in {time.perf_counter() - start:.0f} s")
+               group_cases=group_cases, on_rows=on_rows, budget_s=args.budget_s) if cases else []
+    print_summaries(done)
+    print(f"bench_kda_prefill: {len(rows)} rows in {time.perf_counter() - start:.0f} s ({len(done)} in all)")
+    if args.plot and done:
+        plot_peer_speedups(done, args.plot, card=card)
+        print(f"wrote {args.plot}")
     return 0
 
 
