@@ -58,6 +58,7 @@ from ..validation.common import (
     DeviceChecks,
     can_read_back,
     check_instance,
+    check_kernel_device,
     check_parameters_forward_only,
     check_tensor,
 )
@@ -233,13 +234,16 @@ def engram_hash_step(
 
 
 def _hash_step(token_ids, batch, layout, history_cache, checks: EntryChecks | None, *, token_map, global_rows,
-               check_inputs):
+               check_inputs, num_tokens: int | None = None, device=None):
     """:func:`engram_hash_step` on the caller's ``checks`` (their verdict is the
     caller's to run: the layer runs it after its gate, so that no op of its step
-    waits for the hash's verdict)."""
+    waits for the hash's verdict). ``num_tokens``, ``device``: what ``token_ids``
+    must match besides (the layer's ``hidden_states``)."""
     known = True
     if check_inputs:
-        check_tensor("token_ids", token_ids, shape=[None], dtypes=INDEX_DTYPES)
+        check_tensor("token_ids", token_ids, shape=[num_tokens], dtypes=INDEX_DTYPES, device=device)
+        if device is None:  # else the caller's tensor on that device was checked for the kernels
+            check_kernel_device("token_ids", token_ids)
         if not isinstance(batch, EngramBatch):
             raise TypeError(f"batch: expected an EngramBatch, got {type(batch).__name__}")
         # A handle is resolved unless torch.compile traces (a registry lookup breaks
@@ -254,7 +258,7 @@ def _hash_step(token_ids, batch, layout, history_cache, checks: EntryChecks | No
         check_engram_batch(batch, token_ids.shape[0], token_ids.device, checks, history_slots=history_cache.shape[0])
         # The hash's rules (its history is gathered from the cache just checked).
         check_ngram_hash_arguments(token_ids, batch.cu_seqlens, lay, token_map, None, batch.dead_mask, global_rows,
-                                   None, checks, cu_rules=False)
+                                   None, checks, batch_checked=True)
         if checks is not None and known:  # the history the hash reads, as ngram_hash checks a given one
             check_history_cache_values(checks, history_cache, batch.slot_indices, batch.has_initial_state,
                                        lay.compressed_vocab_size, token_map)
@@ -506,9 +510,7 @@ class EngramLayer(nn.Module):
             check_layer_gate(hidden_states, eng.q_weight, eng.k_weight, eng.eps, eng.clamp_value,
                              eng.tp.world_size if eng.shard_gate else None)
             T = hidden_states.shape[0]
-            if hashing:
-                check_tensor("token_ids", token_ids, shape=[T], dtypes=INDEX_DTYPES, device=hidden_states.device)
-            else:
+            if not hashing:  # token_ids: checked by the hash step below, against T and the device
                 check_tensor("rows", rows, shape=[T, self.layout.n_layers, self.layout.n_hash_cols],
                              dtypes=INDEX_DTYPES, device=hidden_states.device)
             if token_mask is not None:
@@ -516,7 +518,8 @@ class EngramLayer(nn.Module):
                              device=hidden_states.device)
         if hashing:
             rows = _hash_step(token_ids, batch, self._layout_handle, history_cache, checks, token_map=token_map,
-                              global_rows=False, check_inputs=check_inputs)
+                              global_rows=False, check_inputs=check_inputs, num_tokens=hidden_states.shape[0],
+                              device=hidden_states.device)
         emb = self.embeddings(rows, checked=check_inputs)
         # The module's gate branch, through the torch.ops wrappers (capturable,
         # compilable): unchecked after the layer's rules above; with check_inputs=False

@@ -223,22 +223,24 @@ def check_finite_weight(name: str, weight: torch.Tensor, rows: slice, chunk_rows
 
 
 def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vocab: int, token_map, history, dead_mask,
-                         checks: DeviceChecks | None, *, check_ids: bool = True, cu_rules: bool = True) -> None:
+                         checks: DeviceChecks | None, *, check_ids: bool = True, batch_checked: bool = False) -> None:
     """``ngram_hash`` / ``next_history``: ``token_ids [T]``; ``cu_seqlens [N+1]``
     non-decreasing within ``[0, T]``; ``token_map [vocab]`` with compressed ids in
     ``[0, vocab)``; ``history [N, max_ngram - 1]`` (any width when
     ``layout_max_ngram`` is None); ``dead_mask [T]``. With
     ``checks``, the values are queued (ids of the live tokens and history entries
-    must index the map or the compressed vocabulary). ``cu_rules=False``: the
-    caller has queued the ``cu_seqlens`` rules already (:func:`check_engram_batch`)."""
-    check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
-    if token_ids.dim() != 1:
-        raise ValueError(f"token_ids: expected shape [T] (a flattened varlen batch), got {list(token_ids.shape)}")
-    check_kernel_device("token_ids", token_ids)
+    must index the map or the compressed vocabulary). ``batch_checked``: the caller
+    (the Engram hash step) has checked ``token_ids``' form and ``cu_seqlens``, its form
+    and its queued rules (:func:`check_engram_batch`); they are not checked again."""
+    if not batch_checked:
+        check_tensor("token_ids", token_ids, dtypes=INDEX_DTYPES)
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids: expected shape [T] (a flattened varlen batch), got {list(token_ids.shape)}")
+        check_kernel_device("token_ids", token_ids)
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=token_ids.device)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
     device = token_ids.device
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, device=device)
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens: expected shape [N+1] with N >= 0, got {list(cu_seqlens.shape)}")
     num_seqs, num_tokens = cu_seqlens.numel() - 1, token_ids.shape[0]
     if token_map is not None:
         check_tensor("token_map", token_map, dtypes=INDEX_DTYPES, device=device)
@@ -252,7 +254,7 @@ def check_hash_arguments(token_ids, cu_seqlens, layout_max_ngram: int | None, vo
                      device=device)
     if checks is None:
         return
-    if cu_rules:
+    if not batch_checked:
         check_token_offsets(checks, "cu_seqlens", cu_seqlens, num_tokens, covers_all=False)
     if token_map is not None and token_map.numel():
         low, high = token_map.min(), token_map.max()
@@ -317,17 +319,17 @@ def check_history_cache_values(checks: DeviceChecks, cache: torch.Tensor, slot_i
 
 
 def check_ngram_hash_arguments(token_ids, cu_seqlens, layout, token_map, history, dead_mask, global_rows, out,
-                               checks: DeviceChecks | None, *, cu_rules: bool = True) -> None:
+                               checks: DeviceChecks | None, *, batch_checked: bool = False) -> None:
     """:func:`~kda_engram.engram.hashing.ngram_hash`'s rules: :func:`check_hash_arguments`
     against ``layout`` (its ``max_ngram`` and ``compressed_vocab_size``), the layout's
     rows fitting the int32 output (``global_rows``: all layers' tables), ``out [T,
     n_layers, n_hash_cols]`` int32. ``layout=None`` (a handle): the rules that need
     it are skipped, and so is the id range (``checks`` wants the layout).
-    ``cu_rules=False``: as in :func:`check_hash_arguments`."""
+    ``batch_checked``: as in :func:`check_hash_arguments`."""
     known = layout is not None
     check_hash_arguments(token_ids, cu_seqlens, layout.max_ngram if known else None,
                          layout.compressed_vocab_size if known else 0, token_map, history, dead_mask, checks,
-                         check_ids=known, cu_rules=cu_rules)
+                         check_ids=known, batch_checked=batch_checked)
     if not known:
         return
     rows = layout.total_rows(global_rows=global_rows)
