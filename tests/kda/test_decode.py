@@ -570,3 +570,20 @@ def test_gpu_strided_projection_and_cuda_graph(B, H):
     ref_o, ref_state = reference_step(dense, start, idx, -5.0)
     torch.testing.assert_close(o1.float(), ref_o, atol=2e-3, rtol=1.6e-2)
     torch.testing.assert_close(cache[idx], ref_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_decode_null_row_zero_is_padding(check_inputs):
+    """``null_row=0`` (vLLM's convention): index 0 is padding, read and written by
+    nobody, its output zero; equal to the same call with those rows as -1."""
+    B, H, K, V = 4, 2, 32, 32
+    inputs = make_step(B, H, K, V, seed=31)
+    idx = torch.tensor([3, 0, 1, 0])
+    cache = make_cache(5, H, V, K, range(5))
+    expected_cache = cache.clone()
+    want = kda_decode(**inputs, state_cache=expected_cache, state_indices=torch.tensor([3, -1, 1, -1]))
+    got = kda_decode(**inputs, state_cache=cache, state_indices=idx, null_row=0, check_inputs=check_inputs)
+    assert torch.equal(got, want) and torch.equal(got[idx == 0], torch.zeros_like(got[idx == 0]))
+    assert torch.equal(cache, expected_cache)  # row 0 untouched, rows 3 and 1 stepped alike
+    with refused(ValueError, match="null_row"):
+        kda_decode(**inputs, state_cache=cache, state_indices=idx, null_row=-2)

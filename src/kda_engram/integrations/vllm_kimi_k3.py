@@ -292,7 +292,7 @@ def fused_recurrent_kda_packed_decode(
     else:
         check_tensor("out", out, shape=[1, B, H, V])
     _launch(_decode.kda_decode, ops.kda_decode, q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, initial_state,
-            null_rows_to_none(state_indices), scale=scale, lower_bound=lower_bound, out=out[0])
+            state_indices, scale=scale, lower_bound=lower_bound, null_row=NULL_BLOCK_ID, out=out[0])
     return out, initial_state
 
 

@@ -50,7 +50,12 @@ from ..constants import L2NORM_EPS
 from ..launch_config import check_block_override, check_warps_override, decode_tiling_for, device_arch
 from ..platform import interpreting
 from ..validation.entry import EntryChecks
-from ..validation.kda_decode import check_decode_inputs, check_decode_multi_arguments, guard_decode_indices
+from ..validation.kda_decode import (
+    check_decode_inputs,
+    check_decode_multi_arguments,
+    guard_decode_indices,
+    null_rows_as_negative,
+)
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values
 from .gate import gate_form, gate_operands, gate_pointers, log_decay
 from .state_dtype import round_state
@@ -300,6 +305,7 @@ def kda_decode(
     gate: str = "raw",
     qk_l2norm: bool = True,
     beta_sigmoid: bool = True,
+    null_row: int = -1,
 ) -> torch.Tensor:
     """One KDA decode step for a batch of sequences, state updated in place.
 
@@ -327,6 +333,8 @@ def kda_decode(
             dtype, -inf allowed), and ``A_log``, ``dt_bias``, ``lower_bound`` are None.
         qk_l2norm: ``False`` uses q and k as given (normalised by the caller).
         beta_sigmoid: ``False`` takes ``raw_beta`` as beta itself.
+        null_row: an int ``>= -1``; an index ``<= null_row`` is padding (default -1:
+            negative); vLLM's convention is 0. Read by the kernel (a constant of it).
         check_inputs: validate shapes, dtypes, devices, scalars, index range and
             duplicate indices. The last two are computed on the device and read
             back once, after the launch, which a broken rule turns into a no-op
@@ -343,19 +351,23 @@ def kda_decode(
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
         check_log_decay_values(gate, raw_g, checks)
+        if null_row != -1:  # the rules know negative rows as padding: the null rows become -1 for them
+            state_indices = null_rows_as_negative(state_indices, null_row, batch, state_cache)
         # Launch, then read back: a broken rule turns every row into "none" (the
         # launch then touches no state row) and raises after the launch.
         state_indices = guard_decode_indices(state_indices, batch, state_cache, checks)
         if gate == "log_decay":  # the index launch guards by its own rules: add the gate's
             state_indices = checks.guard(state_indices, -1)
     out = run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, scale=scale,
-                         lower_bound=lower_bound, out=out, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid)
+                         lower_bound=lower_bound, out=out, gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+                         null_row=null_row)
     checks.run()  # the verdict (index range and distinctness): deferred, see validation.entry
     return out
 
 
 def run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, *, scale=None,
-                   lower_bound=None, out=None, gate="raw", qk_l2norm=True, beta_sigmoid=True) -> torch.Tensor:
+                   lower_bound=None, out=None, gate="raw", qk_l2norm=True, beta_sigmoid=True,
+                   null_row=-1) -> torch.Tensor:
     """:func:`kda_decode`'s launch without any rule: the caller has run them (and
     guarded ``state_indices``); the eager body of its op (:mod:`kda_engram.ops.kda`)."""
     if out is None:
@@ -364,6 +376,7 @@ def run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_
         q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, state_indices, out,
         scale, lower_bound, steps=1, init_stride=state_indices.stride(0),
         idx_strides=(state_indices.stride(0), 0), gate=gate, qk_l2norm=qk_l2norm, beta_sigmoid=beta_sigmoid,
+        null_row=null_row,
     )
     return out
 

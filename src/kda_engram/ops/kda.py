@@ -28,6 +28,7 @@ from ..validation.kda_decode import (
     check_decode_multi_arguments,
     check_fused_decode_arguments,
 )
+from ..validation.common import check_int
 from ..validation.kda_inputs import check_input_forms
 from .common import EntryOp, opt_float
 
@@ -58,6 +59,7 @@ def _decode_rules(a):
     (batch,) = check_decode_inputs(a["q"], a["k"], a["v"], a["raw_g"], a["raw_beta"], a["A_log"], a["dt_bias"],
                                    a["state_cache"], None, a["scale"], a["lower_bound"], lead=1)
     check_decode_indices(a["state_indices"], batch, a["state_cache"], None)
+    check_int("null_row", a["null_row"], low=-1)
     a["scale"], a["lower_bound"] = opt_float(a["scale"]), opt_float(a["lower_bound"])
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "check_decode_multi_layout",
     "check_fused_decode_arguments",
     "guard_decode_indices",
+    "null_rows_as_negative",
     "queue_accepted_tokens_rule",
 ]
 
@@ -86,6 +87,15 @@ def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceC
     check_tensor("state_indices", state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=state_cache.device)
     if checks is not None:
         check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
+
+
+def null_rows_as_negative(state_indices, null_row: int, batch: int, state_cache) -> torch.Tensor:
+    """``kda_decode``'s ``state_indices [B]`` with the rows ``<= null_row`` as -1, the
+    padding the index rules know (``null_row``: an int ``>= -1``; the kernel reads the
+    null row itself, so only a checked call pays this ``torch.where``)."""
+    check_int("null_row", null_row, low=-1)
+    check_decode_indices(state_indices, batch, state_cache, None)
+    return torch.where(state_indices > null_row, state_indices, torch.full_like(state_indices, -1))
 
 
 def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks) -> torch.Tensor:
