@@ -398,7 +398,8 @@ def recurrent_varlen(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     tokens, ``W`` the width of ``ssm_state_indices [N, W]``): the kernel reads each
     sequence's tokens where they are and writes their outputs into ``out``
     ``[1, T, H, V]`` (allocated, zeros, when None; tokens no sequence owns are left
-    as they are).
+    as they are, or zeroed while ``torch.compile`` traces, where the op's own output is
+    copied into ``out``).
 
     Rows: the state after token ``s`` of sequence ``n`` goes to
     ``ssm_state_indices[n, s]``; the walk starts from ``start_rows[n]`` or else
