@@ -95,7 +95,7 @@ REPLACEMENTS = (
 _TARGETS = frozenset(f"{m}.{n}" for m, n, *_ in REPLACEMENTS)
 
 #: Targets whose replacement measured slower than vLLM's own kernel (one H100, bf16,
-#: ``bench_vllm_plugin --quick``, 2026-12-07, after the one-launch decode and hash):
+#: ``bench_vllm_plugin --quick``; the runs: docs/design/vllm_plugin.md):
 #: ``KDA_ENGRAM_VLLM=1`` leaves them vLLM's, ``KDA_ENGRAM_VLLM=all`` replaces them too.
 #: Target -> what was measured.
 KEPT_BY_DEFAULT = {
