@@ -489,7 +489,11 @@ def compile_calls(calls, target, resources, on_row=None):
             kernel = triton.compile(source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                     target=target, options=options.__dict__)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run fails
-            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
+            root = exc
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            cause = f" (root: {type(root).__name__}: {str(root)[-2000:]})" if root is not exc else ""
+            failures.append(f"{name} {const}: {type(exc).__name__}: {str(exc)[:2000]}{cause}")
             continue
         const_json = {k: (v if isinstance(v, (int, float, bool, str)) or v is None else str(v)) for k, v in const.items()}
         row = dict(kernel=name, constexprs=const_json,

@@ -7,19 +7,23 @@ NaN), the fp64 recurrence within ``TOL_REF`` overall and ``2 TOL_REF`` for the w
 sequence (a masking bug shows in one sequence), the model with the kernel's roundings at
 chunk 32 within ``TOL_MODEL``, an empty sequence's state passed through bit for bit; the
 state cache (negative rows, ``has_initial_state``) and checkpoints against the dense run;
-NaN in the rows past the only sequence's end changing no bit.
+NaN in the rows past the only sequence's end changing no bit. The ragged batch and the
+NaN rows run with each producer width.
 """
 
 import pytest
 import torch
 
-from kda_engram.kda.hopper.fused import FUSED_CHUNK, fused_prefill, fused_unsupported, needs_exact_diagonal
+from kda_engram.kda.hopper.fused import (FUSED_CHUNK, fused_prefill, fused_prefill_launch, fused_unsupported,
+                                        needs_exact_diagonal)
 from kda_engram.kda.hopper.fused_model import model_fused_prefill
 from kda_engram.kda.reference import naive_recurrent_kda
 
 from ..helpers import sm90_or_skip
 
 LENGTHS = [1000, 0, 1, 31, 32, 33, 63, 64, 65, 700, 0]
+#: The producer's widths: one warpgroup, or two splitting each chunk's rows.
+PRODUCER_WIDTHS = [4, 8]
 TOL_REF = 5e-3
 TOL_MODEL = 2e-3
 #: name: (A_log, dt_bias samplers at H heads of K channels, lower_bound, gate). The
@@ -96,8 +100,9 @@ def _run(d, **state):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", PRODUCER_WIDTHS)
 @pytest.mark.parametrize("gate", list(GATES))
-def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu, gate):
+def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu, gate, warps):
     sm90_or_skip(gpu, "the fused Hopper prefill")
     d = _case(LENGTHS, gpu, gate)
     if gate != "bounded":
@@ -105,7 +110,7 @@ def test_gpu_fused_ragged_matches_fp64_and_the_model(gpu, gate):
     x = d["dev"]
     N, H, K = len(LENGTHS), x["q"].shape[2], x["q"].shape[3]
     final = torch.full((N, H, K, K), float("nan"), device=gpu)
-    o = _run(d, initial_state=x["init"], final_state=final)
+    o = _run(d, initial_state=x["init"], final_state=final, producer_warps=warps)
     assert bool(torch.isfinite(o.float()).all()), "an o row inside the batch was not written"
     (o_ref, s_ref), (o_mod, s_mod) = d["ref"], d["model"]
     cu = d["cu"].tolist()
@@ -161,8 +166,9 @@ def test_gpu_fused_state_cache_and_checkpoints(gpu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", PRODUCER_WIDTHS)
 @pytest.mark.parametrize("gate", ["bounded", "softplus, fast"])
-def test_gpu_fused_masks_rows_past_the_sequence_end(gpu, gate):
+def test_gpu_fused_masks_rows_past_the_sequence_end(gpu, gate, warps):
     """NaN in q, k, v, raw_g and raw_beta past the only sequence's end (65 of 192 rows)
     change no bit of ``o`` or the state, and no ``o`` row past the end is written (with
     the exact diagonal blocks too: their raw rows past the end are the next sequence's)."""
@@ -171,13 +177,13 @@ def test_gpu_fused_masks_rows_past_the_sequence_end(gpu, gate):
     x = dict(d["dev"], cu=d["dev"]["cu"][:2].contiguous())
     H, K = x["q"].shape[2], x["q"].shape[3]
     s_clean = torch.empty(1, H, K, K, device=gpu)
-    o_clean = _run(dict(d, dev=x), final_state=s_clean)
+    o_clean = _run(dict(d, dev=x), final_state=s_clean, producer_warps=warps)
     assert bool(torch.isnan(o_clean[0, 65:].float()).all()), "a row past the only sequence was written"
     poisoned = {n: (t.clone() if n in ("q", "k", "v", "raw_g", "raw_beta") else t) for n, t in x.items()}
     for n in ("q", "k", "v", "raw_g", "raw_beta"):
         poisoned[n][0, 65:] = float("nan")
     s_p = torch.empty_like(s_clean)
-    o_p = _run(dict(d, dev=poisoned), final_state=s_p)
+    o_p = _run(dict(d, dev=poisoned), final_state=s_p, producer_warps=warps)
     assert torch.equal(o_p[0, :65], o_clean[0, :65]) and torch.equal(s_p, s_clean)
 
 
@@ -246,3 +252,16 @@ def test_fused_says_why_it_does_not_serve_a_call(case, words):
         v = torch.zeros(1, 64, 2, 256, dtype=torch.bfloat16)[..., :128]
     reason = fused_unsupported(q, k, v, g, b, None, **{"lower_bound": -5.0, **case})
     assert reason is not None and words in reason, reason
+
+
+@pytest.mark.parametrize("warps", PRODUCER_WIDTHS)
+def test_fused_launch_takes_each_producer_width(warps):
+    """CPU: each producer width gets the register split that leaves the consumers 168
+    (the compile test checks it on sm_90a); any other width is a ValueError naming it."""
+    q, k, v, g, b = _cpu_inputs()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    args = (q, k, v, g, b, torch.zeros(2), torch.zeros(256), torch.empty_like(v), 1.0, cu)
+    kwargs = fused_prefill_launch(*args, lower_bound=-5.0, producer_warps=warps)[3]
+    assert kwargs["PW"] == warps and 32 * warps * kwargs["PRODUCER_REGS"] + 256 * 168 <= 65536
+    with pytest.raises(ValueError, match="producer_warps.*got 6"):
+        fused_prefill_launch(*args, lower_bound=-5.0, producer_warps=6)

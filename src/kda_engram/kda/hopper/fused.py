@@ -5,11 +5,12 @@ the walk (issue 52, ``FUSED_PREFILL.md``).
 One CTA per (sequence, head), chunks of ``BT = 32`` tokens (two 16-token sub-chunks),
 two partitions:
 
-* **producer** (one warpgroup): the TMA loads of the raw ``q, k, g`` tiles (two raw
+* **producer** (one warpgroup, or two that split each chunk's rows: ``producer_warps``
+  4 or 8): the TMA loads of the raw ``q, k, g`` tiles (two raw
   stages) and of ``v`` (into the ring), and per chunk the gate (log2 units), its
   cumsum ``G``, the L2 norms, the walk operands ``qg = q̂ 2^G``, ``kd = k̂ 2^G``,
   ``decay = 2^G_last``, the strips of ``A_kk`` and ``A_qk`` re-anchored at each strip's
-  end (``mma_v2``), the inverse ``(I + A_kk)^-1`` by forward substitution in fp32, and
+  end (``mma_v2``), the inverse ``(I + A_kk)^-1`` by 16 x 16 blocks in fp32, and
   the fold ``t_fold = M^T kg``, ``a_fold = A_qk M`` (``M = T diag(beta)`` split hi/lo),
   written into a three-stage shared-memory ring;
 * **consumers** (the default partition, two warpgroups, one per V half): the Gluon walk
@@ -54,10 +55,12 @@ FUSED_CHUNK = 32
 #: Ring stages: the producer writes chunk c + 1 while the consumers walk chunk c, and
 #: ``v`` of chunk c + 2 is in flight.
 FUSED_RING = 3
-#: Registers of the producer warpgroup; the consumers' two warpgroups get the rest of
-#: the register file ((65,536 - 128 x this) / 256).
-FUSED_PRODUCER_REGS = 168
+#: Warps of the producer partition: one warpgroup, or two splitting each chunk's rows.
 FUSED_PRODUCER_WARPS = 4
+#: Registers per producer thread, by its warp count; the consumers' two warpgroups get
+#: the rest of the register file ((65,536 - 32 x warps x this) / 256 = 168, what the
+#: checkpointing walk needs).
+FUSED_PRODUCER_REGS = {4: 168, 8: 88}
 #: The largest sub-chunk decay span (log2 units) whose anchored factors stay normal
 #: numbers; an unbounded gate's chunk past it takes the exact diagonal blocks.
 _MAX_SPAN = gl.constexpr(MAX_ANCHOR_SPAN)
@@ -147,6 +150,53 @@ def _exact_diagonal_block(raw_t, nrm_s, u_s, a2_t, beta_ptr, sb_t, Lc, zs, b: gl
 
 
 @gluon.jit
+def _block_inverse(a2_v, d_v, t_v, zs, BT: gl.constexpr, BS: gl.constexpr, PW: gl.constexpr, TL: gl.constexpr):
+    """``T = (I + A_kk)^-1`` in fp32 (``[BT, BT]`` in ``TL``), by 16 x 16 blocks: the
+    diagonal blocks by column-oriented forward substitution, both at once (block ``b`` on
+    warps ``b PW / 2 ..``; thread = one column, its 16 rows in registers), the second
+    block row applied to ``[A_10, I]`` (so it yields ``T_11 A_10`` beside ``T_11``), then
+    ``T_10 = -(T_11 A_10) T_00``. 120 FMAs per thread where the 32-row substitution took
+    496, and no dependence between rows within a step.
+
+    ``a2_v``: ``[A_qk; A_kk]`` stored transposed (``[BT, 2 BT]`` fp32, memory row ``j`` =
+    column ``j``), every thread's writes visible. ``d_v [BS, 2 BS]``, ``t_v [BT, BT]``:
+    fp32 scratch (A_kk's diagonal blocks, then T). ``zs``: the producer's loop-variant
+    zero (the identity is built from it, not hoisted)."""
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stack of row-major tiles (.index)
+    PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    CP: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [PW, 1], [1, 0])
+    # [2 b, BS i, BT c]: block b's rows i, every column c (thread = (b, c)).
+    LX3: gl.constexpr = gl.BlockedLayout([1, BS, 1], [1, 1, 32], [2, 1, PW // 2], [2, 1, 0])
+    L_BI: gl.constexpr = gl.SliceLayout(2, LX3)
+    # The product T_11 A_10 times T_00: [BS i, BS m, BS c], the m sum in a thread.
+    L3: gl.constexpr = gl.BlockedLayout([1, BS, 1], [2, 1, 16], [PW, 1, 1], [2, 1, 0])
+    # d[j, b BS + i] = A_kk[b BS + i, b BS + j]: column j of diagonal block b, one row per step.
+    for b in gl.static_range(2):
+        d_v.slice(b * BS, BS, dim=1).store(a2_v.slice(b * BS, BS).slice(BT + b * BS, BS, dim=1).load(CP))
+    b3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, gl.SliceLayout(1, L_BI)), 1), 2)
+    i3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BS, gl.SliceLayout(0, L_BI)), 0), 2)
+    c3 = gl.expand_dims(gl.expand_dims(gl.arange(0, BT, gl.SliceLayout(0, gl.SliceLayout(1, LX3))), 0), 1) + zs
+    a10 = a2_v.slice(BT + BS, BS, dim=1).permute((1, 0)).load(gl.SliceLayout(0, LX3))  # [i, c] = A_kk[BS + i, c]
+    X = gl.where((b3 == 1) & (c3 < BS), gl.expand_dims(a10, 0), gl.where(c3 == b3 * BS + i3, 1.0, 0.0))
+    gl.thread_barrier()  # d complete
+    d3 = d_v._reinterpret(gl.float32, [BS, 2, BS], PLAIN)
+    for j in gl.static_range(BS):  # static: row j of X is a register pick
+        aj = gl.expand_dims(d3.index(j).load(L_BI), 2)  # [2, BS, 1]: A_bb[:, j]
+        xj = gl.expand_dims(gl.sum(gl.where(i3 == j, X, gl.zeros_like(X)), 1), 1)
+        # Rows i <= j are final: a select the compiler folds per register.
+        X = gl.where(i3 > j, X - aj * xj, X)
+    t_v._reinterpret(gl.float32, [2, BS, BT], PLAIN3).store(X)  # T, with T_11 A_10 in block (1, 0)
+    gl.thread_barrier()
+    w = t_v.slice(BS, BS).slice(0, BS, dim=1).load(gl.SliceLayout(2, L3))
+    t00 = t_v.slice(0, BS).slice(0, BS, dim=1).load(gl.SliceLayout(0, L3))
+    t10 = -gl.sum(gl.expand_dims(w, 2) * gl.expand_dims(t00, 0), 1)
+    gl.thread_barrier()  # every thread has read T_11 A_10
+    t_v.slice(BS, BS).slice(0, BS, dim=1).store(t10)
+    gl.thread_barrier()
+    return t_v.load(TL)
+
+
+@gluon.jit
 def _row_operands(raw_rows, inv_norms, vm, u, f0, s0, e_g, walk_op, row_op, CL: gl.constexpr, ROW: gl.constexpr,
                   QK_L2NORM: gl.constexpr, EXACT_DIAG: gl.constexpr):
     """One input's rows of a chunk (q's or k's, thread = channel): ``x̂`` (zero past the
@@ -201,23 +251,29 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
     """The producer partition (module docstring): every chunk's ring tiles, in order."""
     # Thread = one channel, the chunk's BT rows in its registers: the gate cumsum and the
     # picks of G at the sub-chunk ends stay inside a thread.
-    CL: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, PW], [0, 1])
+    # With two producer warpgroups (PW = 8) the chunk's rows split in two: each thread
+    # holds one channel of BT / RG rows, and the cumsum and the picks of G cross the row
+    # groups through shared memory.
+    RG: gl.constexpr = PW // 4
+    CL: gl.constexpr = gl.BlockedLayout([BT // RG, 1], [1, 32], [RG, 4], [0, 1])
     ROW: gl.constexpr = gl.SliceLayout(1, CL)
     CH: gl.constexpr = gl.SliceLayout(0, CL)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, PW // 2], instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    # The substitution: thread = one column c of the inverse, its BT rows in registers.
-    LX: gl.constexpr = gl.BlockedLayout([BT, 1], [1, 32], [1, PW], [0, 1])
+    # The inverse's result T [BT, BT] and M = T diag(beta).
+    TL: gl.constexpr = gl.BlockedLayout([BT // PW, 1], [1, 32], [PW, 1], [1, 0])  # thread = column
 
     h64 = h.to(gl.int64)
     ch = gl.arange(0, K, CH)
     rows = gl.arange(0, BT, ROW)
     a_scale = gl.exp(gl.load(alog_ptr + h64 * salog).to(gl.float32))
     bias = gl.load(dtb_ptr + h64 * sdtb_h + ch * sdtb_c).to(gl.float32)
-    jx = gl.arange(0, BT, gl.SliceLayout(1, LX))
-    cx = gl.arange(0, BT, gl.SliceLayout(0, LX))
-    WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
+    # [A_qk; A_kk] (2 BT rows: one m64 tile) splits its columns over the warpgroups;
+    # t_fold^T (K rows) its rows.
+    WG: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, RG],
+                                                 instr_shape=[16, BT // RG, 16])
+    WGT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[PW, 1], instr_shape=[16, BT, 16])
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # row-major, as the raw TMA tiles land
     AQ_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [PW, 1], [1, 0])
 
@@ -238,7 +294,7 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
         is_k = r2 >= BT
         rr = gl.where(is_k, r2 - BT, r2)
         beta_rows = _beta(beta_ptr, sb_t, rr, Lc, BETA_SIGMOID)
-        beta_cols = _beta(beta_ptr, sb_t, cx, Lc, BETA_SIGMOID)
+        beta_cols = _beta(beta_ptr, sb_t, gl.arange(0, BT, gl.SliceLayout(0, TL)), Lc, BETA_SIGMOID)
 
         rs = c % 2
         # A zero the compiler cannot prove (Lc >= 0). The scratch tiles are viewed, and
@@ -336,15 +392,14 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
                     gl.thread_barrier()
                     aq_v.slice(0, BT).store(a2_t.slice(0, BT).load(AQ_L).to(gl.bfloat16))
             gl.thread_barrier()
-            a2_cols = a2_v._reinterpret(gl.float32, [BT, 2 * BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            X = gl.where(gl.expand_dims(jx, 1) == gl.expand_dims(cx + zs, 0), 1.0, 0.0)  # the identity
-            for j in gl.static_range(BT):  # static: row j of X is a register pick
-                aj = a2_cols.index(j).slice(BT, BT).load(gl.SliceLayout(1, LX))  # A_kk[:, j]
-                xj = gl.sum(gl.where(gl.expand_dims(jx == j, 1), X, gl.zeros_like(X)), 0)
-                # Rows i <= j are final (A_ij = 0): a select the compiler folds per register,
-                # so only the 496 FMAs below the diagonal are issued, not 32 x 32.
-                X = gl.where(gl.expand_dims(jx > j, 1), X - gl.expand_dims(aj, 1) * gl.expand_dims(xj, 0), X)
-            Mx = X * gl.expand_dims(beta_cols, 0)  # M = T diag(beta)
+            # T by 16 x 16 blocks (the model's form): x_s and col_s are free once the
+            # product has read them and hold T and A_kk's diagonal blocks.
+            # Viewed through a zero of their own: through zs, their addresses were
+            # computed at the top of the iteration and held (spilled) until here.
+            z3 = (Lc + BT) >> 31
+            T = _block_inverse(a2_s.index(z3), col_s.index(z3)._reinterpret(gl.float32, [BS, 2 * BS], PLAIN),
+                               x_s.index(z3)._reinterpret(gl.float32, [BT, BT], PLAIN), z3, BT, BS, PW, TL)
+            Mx = T * gl.expand_dims(beta_cols, 0)  # M = T diag(beta)
             Mh = Mx.to(gl.bfloat16)
             Ml = (Mx - Mh.to(gl.float32)).to(gl.bfloat16)
 
@@ -355,7 +410,7 @@ def _producer(q_desc, k_desc, g_desc, v_desc, qk_s, g_s, v_s, qg_s, kd_s, tf_s, 
             ml_v.store(Ml)
             fence_async_shared()
             gl.thread_barrier()
-            tfT = warpgroup_mma(kg_v.permute((1, 0)), mh_v, gl.zeros([K, BT], gl.float32, WG), use_acc=False)
+            tfT = warpgroup_mma(kg_v.permute((1, 0)), mh_v, gl.zeros([K, BT], gl.float32, WGT), use_acc=False)
             tfT = warpgroup_mma(kg_v.permute((1, 0)), ml_v, tfT)
             tf_s.index(st).permute((1, 0)).store(tfT.to(gl.bfloat16))
             aqA = aq_v.slice(0, BT).load(A_OP)
@@ -481,14 +536,19 @@ def fused_unsupported(q, k, v, raw_g, raw_beta, out, *, gate="raw", lower_bound=
 def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, cu_seqlens, *, lower_bound,
                          qk_l2norm=True, beta_sigmoid=True, initial_state=None, final_state=None, state_cache=None,
                          state_indices=None, has_initial_state=None, checkpoint_state=None, checkpoint_offsets=None,
-                         checkpoint_state_indices=None, gate="raw", producer_regs=FUSED_PRODUCER_REGS, phases=4):
+                         checkpoint_state_indices=None, gate="raw", producer_warps=FUSED_PRODUCER_WARPS,
+                         producer_regs=None, phases=4):
     """``(kernel, grid, args, kwargs)`` of one fused launch. Arguments are assumed valid
     and served (:func:`fused_unsupported` says ``None``); CPU tensors compile too.
 
     ``q, k, raw_g [1, T, H, K]``, ``v, out [1, T, H, V]``, ``raw_beta [1, T, H]``,
     ``A_log [H]``, ``dt_bias [H*K]`` or ``[H, K]``, ``cu_seqlens [N+1]``; the state
     keywords as :func:`kda_engram.kda.hopper.walk.folded_walk_launch` takes them
-    (checkpoint offsets must be multiples of 64, the contract's alignment)."""
+    (checkpoint offsets must be multiples of 64, the contract's alignment).
+    ``producer_warps``: 4 (one producer warpgroup) or 8 (two, each taking half of a
+    chunk's rows); ``producer_regs`` defaults to what leaves the consumers 168."""
+    if producer_warps not in FUSED_PRODUCER_REGS:
+        raise ValueError(f"producer_warps must be one of {sorted(FUSED_PRODUCER_REGS)}, got {producer_warps!r}")
     _, T, H, K = q.shape
     V = v.shape[3]
     N = cu_seqlens.numel() - 1
@@ -508,7 +568,8 @@ def fused_prefill_launch(q, k, v, raw_g, raw_beta, A_log, dt_bias, out, scale, c
     kwargs = dict(K=K, V=V, BT=BT, BS=SUB_CHUNK, RING=FUSED_RING, GATE=gate_form(gate, lower_bound),
                   EXACT_DIAG=needs_exact_diagonal(gate, lower_bound),
                   QK_L2NORM=bool(qk_l2norm), BETA_SIGMOID=bool(beta_sigmoid), **state_modes,
-                  PHASES=int(phases), PW=FUSED_PRODUCER_WARPS, PRODUCER_REGS=int(producer_regs), num_warps=V // 16)
+                  PHASES=int(phases), PW=int(producer_warps),
+                  PRODUCER_REGS=int(producer_regs or FUSED_PRODUCER_REGS[producer_warps]), num_warps=V // 16)
     return _fused_prefill_kernel, (N * H,), args, kwargs
 
 
