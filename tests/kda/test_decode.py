@@ -240,6 +240,32 @@ def test_bad_input_is_rejected(what, mutate, exc, message):
     assert torch.equal(args["state_cache"], before)
 
 
+BAD_ROWS = [b for b in BAD if b[0].startswith("index") or b[0] == "duplicates"]
+
+
+@pytest.mark.parametrize("what, mutate, exc, message", [(None, None, None, None), *BAD_ROWS],
+                         ids=["valid", *(b[0] for b in BAD_ROWS)])
+def test_null_row_rows_pass_the_host_rule_once(what, mutate, exc, message, monkeypatch):
+    """``null_row=0``: the caller's rows pass :func:`check_decode_indices` once (before
+    the null rows become -1 for the value rules), and every refusal of the rows stays."""
+    import kda_engram.validation.kda_decode as rules
+
+    seen = []
+    real = rules.check_decode_indices
+    monkeypatch.setattr(rules, "check_decode_indices", lambda rows, *rest: seen.append(rows) or real(rows, *rest))
+    args = _valid_call()
+    if mutate is None:
+        kda_decode(**args, null_row=0)
+    else:
+        mutate(args)
+        before = args["state_cache"].clone()
+        with refused(exc) as info:
+            kda_decode(**args, null_row=0)
+        assert message in str(info.value)
+        assert torch.equal(args["state_cache"], before)
+    assert len(seen) == 1 and seen[0] is args["state_indices"]
+
+
 # ------------------------------------------------------------- multi-token, CPU
 
 
@@ -459,6 +485,32 @@ def test_varlen_bad_input_is_rejected(what, change, exc, message):
         kda_decode_multi(**args)
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert torch.equal(cache.nan_to_num(3.0), before.nan_to_num(3.0))
+
+
+@pytest.mark.parametrize("layout", ["plain", "null row", "varlen", "varlen accepted"])
+def test_multi_row_arguments_pass_their_host_rule_once(layout, monkeypatch):
+    """Each row argument the caller gives is checked once; the rows the layout rules
+    derive from them (the rows really walked) are not checked again."""
+    import kda_engram.validation.kda_decode as rules
+
+    names = []
+    real = rules.check_tensor
+    monkeypatch.setattr(rules, "check_tensor", lambda name, *rest, **kw: names.append(name) or real(name, *rest, **kw))
+    if layout in ("plain", "null row"):
+        args = dict(_valid_multi(), initial_state_indices=torch.tensor([4, 5]),
+                    null_row=0 if layout == "null row" else -1)
+        given = ["state_indices", "initial_state_indices"]
+    else:
+        packed, cu, rows, cache = _varlen_case(None, seed=23)
+        args = dict(packed, state_cache=cache, state_indices=rows, cu_seqlens=cu, null_row=0)
+        if layout == "varlen accepted":
+            args["num_accepted_tokens"] = torch.tensor([2, 1, 1, 1])
+            given = ["state_indices", "cu_seqlens", "num_accepted_tokens"]
+        else:
+            args["initial_state_indices"] = torch.tensor([5, -1, 2, 6])
+            given = ["state_indices", "cu_seqlens", "initial_state_indices"]
+    kda_decode_multi(**args)
+    assert {n: names.count(n) for n in given} == dict.fromkeys(given, 1), names
 
 
 # ------------------------------------------------------------------------ GPU, bf16

@@ -54,7 +54,6 @@ from ..validation.kda_decode import (
     check_decode_inputs,
     check_decode_multi_arguments,
     guard_decode_indices,
-    null_rows_as_negative,
 )
 from ..validation.kda_inputs import check_input_forms, check_log_decay_values
 from .gate import gate_form, gate_operands, gate_pointers, log_decay
@@ -351,11 +350,10 @@ def kda_decode(
         (batch,) = check_decode_inputs(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, out, scale,
                                        lower_bound, lead=1)
         check_log_decay_values(gate, raw_g, checks)
-        if null_row != -1:  # the rules know negative rows as padding: the null rows become -1 for them
-            state_indices = null_rows_as_negative(state_indices, null_row, batch, state_cache)
         # Launch, then read back: a broken rule turns every row into "none" (the
-        # launch then touches no state row) and raises after the launch.
-        state_indices = guard_decode_indices(state_indices, batch, state_cache, checks)
+        # launch then touches no state row) and raises after the launch. The null
+        # rows become -1 for the rules (they know negative rows as padding).
+        state_indices = guard_decode_indices(state_indices, batch, state_cache, checks, null_row)
         if gate == "log_decay":  # the index launch guards by its own rules: add the gate's
             state_indices = checks.guard(state_indices, -1)
     out = run_kda_decode(q, k, v, raw_g, raw_beta, A_log, dt_bias, state_cache, state_indices, scale=scale,

@@ -41,6 +41,7 @@ __all__ = [
     "guard_decode_indices",
     "null_rows_as_negative",
     "queue_accepted_tokens_rule",
+    "queue_decode_multi_index_rules",
 ]
 
 
@@ -89,23 +90,26 @@ def check_decode_indices(state_indices, batch: int, state_cache, checks: DeviceC
         check_index_values(checks, "state_indices", state_indices, state_cache.shape[0])
 
 
-def null_rows_as_negative(state_indices, null_row: int, batch: int, state_cache) -> torch.Tensor:
-    """``kda_decode``'s ``state_indices [B]`` with the rows ``<= null_row`` as -1, the
-    padding the index rules know (``null_row``: an int ``>= -1``; the kernel reads the
-    null row itself, so only a checked call pays this ``torch.where``)."""
+def null_rows_as_negative(state_indices, null_row: int) -> torch.Tensor:
+    """``kda_decode``'s checked ``state_indices [B]`` with the rows ``<= null_row`` as
+    -1, the padding the index rules know (``null_row``: an int ``>= -1``; the kernel
+    reads the null row itself, so only a checked call pays this ``torch.where``)."""
     check_int("null_row", null_row, low=-1)
-    check_decode_indices(state_indices, batch, state_cache, None)
     return torch.where(state_indices > null_row, state_indices, torch.full_like(state_indices, -1))
 
 
-def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks) -> torch.Tensor:
+def guard_decode_indices(state_indices, batch: int, state_cache, checks: DeviceChecks,
+                         null_row: int = -1) -> torch.Tensor:
     """:func:`check_decode_indices` for a launch-then-read-back call: queues the
     value rules on ``checks`` and returns the indices to launch with (all -1 when
-    a rule is broken), with ``checks`` sealed (the last rule of the call). One
-    Triton launch for up to ``MAX_ONE_PROGRAM_INDICES`` rows
-    (:mod:`kda_engram.validation.index_rules`), the PyTorch rules and
-    :meth:`DeviceChecks.guard` beyond."""
+    a rule is broken), with ``checks`` sealed (the last rule of the call). An index
+    ``<= null_row`` (an int ``>= -1``) is padding: such rows are -1 for the rules and
+    in the indices returned (:func:`null_rows_as_negative`). One Triton launch for up
+    to ``MAX_ONE_PROGRAM_INDICES`` rows (:mod:`kda_engram.validation.index_rules`),
+    the PyTorch rules and :meth:`DeviceChecks.guard` beyond."""
     check_decode_indices(state_indices, batch, state_cache, None)
+    if null_row != -1:  # the rules know negative rows as padding
+        state_indices = null_rows_as_negative(state_indices, null_row)
     slots = state_cache.shape[0]
     if state_indices.numel() <= MAX_ONE_PROGRAM_INDICES:
         guarded = index_rules(checks, "state_indices", state_indices, slots)
@@ -128,10 +132,20 @@ def check_decode_multi_indices(state_indices, initial_state_indices, batch: int,
     check_tensor("state_indices", state_indices, shape=[batch, steps], dtypes=INDEX_DTYPES, device=dev)
     if initial_state_indices is not None:
         check_tensor("initial_state_indices", initial_state_indices, shape=[batch], dtypes=INDEX_DTYPES, device=dev)
-    if checks is None or steps == 0 or batch == 0:
+    if checks is not None:
+        queue_decode_multi_index_rules(checks, state_indices, initial_state_indices, state_cache.shape[0])
+
+
+def queue_decode_multi_index_rules(checks: DeviceChecks, state_indices, initial_state_indices, slots: int) -> None:
+    """Queue on ``checks`` the value rules of :func:`check_decode_multi_indices` on rows
+    whose shapes, dtypes and device are already checked: ``state_indices [B, S]``,
+    ``initial_state_indices [B]`` or ``None`` (``state_indices[:, 0]``), ``slots``
+    rows in the cache. Nothing to check when ``B`` or ``S`` is 0."""
+    batch, steps = state_indices.shape
+    if steps == 0 or batch == 0:
         return
+    dev = state_indices.device
     init = state_indices[:, 0] if initial_state_indices is None else initial_state_indices
-    slots = state_cache.shape[0]
     if fits_decode_multi_rules(batch, steps):
         decode_multi_rules(checks, state_indices, init, slots)  # one launch
         return
@@ -184,7 +198,7 @@ def check_decode_multi_layout(q, state_indices, initial_state_indices, cu_seqlen
     the walk really reads and writes (a row ``<= null_row``, a step past the
     sequence's length and the start of a sequence of no token are none) in range
     and distinct, none read by one sequence and written by another
-    (:func:`check_decode_multi_indices` on those rows)."""
+    (:func:`queue_decode_multi_index_rules` on those rows)."""
     check_int("null_row", null_row, low=-1)
     dev = state_cache.device
     if cu_seqlens is None:
@@ -206,9 +220,15 @@ def check_decode_multi_layout(q, state_indices, initial_state_indices, cu_seqlen
             raise ValueError("num_accepted_tokens: the start row comes from it or from initial_state_indices, "
                              "not both")
         check_tensor("num_accepted_tokens", num_accepted_tokens, shape=[N], dtypes=INDEX_DTYPES, device=dev)
-    plain = cu_seqlens is None and num_accepted_tokens is None and null_row == -1
-    check_decode_multi_indices(state_indices, initial_state_indices, N, W, state_cache, checks if plain else None)
-    if plain or checks is None or N == 0 or W == 0:
+    if cu_seqlens is None:  # with cu_seqlens, checked above (its shape gives N, W)
+        check_tensor(rows_name, state_indices, shape=[N, W], dtypes=INDEX_DTYPES, device=dev)
+    if initial_state_indices is not None:
+        check_tensor("initial_state_indices", initial_state_indices, shape=[N], dtypes=INDEX_DTYPES, device=dev)
+    if checks is None or N == 0 or W == 0:
+        return N, W
+    slots = state_cache.shape[0]
+    if cu_seqlens is None and num_accepted_tokens is None and null_row == -1:  # the rows given are the rows walked
+        queue_decode_multi_index_rules(checks, state_indices, initial_state_indices, slots)
         return N, W
     rows = state_indices.to(torch.int64)
     if num_accepted_tokens is None:
@@ -230,8 +250,9 @@ def check_decode_multi_layout(q, state_indices, initial_state_indices, cu_seqlen
                    f"(one row per token), got {{}}", lengths.max())
         written = written & (torch.arange(W, device=dev)[None, :] < lengths[:, None])
         started = started & (lengths > 0)
-    check_decode_multi_indices(torch.where(written, rows, none), torch.where(started, start, none[:, 0]), N, W,
-                               state_cache, checks)
+    # The walked rows: derived from the rows checked above (same shapes, int64, same device).
+    queue_decode_multi_index_rules(checks, torch.where(written, rows, none), torch.where(started, start, none[:, 0]),
+                                   slots)
     return N, W
 
 
