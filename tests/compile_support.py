@@ -282,7 +282,8 @@ def drive_fused_variants() -> None:
     production shapes: no state, dense fp32 state in and out with an fp32 raw gate and
     q / k / beta as given, a bf16 cache with indexed bf16 checkpoints; with the exact
     diagonal blocks (``EXACT_DIAG``): the softplus gate on the cache, a precomputed log
-    decay in fp32 with dense state, a bounded gate past the anchored span."""
+    decay in fp32 with dense state, a bounded gate past the anchored span; and the
+    kernel with two producer warpgroups (``producer_warps=8``, launched directly)."""
     import torch
 
     from kda_engram.bundles import ConvArgs, KDAInputs, StateArgs
@@ -312,6 +313,12 @@ def drive_fused_variants() -> None:
         run(StateArgs(initial_state=torch.zeros(2, H, D, D), output_final_state=True), raw_g=torch.zeros(1, T, H, D),
             gate="log_decay", lower_bound=None, A_log=None, dt_bias=None)
         run(lower_bound=-8.0)
+        # Two producer warpgroups (not the backend's default): the bounded gate, dense state.
+        from kda_engram.kda.hopper.fused import fused_prefill
+
+        fused_prefill(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], out, x["scale"],
+                      cu, lower_bound=-5.0, initial_state=torch.zeros(2, H, D, D),
+                      final_state=torch.zeros(2, H, D, D), producer_warps=8)
 
 
 def drive_gluon_prologue_variants() -> None:

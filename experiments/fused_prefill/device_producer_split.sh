@@ -34,7 +34,7 @@ for w in ${WIDTHS:-4,8}:
           "state rel", rel(s, s2), flush=True)
 PY
 if grep -q "probe warps 8: finite" "$out/probe.txt"; then
-  timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py 2>&1 \
+  timeout -s KILL 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_hopper_fused.py -k "${TESTS_K:-gpu}" 2>&1 \
     | tail -60 > "$out/tests_fused.txt"; tail -15 "$out/tests_fused.txt"
   timeout -s KILL ${STEP_S:-240} python3 experiments/fused_prefill/step3_fused.py --producer-warps ${WIDTHS:-4,8} \
     --cases "${CASES:-16x2k_H32,64x512_H32}" --phases "${PHASES:-1,2,3}" --json "$out/step3.json" 2>&1 | tail -20

@@ -2,7 +2,7 @@
 kernel compiled and run ``--runs`` times (the profiler picks one launch by name and skip
 count), then its time by CUDA events so the profiled run can be placed beside it.
 
-``python3 experiments/fused_prefill/profile_fused.py [--runs 3] [--phases 4]`` (from the
+``python3 experiments/fused_prefill/profile_fused.py [--runs 3] [--phases 4] [--producer-warps 8]`` (from the
 repository root, ``PYTHONPATH=src``).
 """
 
@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from kda_engram.kda.hopper.fused import fused_prefill
+from kda_engram.kda.hopper.fused import FUSED_PRODUCER_WARPS, fused_prefill
 from kda_engram.tools.benchmarks.bench_kda_prefill import LOWER_BOUND, make_inputs
 from step3_fused import CASES  # this folder's timing script: the same cases
 
@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--case", default="16x2k_H32", choices=sorted(CASES))
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--phases", type=int, default=4)
+    ap.add_argument("--producer-warps", type=int, default=FUSED_PRODUCER_WARPS)
     ns = ap.parse_args()
     lengths, H = CASES[ns.case]
     x = make_inputs(lengths, H, torch.device("cuda"))
@@ -31,7 +32,8 @@ def main() -> None:
     cu32 = x["cu"].to(torch.int32)
     for _ in range(ns.runs):
         fused_prefill(x["q"], x["k"], x["v"], x["raw_g"], x["raw_beta"], x["A_log"], x["dt_bias"], o, K ** -0.5,
-                      cu32, lower_bound=LOWER_BOUND, initial_state=x["h0"], final_state=s, phases=ns.phases)
+                      cu32, lower_bound=LOWER_BOUND, initial_state=x["h0"], final_state=s, phases=ns.phases,
+                      producer_warps=ns.producer_warps)
     torch.cuda.synchronize()
     print("finite", bool(torch.isfinite(o.float()).all()), flush=True)
 
