@@ -23,7 +23,7 @@ b_I + lc``):
    sub-chunks' boundary ``b_1`` (:func:`_boundary_anchored`): every factor spans at
    most one sub-chunk from the anchor.
 4. **Inverse**: each 16x16 diagonal block of ``I + A_kk`` by forward substitution in
-   fp32, joined by ``T_IJ = -T_II sum_(J <= L < I) A_IL T_LJ``; ``M = T diag(beta)``.
+   fp32, joined by ``T_IJ = -sum_(J <= L < I) (T_II A_IL) T_LJ``; ``M = T diag(beta)``.
 5. **Fold**: ``t_fold = M^T kg``, ``a_fold = A_qk M`` (``M`` a bf16 operand split hi/lo
    when ``fold_split``, else rounded once).
 6. **Walk** (the consumers, :func:`kda_engram.kda.reference.naive_folded_chunk_step`
@@ -122,8 +122,10 @@ def _inverse(akk, fault):
     for I in range(1, NB):
         for J in range(I - 1, -1, -1):
             terms = range(J, I) if fault != "substitution" else range(J, J + 1)
-            acc = sum(blk(akk, I, L) @ blk(T, L, J) for L in terms)
-            T[:, I * BS:(I + 1) * BS, J * BS:(J + 1) * BS] = -blk(T, I, I) @ acc
+            # (T_II A_IL) T_LJ, the kernel's association: its substitution of block row I
+            # runs on [A_IL, I] and yields T_II A_IL beside T_II.
+            acc = sum((blk(T, I, I) @ blk(akk, I, L)) @ blk(T, L, J) for L in terms)
+            T[:, I * BS:(I + 1) * BS, J * BS:(J + 1) * BS] = -acc
     return T
 
 
