@@ -4,12 +4,7 @@
 # the fused prefill's ncu profile and its timing beside the peers (issue 52). Logs
 # under $OUT.
 set -u
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --target /tmp/kda-site .whl/*.whl >/dev/null 2>&1
-mkdir -p /tmp/kda-peers && cp -r .peers/flash_kda /tmp/kda-peers/ \
-  && gunzip -c .peers/flash_kda_C.so.gz > /tmp/kda-peers/flash_kda_C.cpython-312-x86_64-linux-gnu.so
-export PYTHONPATH="$PWD/src:/tmp/kda-site:/tmp/kda-peers"
+source experiments/fused_prefill/device_setup.sh
 nvidia-smi -L
 timeout -s KILL 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/kda/test_prologue.py \
   -k "small_bf16_matches" > "$out/prologue_gpu.txt" 2>&1; tail -4 "$out/prologue_gpu.txt"
