@@ -160,8 +160,8 @@ def _block_inverse(a2_v, d_v, t_v, zs, BT: gl.constexpr, BS: gl.constexpr, PW: g
 
     ``a2_v``: ``[A_qk; A_kk]`` stored transposed (``[BT, 2 BT]`` fp32, memory row ``j`` =
     column ``j``), every thread's writes visible. ``d_v [BS, 2 BS]``, ``t_v [BT, BT]``:
-    fp32 scratch (A_kk's diagonal blocks, then T). ``zs``: the producer's loop-variant
-    zero (the identity is built from it, not hoisted)."""
+    fp32 scratch (A_kk's diagonal blocks, then T). ``zs``: a loop-variant zero of the
+    producer's (the identity is built from it, not hoisted)."""
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # a stack of row-major tiles (.index)
     PLAIN3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     CP: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [PW, 1], [1, 0])
